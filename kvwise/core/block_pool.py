@@ -1,0 +1,208 @@
+"""Block metadata, the free-block queue and the block pool. Pure Python, no tensors.
+
+Contract:
+- Every block is either *used* (``ref_cnt > 0``, in some request's block table) or *free*
+  (``ref_cnt == 0``, in the free queue). ``num_free + num_used == num_blocks`` always.
+- A free block may still hold a cached hash (lazy eviction): it stays reusable through
+  ``get_cached_block`` until ``get_new_blocks`` takes it for new work, which evicts it.
+- The free queue's order *is* the eviction order: the head is taken first. Freed blocks are
+  appended at the tail, so the least recently freed block goes first; callers free a
+  sequence's blocks tail-first so that, within one sequence, its tail is evicted before its
+  head (the head is more likely to be shared by the next request).
+- Pool events (``BlockStored``, ``BlockEvicted``) are the hook for the slower tiers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvwise.core.hashing import BlockHash
+
+
+class KVBlock:
+    """Metadata of one KV block; the tensors live in the worker under the same ``block_id``."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        # NOTE: the free queue is threaded through the blocks so that removing a cached
+        # block from the middle of the queue (a prefix hit on a free block) is O(1).
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) popleft, append and remove."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        if block.prev_free is None or block.next_free is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def block_ids(self) -> list[int]:
+        """The queue in eviction order (for tests and the integrity check)."""
+        ids = []
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            ids.append(block.block_id)
+            block = block.next_free
+        return ids
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: tuple[BlockHash, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockEvicted:
+    block_hash: BlockHash
+    block_id: int
+
+
+class BlockPool:
+    """Owns every ``KVBlock``: allocation, reference counts, the hash → block index, events."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.events: list[BlockStored | BlockEvicted] = []
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a reusable hash."""
+        return sum(1 for b in self.cached.values() if b.ref_cnt == 0)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Take ``num_blocks`` from the head of the free queue, evicting their hashes."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks, {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cached blocks (a prefix hit); revive free ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the queue's tail in
+        the given order (so pass a sequence's blocks tail-first)."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_blocks(self, blocks: list[KVBlock], block_hashes: list[BlockHash]) -> None:
+        """Record that ``blocks[i]`` holds the full block hashed ``block_hashes[i]``."""
+        if not self.enable_caching:
+            return
+        stored_hashes, stored_ids = [], []
+        for block, block_hash in zip(blocks, block_hashes):
+            if block.block_hash is not None:
+                continue  # already cached (a prefix hit or an earlier step)
+            if block_hash in self.cached:
+                continue  # computed twice by two requests at once: keep the first copy
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+            stored_hashes.append(block_hash)
+            stored_ids.append(block.block_id)
+        if stored_hashes:
+            self.events.append(BlockStored(tuple(stored_hashes), tuple(stored_ids)))
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        self.events.append(BlockEvicted(block.block_hash, block.block_id))
+        self.num_evictions += 1
+        block.block_hash = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash of a free block. Returns how many were dropped."""
+        dropped = 0
+        for block in list(self.cached.values()):
+            if block.ref_cnt == 0:
+                self._evict(block)
+                dropped += 1
+        return dropped
+
+    def take_events(self) -> list[BlockStored | BlockEvicted]:
+        events, self.events = self.events, []
+        return events
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the pool's invariants do not hold."""
+        free_ids = self.free_queue.block_ids()
+        assert len(free_ids) == len(set(free_ids)) == self.num_free_blocks, "free queue corrupt"
+        for block in self.blocks:
+            in_queue = block.prev_free is not None
+            assert in_queue == (block.ref_cnt == 0), f"{block}: queue membership vs ref_cnt"
+            assert block.ref_cnt >= 0
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"{block}: index out of date"
+        assert self.num_free_blocks + self.num_used_blocks == self.num_blocks

@@ -1,0 +1,142 @@
+"""Maps requests to KV blocks: prefix lookup, slot allocation, caching of full blocks, freeing.
+
+Token ranges of one request (block_size 4)::
+
+    token_ids:   | p p p p | p p p p | p p o o | o         |
+    blocks:      | blk 7   | blk 2   | blk 9   | blk 4     |
+                 |<- cached prefix ->|<- computed ->|<- new (this step) ->|
+                 0                   8          num_computed    num_computed + num_new
+
+Only full blocks are hashed and cached. A prompt that is entirely cached still computes its
+last token, so a prefix hit covers at most ``(num_tokens - 1) // block_size`` blocks.
+"""
+
+from __future__ import annotations
+
+from kvwise.core.block_pool import BlockPool, KVBlock
+from kvwise.core.hashing import BlockHash, hash_block, root_hash
+from kvwise.core.request import Request
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        model_fingerprint: str = "",
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.model_fingerprint = model_fingerprint
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._roots: dict[tuple[str, str | None], BlockHash] = {}
+        # prefix-cache statistics, in tokens
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def _root(self, request: Request) -> BlockHash:
+        key = (request.tenant, request.cache_salt)
+        if key not in self._roots:
+            self._roots[key] = root_hash(self.model_fingerprint, request.tenant, request.cache_salt)
+        return self._roots[key]
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend ``request.block_hashes`` to cover the full blocks of the first tokens."""
+        hashes = request.block_hashes
+        num_full_blocks = num_tokens // self.block_size
+        parent = hashes[-1] if hashes else self._root(request)
+        bs = self.block_size
+        for i in range(len(hashes), num_full_blocks):
+            parent = hash_block(parent, request.token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of a new request: (blocks, number of tokens they hold).
+
+        Does not take references; pass the blocks to ``allocate_slots``.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_block_hashes(request, max_blocks * self.block_size)
+        blocks = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        self.num_prefix_query_tokens += request.num_tokens
+        self.num_prefix_hit_tokens += len(blocks) * self.block_size
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` after the computed ones.
+
+        Returns the request's whole block table (block ids), or None when the pool lacks free
+        blocks (nothing is changed then).
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = self.blocks_needed(num_computed + num_new_tokens)
+        num_to_allocate = num_required - len(blocks) - len(new_computed_blocks)
+        # reviving a free cached block also takes it out of the free queue
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_to_allocate + num_revived > self.pool.num_free_blocks:
+            return None
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks = blocks + new_computed_blocks
+        if num_to_allocate > 0:
+            blocks = blocks + self.pool.get_new_blocks(num_to_allocate)
+        self.req_to_blocks[request.request_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Record the request's computed full blocks in the prefix index."""
+        if not self.enable_caching:
+            return
+        self._update_block_hashes(request, request.num_computed_tokens)
+        num_full = request.num_computed_tokens // self.block_size
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        self.pool.cache_blocks(blocks[:num_full], request.block_hashes[:num_full])
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (so its tail is evicted before its head)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.pool.free_blocks(reversed(blocks))
+
+    def check_integrity(self) -> None:
+        """Assert reference counts equal the number of live block tables holding each block."""
+        self.pool.check_integrity()
+        counts = [0] * self.pool.num_blocks
+        for blocks in self.req_to_blocks.values():
+            ids = [b.block_id for b in blocks]
+            assert len(ids) == len(set(ids)), "a block appears twice in one table"
+            for block_id in ids:
+                counts[block_id] += 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == counts[block.block_id], f"{block}: ref_cnt != tables holding it"
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks

@@ -1,0 +1,51 @@
+"""Plain data crossing the scheduler ↔ worker boundary: ints, strings and frozen params."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvwise.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The worker computes K/V for ``token_ids`` at positions ``start_pos ..
+    start_pos + len(token_ids) - 1``, writes them into ``block_ids`` and attends over the
+    whole context. When ``sample`` is true the chunk reaches the end of the sequence and one
+    new token is drawn from the last position's logits.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    output_index: int  # index of the token to sample among the outputs (for seeded draws)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelOutput:
+    """Sampled token id and its logprob for each request whose chunk asked to sample."""
+
+    sampled: dict[str, tuple[int, float]] = field(default_factory=dict)

@@ -1,0 +1,93 @@
+"""The scheduler's view of one request: token ids, progress and status. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+
+from kvwise.core.hashing import BlockHash
+from kvwise.types import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to recompute
+    FINISHED = "finished"
+
+
+class Request:
+    """A sequence being generated.
+
+    ``token_ids`` is the prompt followed by the tokens generated so far;
+    ``num_computed_tokens`` of them have K/V in the cache. The last token of a running request
+    is never computed before it is scheduled, so ``num_computed_tokens < num_tokens`` whenever
+    the request waits for a step.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int | None = None,
+        tenant: str = "default",
+        cache_salt: str | None = None,
+        arrival_time: float = 0.0,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.tenant = tenant
+        self.cache_salt = cache_salt
+        self.arrival_time = arrival_time
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled: prefix tokens found cached
+        self.num_tokens_projected = 0  # token positions whose K/V were computed (any layer)
+        self.num_preemptions = 0
+        self.output_logprobs: list[float] = []
+        self.block_hashes: list[BlockHash] = []  # hashes of the full blocks of token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float) -> FinishReason | None:
+        """Add a sampled token; return why the request should stop, if it should."""
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        params = self.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if self.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )

@@ -1,0 +1,202 @@
+"""Token-budget scheduler: no prefill/decode phases, just a budget of tokens per step.
+
+Each step: running requests first (decodes and unfinished prefill chunks, in admission order),
+then waiting ones in FIFO order while the budget, the ``max_num_seqs`` cap and the pool
+allow. A long prompt is cut into chunks of at most ``prefill_chunk_size`` tokens, so it never
+stalls the others' decoding. When blocks run out, the newest running request is preempted:
+its blocks are freed and it goes back to the head of the queue to be recomputed.
+
+With ``enable_kv_cache=False`` every step recomputes each request's whole sequence (the seed
+article's "no cache" baseline): after each step the computed count is reset to zero.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvwise.config import SchedulerConfig
+from kvwise.core.kv_cache_manager import KVCacheManager
+from kvwise.core.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvwise.core.request import Request, RequestStatus
+from kvwise.types import FinishReason
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request, for the engine to turn into outputs."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        enable_kv_cache: bool = True,
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.enable_kv_cache = enable_kv_cache
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- admission ----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. A prompt that could never run is rejected with ValueError."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {request.num_tokens} tokens do not fit the model's context of "
+                f"{self.max_model_len} tokens (at least one must be left to generate)"
+            )
+        pool_tokens = self.kv.num_blocks * self.kv.block_size
+        if request.num_tokens >= pool_tokens:
+            raise ValueError(
+                f"prompt: {request.num_tokens} tokens do not fit the KV cache of {pool_tokens} "
+                "tokens; raise kv_cache_memory"
+            )
+        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
+            raise OverflowError("the waiting queue is full")
+        request.max_model_len = self.max_model_len
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> None:
+        """Finish (abort, or stop on a stop string) requests and free their blocks at once."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if num_new > 1 and self.config.prefill_chunk_size is not None:
+            num_new = min(num_new, self.config.prefill_chunk_size)
+        return min(num_new, budget)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int, list[int]]] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            while True:
+                block_ids = self.kv.allocate_slots(request, num_new)
+                if block_ids is not None:
+                    break
+                victim = self.running[-1]  # the newest running request
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if block_ids is None:
+                break  # the request preempted itself; nothing after it is running
+            scheduled.append((request, num_new, block_ids))
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if out.preempted_ids:
+                break  # the pool is full: do not admit while evicting
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            request.num_computed_tokens = num_cached
+            num_new = self._num_new_tokens(request, budget)
+            request.num_computed_tokens = 0
+            block_ids = self.kv.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is None:
+                if not self.running:
+                    # alone and still too big: it grew past the pool while generating
+                    self.waiting.popleft()
+                    self._finish(request, FinishReason.LENGTH)
+                    continue
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new, block_ids))
+            budget -= num_new
+
+        for request, num_new, block_ids in scheduled:
+            start = request.num_computed_tokens
+            end = start + num_new
+            out.scheduled.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=request.token_ids[start:end],
+                    start_pos=start,
+                    block_ids=block_ids,
+                    sample=end == request.num_tokens,
+                    sampling_params=request.sampling_params,
+                    output_index=request.num_output_tokens,
+                )
+            )
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[RequestUpdate]:
+        """Advance every scheduled request by what the worker computed and sampled."""
+        updates = []
+        for item in sched_out.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_tokens
+            request.num_tokens_projected += item.num_tokens
+            self.kv.cache_full_blocks(request)
+            if not item.sample:
+                continue
+            token_id, logprob = model_out.sampled[item.request_id]
+            reason = request.append_token(token_id, logprob)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+            elif not self.enable_kv_cache:
+                request.num_computed_tokens = 0  # recompute everything next step
+            updates.append(RequestUpdate(request, [token_id], reason is not None))
+        return updates
+
+    def now(self) -> float:
+        return time.perf_counter()

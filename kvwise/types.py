@@ -1,0 +1,119 @@
+"""User-facing request types: sampling parameters, outputs, finish reasons. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each new token, and when to stop.
+
+    temperature 0 means greedy. ``top_k`` 0 (or -1) and ``top_p`` 1 and ``min_p`` 0 turn those
+    filters off. With a ``seed`` the draw for the i-th output token depends only on (seed, i),
+    so a seeded request gives the same text alone, batched or after preemption.
+    """
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens: must be at least 1, got {self.max_tokens}")
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k: must be -1, 0 (off) or positive, got {self.top_k}")
+        _check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        _check_number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        for stop in self.stop:
+            if not isinstance(stop, str) or not stop:
+                raise ValueError(f"stop: each stop string must be a non-empty string, got {stop!r}")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id)
+            if token_id < 0:
+                raise ValueError(f"stop_token_ids: ids must be >= 0, got {token_id}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an integer, got {value!r}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.perf_counter`` seconds) of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, from arrival."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_times(self) -> list[float]:
+        """Every gap between consecutive output tokens."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass
+class RequestOutput:
+    """The result (or, streamed, the progress) of one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_kv_rows_projected: int
+    metrics: RequestMetrics
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
