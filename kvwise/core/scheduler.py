@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._finished_while_scheduling: list[Request] = []  # reported by the next update()
 
     # ---- admission ----------------------------------------------------------------------
 
@@ -115,13 +116,19 @@ class Scheduler:
                 block_ids = self.kv.allocate_slots(request, num_new)
                 if block_ids is not None:
                     break
+                if len(self.running) == 1:
+                    break  # alone and still out of blocks: it has outgrown the pool
                 victim = self.running[-1]  # the newest running request
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is request:
                     break
             if block_ids is None:
-                break  # the request preempted itself; nothing after it is running
+                if request.status is RequestStatus.RUNNING:
+                    self.running.remove(request)
+                    self._finish(request, FinishReason.LENGTH)
+                    self._finished_while_scheduling.append(request)
+                break  # nothing after it is running
             scheduled.append((request, num_new, block_ids))
             budget -= num_new
             i += 1
@@ -140,6 +147,7 @@ class Scheduler:
                     # alone and still too big: it grew past the pool while generating
                     self.waiting.popleft()
                     self._finish(request, FinishReason.LENGTH)
+                    self._finished_while_scheduling.append(request)
                     continue
                 break
             self.waiting.popleft()
@@ -178,7 +186,8 @@ class Scheduler:
 
     def update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[RequestUpdate]:
         """Advance every scheduled request by what the worker computed and sampled."""
-        updates = []
+        updates = [RequestUpdate(r, [], True) for r in self._finished_while_scheduling]
+        self._finished_while_scheduling = []
         for item in sched_out.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:

@@ -1,0 +1,115 @@
+"""Attention over the paged KV cache: the torch SDPA reference backend (runs on CPU).
+
+The model calls ``attn(layer, q, k, v)`` once per layer with the new tokens of every
+scheduled request flattened into one dimension. The backend first writes all new K/V rows into
+their slots, then attends:
+
+- decode rows (one new token each) in one batched SDPA call over their gathered blocks,
+  with a padding mask when their context lengths differ;
+- each prefill chunk in its own call: a chunk starting at position 0 attends to its own K/V
+  with a causal mask; a later chunk attends to its gathered blocks with an offset causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvwise.worker.kv_cache import PagedKVCache
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int  # rows [token_start, token_end) of the flattened batch
+    token_end: int
+    start_pos: int  # position of the first row in its sequence
+    block_table: torch.Tensor  # (1, num_blocks) long
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step; built once, used by every layer."""
+
+    slot_mapping: torch.Tensor  # (T,) long
+    decode_rows: torch.Tensor | None  # (Bd,) long: rows of the batch that are decodes
+    decode_block_table: torch.Tensor | None  # (Bd, max_blocks) long
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_blocks * block_size) bool, or None
+    decode_ctx_len: int  # longest decode context (keys beyond it are not gathered)
+    decode_rows_contiguous: bool  # decode rows are 0..Bd-1
+    prefills: list[PrefillChunk]
+
+
+class TorchSDPAAttention:
+    """The reference paged-attention backend. Stateless apart from the cache it is given."""
+
+    def __init__(self, kv_cache: PagedKVCache, num_heads: int, head_dim: int) -> None:
+        self.kv_cache = kv_cache
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def bind(self, meta: AttentionMetadata):
+        """Return the ``attn(layer, q, k, v)`` callable for one step."""
+
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.forward(layer, q, k, v, meta)
+
+        return attn
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # (T, num_heads, head_dim)
+        k: torch.Tensor,  # (T, kv_heads, head_dim)
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cache = self.kv_cache
+        cache.write(layer, meta.slot_mapping, k, v)
+        num_tokens = q.shape[0]
+        out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
+
+        if meta.decode_rows is not None:
+            kc, vc = cache.gather(layer, meta.decode_block_table)  # (Bd, L, kv_heads, head_dim)
+            ctx = meta.decode_ctx_len
+            kc = kc[:, :ctx].transpose(1, 2)  # (Bd, kv_heads, ctx, head_dim)
+            vc = vc[:, :ctx].transpose(1, 2)
+            if meta.decode_rows_contiguous:
+                qd = q[: meta.decode_rows.shape[0]]
+            else:
+                qd = q[meta.decode_rows]
+            qd = qd.unsqueeze(2)  # (Bd, num_heads, 1, head_dim)
+            mask = None if meta.decode_mask is None else meta.decode_mask[..., :ctx]
+            od = F.scaled_dot_product_attention(
+                qd, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )  # (Bd, num_heads, 1, head_dim)
+            od = od.squeeze(2)
+            if meta.decode_rows_contiguous:
+                out[: od.shape[0]] = od
+            else:
+                out[meta.decode_rows] = od
+
+        for chunk in meta.prefills:
+            s, e = chunk.token_start, chunk.token_end
+            qp = q[s:e].transpose(0, 1).unsqueeze(0)  # (1, num_heads, n, head_dim)
+            n = e - s
+            if chunk.start_pos == 0:
+                kp = k[s:e].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, n, head_dim)
+                vp = v[s:e].transpose(0, 1).unsqueeze(0)
+                op = F.scaled_dot_product_attention(
+                    qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True
+                )
+            else:
+                ctx = chunk.start_pos + n
+                kc, vc = cache.gather(layer, chunk.block_table)
+                kp = kc[:, :ctx].transpose(1, 2)  # (1, kv_heads, ctx, head_dim)
+                vp = vc[:, :ctx].transpose(1, 2)
+                q_pos = torch.arange(chunk.start_pos, ctx).unsqueeze(1)  # (n, 1)
+                mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # (n, ctx)
+                op = F.scaled_dot_product_attention(
+                    qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=True
+                )
+            out[s:e] = op.squeeze(0).transpose(0, 1)
+        return out.view(num_tokens, self.num_heads * self.head_dim)

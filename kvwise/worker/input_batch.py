@@ -1,0 +1,94 @@
+"""SchedulerOutput → tensors for one forward pass.
+
+Rows are ordered decodes first (one row each, so they are rows ``0 .. Bd-1``), then each
+prefill chunk's rows. ``sample_rows`` holds, for every request that samples this step, the row
+whose logits it samples from (its last row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
+from kvwise.worker.attention import AttentionMetadata, PrefillChunk
+
+
+@dataclass
+class InputBatch:
+    input_ids: torch.Tensor  # (T,) long
+    positions: torch.Tensor  # (T,) long
+    attn_meta: AttentionMetadata
+    sample_rows: torch.Tensor  # (S,) long
+    sample_requests: list[ScheduledRequest]
+
+
+def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch:
+    decodes = [s for s in sched_out.scheduled if s.num_tokens == 1]
+    prefills = [s for s in sched_out.scheduled if s.num_tokens > 1]
+    ordered = decodes + prefills
+
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    sample_requests: list[ScheduledRequest] = []
+    chunks: list[PrefillChunk] = []
+    for item in ordered:
+        row = len(input_ids)
+        n = item.num_tokens
+        input_ids.extend(item.token_ids)
+        pos = range(item.start_pos, item.start_pos + n)
+        positions.extend(pos)
+        table = item.block_ids
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+        if n > 1:
+            num_blocks = -(-(item.start_pos + n) // block_size)
+            chunks.append(
+                PrefillChunk(
+                    token_start=row,
+                    token_end=row + n,
+                    start_pos=item.start_pos,
+                    block_table=torch.tensor([table[:num_blocks]], dtype=torch.long),
+                )
+            )
+        if item.sample:
+            sample_rows.append(row + n - 1)
+            sample_requests.append(item)
+
+    decode_rows = decode_table = decode_mask = None
+    decode_ctx_len = 0
+    if decodes:
+        ctx_lens = [d.start_pos + 1 for d in decodes]
+        decode_ctx_len = max(ctx_lens)
+        max_blocks = -(-decode_ctx_len // block_size)
+        decode_rows = torch.arange(len(decodes))
+        decode_table = torch.tensor(
+            [
+                d.block_ids[:max_blocks] + [0] * (max_blocks - len(d.block_ids[:max_blocks]))
+                for d in decodes
+            ],
+            dtype=torch.long,
+        )  # (Bd, max_blocks); padding points at block 0 and is masked out
+        if min(ctx_lens) != decode_ctx_len:
+            lens = torch.tensor(ctx_lens).unsqueeze(1)  # (Bd, 1)
+            mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens
+            decode_mask = mask[:, None, None, :]  # (Bd, 1, 1, L)
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        decode_rows=decode_rows,
+        decode_block_table=decode_table,
+        decode_mask=decode_mask,
+        decode_ctx_len=decode_ctx_len,
+        decode_rows_contiguous=True,
+        prefills=chunks,
+    )
+    return InputBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        attn_meta=meta,
+        sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+        sample_requests=sample_requests,
+    )

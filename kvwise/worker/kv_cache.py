@@ -1,0 +1,59 @@
+"""Paged KV tensors: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+Block ``b`` of the core's pool is ``kv[:, :, b]`` here. Slot ``s`` (a token's place in the
+pool) is block ``s // block_size``, offset ``s % block_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+        self.kv = torch.zeros(
+            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype
+        )
+        # per-layer views with slots flattened: (num_blocks * block_size, kv_heads, head_dim)
+        self.k_slots = [self.kv[i, 0].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
+        self.v_slots = [self.kv[i, 1].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store new K/V rows ``(T, kv_heads, head_dim)`` at their slots ``(T,)``."""
+        self.k_slots[layer].index_copy_(0, slot_mapping, k)
+        self.v_slots[layer].index_copy_(0, slot_mapping, v)
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the blocks in ``block_table`` ``(B, max_blocks)`` as
+        ``(B, max_blocks * block_size, kv_heads, head_dim)`` each."""
+        b, nb = block_table.shape
+        k = self.kv[layer, 0][block_table]  # (B, max_blocks, block_size, kv_heads, head_dim)
+        v = self.kv[layer, 1][block_table]
+        shape = (b, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        return k.view(shape), v.view(shape)

@@ -1,0 +1,81 @@
+"""Block pool and free queue: exact block ids and eviction order."""
+
+import pytest
+
+from kvwise.core.block_pool import BlockEvicted, BlockPool, BlockStored
+
+
+def test_allocation_takes_blocks_in_queue_order():
+    pool = BlockPool(6)
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [0, 1]
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [2, 3, 4]
+    assert pool.num_free_blocks == 1
+    assert pool.free_queue.block_ids() == [5]
+    pool.check_integrity()
+
+
+def test_freed_blocks_join_tail_in_given_order():
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(3)  # 0, 1, 2
+    pool.free_blocks(reversed(blocks))  # tail first
+    assert pool.free_queue.block_ids() == [3, 2, 1, 0]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 2]
+
+
+def test_lazy_eviction_keeps_hash_until_reused():
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_blocks([a, b], [b"h0", b"h1"])
+    assert pool.take_events() == [BlockStored((b"h0", b"h1"), (0, 1))]
+    pool.free_blocks([b, a])
+    assert pool.num_free_blocks == 3
+    # still reusable while free
+    assert pool.get_cached_block(b"h0") is a
+    assert pool.num_cached_free_blocks == 2
+    # revive a: it leaves the free queue from the middle
+    pool.touch([a])
+    assert a.ref_cnt == 1
+    assert pool.free_queue.block_ids() == [2, 1]
+    # taking new blocks evicts b's hash (head of queue after block 2)
+    new = pool.get_new_blocks(2)
+    assert [x.block_id for x in new] == [2, 1]
+    assert pool.get_cached_block(b"h1") is None
+    assert pool.take_events() == [BlockEvicted(b"h1", 1)]
+    assert pool.num_evictions == 1
+    pool.check_integrity()
+
+
+def test_shared_block_needs_every_reference_freed():
+    pool = BlockPool(2)
+    (a,) = pool.get_new_blocks(1)
+    pool.touch([a])
+    assert a.ref_cnt == 2
+    pool.free_blocks([a])
+    assert pool.num_free_blocks == 1
+    pool.free_blocks([a])
+    assert pool.num_free_blocks == 2
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free_blocks([a])
+
+
+def test_over_allocation_is_refused():
+    pool = BlockPool(2)
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(3)
+    assert pool.num_free_blocks == 2
+
+
+def test_duplicate_hash_keeps_first_copy():
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_blocks([a], [b"h"])
+    pool.cache_blocks([b], [b"h"])
+    assert pool.get_cached_block(b"h") is a
+    assert b.block_hash is None
+
+
+def test_caching_disabled_never_hits():
+    pool = BlockPool(2, enable_caching=False)
+    (a,) = pool.get_new_blocks(1)
+    pool.cache_blocks([a], [b"h"])
+    assert pool.get_cached_block(b"h") is None

@@ -1,0 +1,14 @@
+"""The core is pure Python: importing it must not import torch."""
+
+import subprocess
+import sys
+
+
+def test_core_imports_no_torch():
+    code = (
+        "import sys\n"
+        "import kvwise.core.scheduler, kvwise.core.block_pool, kvwise.core.kv_cache_manager\n"
+        "import kvwise.core.hashing, kvwise.worker.fake_runner, kvwise.config, kvwise.types\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
