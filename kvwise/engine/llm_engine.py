@@ -1,0 +1,247 @@
+"""The synchronous engine: add requests, ``step()`` them, get outputs.
+
+One step = schedule → worker executes → scheduler updates → detokenize and check stop strings.
+The engine is the only place that joins the tokenizer (text) with the core (token ids).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvwise.config import EngineConfig
+from kvwise.core.kv_cache_manager import KVCacheManager
+from kvwise.core.request import Request
+from kvwise.core.scheduler import Scheduler
+from kvwise.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
+from kvwise.engine.tokenizer import Tokenizer
+from kvwise.models.loader import load_model
+from kvwise.types import FinishReason, RequestMetrics, RequestOutput, SamplingParams
+from kvwise.utils import format_bytes
+from kvwise.worker.kv_cache import PagedKVCache
+from kvwise.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("kvwise")
+
+Prompt = str | list[dict] | list[int]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _RequestState:
+    """Engine-side state of one request: text assembly and timing."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher | None
+    metrics: RequestMetrics
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, progress: bool = True) -> None:
+        self.config = config = config or EngineConfig()
+        if config.model.num_threads:
+            torch.set_num_threads(config.model.num_threads)
+        self.dtype = _DTYPES[config.model.dtype]
+        loaded = load_model(config.model.model, dtype=self.dtype, progress=progress)
+        self.loaded = loaded
+        self.arch = arch = loaded.arch
+        self.tokenizer = Tokenizer.from_path(loaded.source)
+        self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's context of "
+                f"{arch.max_position_embeddings}"
+            )
+        cache = config.cache
+        block_bytes = PagedKVCache.bytes_per_block(
+            arch.num_layers, cache.block_size, arch.num_kv_heads, arch.head_dim, self.dtype
+        )
+        num_blocks = cache.kv_cache_bytes() // block_bytes
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory: {format_bytes(cache.kv_cache_bytes())} holds fewer than two "
+                f"blocks of {format_bytes(block_bytes)}"
+            )
+        self.kv_manager = KVCacheManager(
+            num_blocks,
+            cache.block_size,
+            enable_caching=cache.enable_prefix_caching and cache.enable_kv_cache,
+            model_fingerprint=f"{loaded.fingerprint}/{config.model.dtype}/bs{cache.block_size}",
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_manager, self.max_model_len, cache.enable_kv_cache
+        )
+        self.runner = ModelRunner(loaded.model, arch, num_blocks, cache.block_size, self.dtype)
+        self.num_blocks = num_blocks
+        logger.info(
+            "KV cache: %s in %d blocks of %d tokens = %d tokens (%s per token)",
+            format_bytes(num_blocks * block_bytes),
+            num_blocks,
+            cache.block_size,
+            num_blocks * cache.block_size,
+            format_bytes(block_bytes / cache.block_size),
+        )
+        self._states: dict[str, _RequestState] = {}
+        self._next_id = 0
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """A string, a chat message list or token ids → token ids (ValueError on bad input)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode_chat(prompt)
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            vocab = self.arch.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt: token ids must be in [0, {vocab}), got {bad[:5]}")
+            return list(prompt)
+        raise ValueError(
+            "prompt: expected a non-empty string, a list of chat messages or a list of token ids"
+        )
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        tenant: str = "default",
+        cache_salt: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError("tenant: must be a non-empty string")
+        token_ids = self.tokenize(prompt)
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        now = time.perf_counter()
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            tenant=tenant,
+            cache_salt=cache_salt,
+            arrival_time=now,
+        )
+        self.scheduler.add_request(request)
+        self._states[request_id] = _RequestState(
+            request=request,
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
+            metrics=RequestMetrics(arrival_time=now),
+        )
+        return request_id
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Cancel requests; their blocks are freed at once."""
+        self.scheduler.finish_requests(list(request_ids), FinishReason.ABORT)
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        model_out = self.runner.execute(sched_out)
+        updates = self.scheduler.update(sched_out, model_out)
+        now = time.perf_counter()
+        outputs = []
+        stopped: list[str] = []
+        for update in updates:
+            request = update.request
+            state = self._states.get(request.request_id)
+            if state is None:
+                continue
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+            delta_text = ""
+            finished = update.finished
+            for token_id in update.new_token_ids:
+                state.token_ids.append(token_id)
+                state.metrics.token_times.append(now)
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                delta_text += state.detokenizer.add(token_id)
+            if finished:
+                delta_text += state.detokenizer.flush()
+            if state.stop_matcher is not None:
+                check = state.stop_matcher.feed(delta_text)
+                delta_text = check.text
+                if check.stopped and not finished:
+                    finished = True
+                    stopped.append(request.request_id)
+                    request.finish_reason = FinishReason.STOP
+                elif finished:
+                    delta_text += state.stop_matcher.flush()
+            state.text += delta_text
+            if finished:
+                state.metrics.finished_time = now
+                self._states.pop(request.request_id)
+            outputs.append(self._output(state, delta_text, update.new_token_ids, finished))
+        if stopped:
+            self.scheduler.finish_requests(stopped, FinishReason.STOP)
+        return outputs
+
+    def _output(
+        self, state: _RequestState, delta_text: str, delta_ids: list[int], finished: bool
+    ) -> RequestOutput:
+        request = state.request
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
+            text=state.text,
+            token_ids=list(state.token_ids),
+            logprobs=list(request.output_logprobs),
+            finished=finished,
+            finish_reason=request.finish_reason if finished else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_kv_rows_projected=request.num_tokens_projected * self.arch.num_layers,
+            metrics=state.metrics,
+            delta_text=delta_text,
+            delta_token_ids=list(delta_ids),
+        )
+
+    # ---- introspection ------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float | int]:
+        pool = self.kv_manager.pool
+        queries = self.kv_manager.num_prefix_query_tokens
+        hits = self.kv_manager.num_prefix_hit_tokens
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used_blocks,
+            "kv_blocks_cached_free": pool.num_cached_free_blocks,
+            "kv_blocks_free": pool.num_free_blocks,
+            "prefix_query_tokens": queries,
+            "prefix_hit_tokens": hits,
+            "prefix_hit_rate": hits / queries if queries else 0.0,
+        }
+
+    def check_integrity(self) -> None:
+        self.kv_manager.check_integrity()
