@@ -1,0 +1,310 @@
+"""The shape of a Llama-family model: what the model code and the KV cache need to know.
+
+`ModelArchConfig` is built from a Hugging Face ``config.json`` dict (`from_hf_config`) or from a
+GGUF file's metadata (`from_gguf`). It imports no torch, so the engine core can size its KV cache
+from it without loading weights.
+
+Supported: Llama (SmolLM2, Llama 2/3), Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# HF `model_type` -> HF architecture (class) name. The registry maps every name to one class.
+HF_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(HF_MODEL_TYPES.values())
+# GGUF `general.architecture` -> HF architecture name.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _unsupported(name: str) -> ValueError:
+    return ValueError(
+        f"model: unsupported architecture '{name}'; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are rescaled for long context.
+
+    rope_type:
+        "linear": every inverse frequency is divided by `factor`.
+        "llama3": Llama 3.1 band-wise scaling (needs the low/high factors and the original length).
+        "freq_factors": inverse frequency i is divided by `freq_factors[i]` (llama.cpp's
+            ``rope_freqs`` tensor, the form in which GGUF files carry Llama 3.1 scaling).
+    """
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("linear", "llama3", "freq_factors"):
+            raise ValueError(
+                f"rope_scaling: unsupported rope type '{self.rope_type}'; "
+                "supported: default, linear, llama3"
+            )
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3":
+            if (
+                self.low_freq_factor is None
+                or self.high_freq_factor is None
+                or self.original_max_position_embeddings is None
+            ):
+                raise ValueError(
+                    "rope_scaling: llama3 needs low_freq_factor, high_freq_factor and "
+                    "original_max_position_embeddings"
+                )
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise ValueError("rope_scaling.high_freq_factor must be > low_freq_factor")
+        if self.rope_type == "freq_factors" and not self.freq_factors:
+            raise ValueError("rope_scaling.freq_factors must be a non-empty tuple")
+
+    @classmethod
+    def from_hf(
+        cls, params: dict[str, Any] | None, max_position_embeddings: int
+    ) -> RopeScaling | None:
+        """Parse HF ``rope_scaling`` / ``rope_parameters``; None for plain (default) rope."""
+        if not params:
+            return None
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type == "default":
+            return None
+        if rope_type == "linear":
+            return cls("linear", factor=float(params["factor"]))
+        if rope_type == "llama3":
+            return cls(
+                "llama3",
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(
+                    params.get("original_max_position_embeddings", max_position_embeddings)
+                ),
+            )
+        raise ValueError(
+            f"rope_scaling: unsupported rope type '{rope_type}'; supported: default, linear, llama3"
+        )
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Hyper-parameters of a Llama-family decoder. Sizes are counts, not bytes.
+
+    attention_bias: q/k/v projections have a bias (Qwen2; Llama/Qwen3 when configured).
+    o_proj_bias: the output projection has a bias (Llama/Qwen3 with attention_bias=True).
+    qk_norm: per-head RMSNorm on q and k before rotary (Qwen3).
+    sliding_window: recorded only (Mistral, Qwen2 with use_sliding_window); the model
+        does not apply it — the attention function owns masking.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise _unsupported(self.architecture)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be None or > 0, got {self.sliding_window}")
+        if not isinstance(self.eos_token_ids, tuple):
+            raise ValueError("eos_token_ids must be a tuple of ints")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "freq_factors":
+            if len(scaling.freq_factors or ()) != self.head_dim // 2:
+                raise ValueError(
+                    f"rope_scaling.freq_factors must have head_dim/2 = {self.head_dim // 2} entries"
+                )
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V cache one token takes across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def replace(self, **changes: Any) -> ModelArchConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelArchConfig:
+        """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout).
+
+        Raises:
+            ValueError: unsupported architecture, rope type, activation or missing field.
+        """
+        model_type = config.get("model_type")
+        archs = config.get("architectures") or []
+        if model_type in HF_MODEL_TYPES:
+            architecture = HF_MODEL_TYPES[model_type]
+        elif archs:
+            architecture = archs[0]
+        else:
+            architecture = str(model_type)
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise _unsupported(architecture)
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act: only 'silu' is supported, got {config['hidden_act']!r}")
+        if config.get("mlp_bias"):
+            raise ValueError("mlp_bias: MLP biases are not supported")
+        try:
+            hidden = int(config["hidden_size"])
+            num_heads = int(config["num_attention_heads"])
+            max_pos = int(config.get("max_position_embeddings", 2048))
+            # transformers 5 writes rope_parameters (with rope_theta inside); 4.x rope_scaling.
+            rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+            rope_theta = config.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+            if float(rope_params.get("partial_rotary_factor", 1.0)) != 1.0:
+                raise ValueError("partial_rotary_factor: partial rotary is not supported")
+            qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+            use_window = config.get("use_sliding_window", True) if qwen else True
+            bias = bool(config.get("attention_bias", False))
+            eos = config.get("eos_token_id")
+            return cls(
+                architecture=architecture,
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_layers=int(config["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+                head_dim=int(config.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta),
+                rope_scaling=RopeScaling.from_hf(rope_params, max_pos),
+                max_position_embeddings=max_pos,
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                attention_bias=True if architecture == "Qwen2ForCausalLM" else bias,
+                o_proj_bias=bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+                qk_norm=architecture == "Qwen3ForCausalLM",
+                sliding_window=config.get("sliding_window") if use_window else None,
+                bos_token_id=config.get("bos_token_id"),
+                eos_token_ids=_as_id_tuple(eos),
+            )
+        except KeyError as exc:
+            raise ValueError(f"model: config.json lacks required field {exc.args[0]!r}") from None
+
+    @classmethod
+    def from_gguf(cls, reader: Any) -> ModelArchConfig:
+        """Build from a `gguf.GGUFReader`'s metadata (architectures llama, qwen2, qwen3).
+
+        Tied embeddings are inferred from the absence of an ``output.weight`` tensor, and
+        Llama 3.1 scaling from a ``rope_freqs.weight`` tensor (as llama.cpp does).
+        """
+        gguf_arch = str(_gguf_field(reader, "general.architecture"))
+        if gguf_arch not in GGUF_ARCHITECTURES:
+            raise _unsupported(gguf_arch)
+        architecture = GGUF_ARCHITECTURES[gguf_arch]
+
+        def get(key: str, default: Any = None) -> Any:
+            return _gguf_field(reader, f"{gguf_arch}.{key}", default)
+
+        tensors = {t.name: t for t in reader.tensors}
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", 0) or hidden // num_heads)
+        vocab = get("vocab_size")
+        if vocab is None:
+            vocab = int(tensors["token_embd.weight"].shape[-1])
+        max_pos = int(get("context_length", 2048))
+        scaling = None
+        scaling_type = get("rope.scaling.type", "none")
+        if scaling_type == "linear":
+            scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
+        elif scaling_type not in ("none", None):
+            raise ValueError(f"rope_scaling: unsupported GGUF rope scaling type '{scaling_type}'")
+        if "rope_freqs.weight" in tensors:
+            factors = tuple(float(x) for x in tensors["rope_freqs.weight"].data.reshape(-1))
+            scaling = RopeScaling("freq_factors", freq_factors=factors)
+        eos = [_gguf_field(reader, "tokenizer.ggml.eos_token_id")]
+        eos.append(_gguf_field(reader, "tokenizer.ggml.eot_token_id"))
+        return cls(
+            architecture=architecture,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings="output.weight" not in tensors,
+            attention_bias="blk.0.attn_q.bias" in tensors,
+            o_proj_bias="blk.0.attn_output.bias" in tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in tensors,
+            sliding_window=None,
+            bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_as_id_tuple([e for e in eos if e is not None]),
+        )
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(dict.fromkeys(int(v) for v in value))
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value.item() if hasattr(value, "item") else value

@@ -1,0 +1,133 @@
+"""Read a GGUF file's tensors as Hugging Face-named, HF-layout float tensors.
+
+llama.cpp's converter permutes the rows of q/k (weights and biases) of `llama`-architecture
+models so that its interleaved ("GPT-J") rope can be applied; we undo that permutation so the
+model uses the HF rotate_half convention for every source. qwen2/qwen3 GGUFs use llama.cpp's
+NEOX rope and are stored unpermuted.
+
+GGUF lists a tensor's dims innermost first (`[in, out]` for a matrix); numpy order is the
+reverse, which is the HF `[out, in]` layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from kvwise.models.arch import ModelArchConfig
+
+_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PER_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Carried in the arch config (rope_freqs) rather than as a weight.
+_SKIPPED = {"rope_freqs.weight"}
+
+
+class _PlainReader(gguf.GGUFReader):
+    """`GGUFReader` over a plain ndarray view of its memmap.
+
+    NOTE: parsing the metadata makes ~10^6 tiny slices; on an `np.memmap` each pays for
+    `memmap.__array_finalize__`, which makes opening a file with a 49k-token vocabulary take
+    ~3.5 s. A base-class view of the same mapping parses in ~1 s; the data stays memory-mapped.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = np.asarray(value)
+
+
+def open_gguf(path: str | Path) -> gguf.GGUFReader:
+    """Open a GGUF file for reading (metadata parsed, tensor data memory-mapped)."""
+    return _PlainReader(path)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF name for a GGUF tensor name; None for tensors that are not weights (rope_freqs).
+
+    Raises:
+        ValueError: a name this loader does not know.
+    """
+    if gguf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[gguf_name]
+    if gguf_name in _SKIPPED:
+        return None
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _PER_LAYER:
+        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}"
+    raise ValueError(f"weights: unexpected GGUF tensor '{gguf_name}'")
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (rows grouped per head as interleaved pairs).
+
+    llama.cpp stores `w.reshape(n, 2, d // n // 2, *rest).swapaxes(1, 2).reshape(w.shape)`;
+    this returns the original HF rows. Works for weights `(rows, in)` and biases `(rows,)`.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])  # (n, d/2, 2, ...)
+    return w.transpose(1, 2).reshape(weight.shape)  # (rows, ...)
+
+
+def tensor_to_torch(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """Dequantize one GGUF tensor to a float32 torch tensor in numpy (HF) dim order."""
+    array = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))  # GGUF dims are innermost-first
+    array = np.asarray(array, dtype=np.float32).reshape(shape)
+    if not array.flags.writeable:  # a view of the read-only mapping (F32 tensors)
+        array = array.copy()
+    return torch.from_numpy(array)
+
+
+def iter_gguf_weights(
+    reader: gguf.GGUFReader,
+    arch: ModelArchConfig,
+    tensors: Iterable[gguf.ReaderTensor] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, float32 tensor)` for every weight in `reader`.
+
+    `tensors` (default `reader.tensors`) lets the caller wrap them, e.g. in a progress bar.
+
+    Raises:
+        ValueError: an unknown tensor name.
+    """
+    gguf_arch = str(reader.fields["general.architecture"].contents())
+    permuted = gguf_arch == "llama"
+    for tensor in reader.tensors if tensors is None else tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        weight = tensor_to_torch(tensor)
+        if permuted and ".self_attn.q_proj." in name:
+            weight = unpermute_rope_rows(weight, arch.num_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            weight = unpermute_rope_rows(weight, arch.num_kv_heads)
+        yield name, weight

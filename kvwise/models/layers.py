@@ -1,0 +1,114 @@
+"""Stateless building blocks for the Llama-family model: RMSNorm, rotary tables, reference attention.
+
+Rotary uses the Hugging Face "rotate_half" (non-interleaved) convention: a head vector's first
+half pairs with its second half. GGUF q/k weights, permuted for llama.cpp's interleaved rope, are
+un-permuted by the loader, so this is the only convention the model needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvwise.models.arch import RopeScaling
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 and cast back (as HF does) before the weight.
+
+    `weight` must broadcast against `x`; its shape may cover more than the last dim (the fused
+    per-head q/k norm passes a `(num_heads + num_kv_heads, head_dim)` weight).
+    """
+    if x.dtype == torch.float32 and weight.dim() == 1:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies `(head_dim // 2,)` in fp32, matching transformers' rope init functions."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)  # (D/2,)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
+    # llama3: transformers' `_compute_llama3_parameters`, step for step.
+    factor = scaling.factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    old_context_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rope_table(
+    max_positions: int, head_dim: int, theta: float, scaling: RopeScaling | None
+) -> torch.Tensor:
+    """Rotary table `(max_positions, 2, head_dim)` in fp32: `[:, 0]` is cos, `[:, 1]` is a signed sin.
+
+    The sin row is `cat(-sin, sin)` so that `rotate_half(x) * sin == roll(x, D/2) * signed_sin`,
+    which saves the negation per layer (negation is exact, so results are unchanged).
+    """
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)  # (D/2,)
+    positions = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
+    cos = torch.cat((freqs, freqs), dim=-1).cos()  # (P, D)
+    sin = freqs.sin()  # (P, D/2)
+    signed_sin = torch.cat((-sin, sin), dim=-1)  # (P, D)
+    return torch.stack((cos, signed_sin), dim=1)  # (P, 2, D)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `(T, n_heads, D)` by per-token tables `cos`, `signed_sin` `(T, 1, D)`."""
+    rotated = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (T, n, D): cat(x2, x1)
+    return torch.addcmul(x * cos, rotated, signed_sin)  # (T, n, D)
+
+
+def dense_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Reference causal attention for ONE sequence (tests, debugging).
+
+    Args:
+        q: `(T_q, num_heads, head_dim)`, the last `T_q` tokens of the sequence.
+        k, v: `(T_k, num_kv_heads, head_dim)` with `T_k >= T_q`: every token so far, in order.
+        scale: softmax scale; default `head_dim ** -0.5`.
+        sliding_window: if set, a query at position p sees only keys at `p - window < pos <= p`
+            (HF Mistral/Qwen2 semantics).
+
+    Returns:
+        `(T_q, num_heads * head_dim)`; query i attends to keys `0 .. T_k - T_q + i`.
+    """
+    num_q, num_heads, head_dim = q.shape
+    num_k = k.shape[0]
+    if num_k < num_q:
+        raise ValueError(f"k: need at least as many keys ({num_k}) as queries ({num_q})")
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, T, D)
+    if num_q == num_k and sliding_window is None:
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True
+        )  # (H, T_q, D)
+    else:
+        q_pos = torch.arange(num_q, device=q.device)[:, None] + (num_k - num_q)  # (T_q, 1)
+        k_pos = torch.arange(num_k, device=q.device)[None, :]  # (1, T_k)
+        mask = k_pos <= q_pos  # (T_q, T_k)
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True
+        )  # (H, T_q, D)
+    return out.transpose(0, 1).reshape(num_q, num_heads * head_dim)  # (T_q, H*D)

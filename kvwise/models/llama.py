@@ -1,0 +1,246 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) with pluggable attention.
+
+The model sees a flat batch of `T` tokens from any number of sequences (varlen) and their
+positions; it never sees sequence boundaries or the KV cache. Each layer calls
+
+    attn(layer_idx, q, k, v) -> (T, num_heads * head_dim)
+
+with q `(T, num_heads, head_dim)` and k, v `(T, num_kv_heads, head_dim)` after rotary (and after
+the q/k norm for Qwen3). q is not pre-scaled: attention applies `head_dim ** -0.5`. q, k and v
+may be non-contiguous views; attention must not write into them. The engine's attention writes
+k, v into its paged cache and attends over each sequence's cached prefix.
+
+Layout, chosen for memory-bound CPU decode:
+- every linear weight is stored transposed, contiguous `[in, out]`, and applied as `x @ w`;
+- q/k/v are one fused weight, gate/up are one fused weight;
+- residual adds are fused into the o_proj / down_proj matmuls (`residual.addmm_`);
+- with tied embeddings, `embed` `[vocab, hidden]` serves lookup and `lm_head` `[hidden, vocab]`
+  is a separate transposed copy for logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvwise.models.arch import ModelArchConfig
+from kvwise.models.layers import apply_rope, rms_norm, rope_table
+
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# HF checkpoint names that carry no weights we need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm decoder block. Weights are `[in, out]`; see the module docstring."""
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, inter = arch.hidden_size, arch.intermediate_size
+        self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.intermediate_size = inter
+        self.eps = arch.rms_norm_eps
+        qkv_size = self.q_size + 2 * self.kv_size
+        self.input_norm = _param(hidden, dtype=dtype)
+        self.qkv_proj = _param(hidden, qkv_size, dtype=dtype)  # [in, q | k | v]
+        self.qkv_bias = _param(qkv_size, dtype=dtype) if arch.attention_bias else None
+        # Qwen3: q_norm weight in rows [:num_heads], k_norm in rows [num_heads:].
+        self.qk_norm = (
+            _param(arch.num_heads + arch.num_kv_heads, arch.head_dim, dtype=dtype)
+            if arch.qk_norm
+            else None
+        )
+        self.o_proj = _param(self.q_size, hidden, dtype=dtype)
+        self.o_bias = _param(hidden, dtype=dtype) if arch.o_proj_bias else None
+        self.post_attention_norm = _param(hidden, dtype=dtype)
+        self.gate_up_proj = _param(hidden, 2 * inter, dtype=dtype)  # [in, gate | up]
+        self.down_proj = _param(inter, hidden, dtype=dtype)
+
+    def forward(
+        self,
+        layer_idx: int,
+        residual: torch.Tensor,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        attn: AttentionFn,
+    ) -> torch.Tensor:
+        """Update `residual` `(T, hidden)` IN PLACE with this block's attention and MLP output."""
+        num_tokens = residual.shape[0]
+        heads, qk_heads = self.num_heads, self.num_heads + self.num_kv_heads
+        x = rms_norm(residual, self.input_norm, self.eps)  # (T, hidden)
+        if self.qkv_bias is None:
+            qkv = torch.mm(x, self.qkv_proj)  # (T, q + 2kv)
+        else:
+            qkv = torch.addmm(self.qkv_bias, x, self.qkv_proj)  # (T, q + 2kv)
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, self.eps)  # (T, H + KV, D)
+        qk = apply_rope(qk, rope_cos, rope_sin)  # (T, H + KV, D)
+        out = attn(layer_idx, qk[:, :heads], qk[:, heads:], v)  # (T, H * D)
+        residual.addmm_(out, self.o_proj)  # (T, hidden)
+        if self.o_bias is not None:
+            residual.add_(self.o_bias)
+        x = rms_norm(residual, self.post_attention_norm, self.eps)  # (T, hidden)
+        gate_up = torch.mm(x, self.gate_up_proj)  # (T, 2 * inter)
+        gate = F.silu(gate_up[:, : self.intermediate_size], inplace=True)  # (T, inter), a view
+        gate.mul_(gate_up[:, self.intermediate_size :])
+        residual.addmm_(gate, self.down_proj)  # (T, hidden)
+        return residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM. Weights start uninitialized: fill them with `load_weights`."""
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)  # [vocab, hidden]
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.norm = _param(arch.hidden_size, dtype=dtype)
+        self.lm_head = _param(arch.hidden_size, arch.vocab_size, dtype=dtype)  # [hidden, vocab]
+        table = rope_table(
+            arch.max_position_embeddings, arch.head_dim, arch.rope_theta, arch.rope_scaling
+        )
+        self.register_buffer("rope", table.to(dtype), persistent=False)  # (P, 2, D)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        """Run the decoder over a flat batch of tokens.
+
+        Args:
+            input_ids: `(T,)` int64 token ids, tokens of all sequences concatenated.
+            positions: `(T,)` int64 position of each token in its sequence,
+                `< arch.max_position_embeddings`.
+            attn: called once per layer, see the module docstring.
+
+        Returns:
+            `(T, hidden)` final-normed hidden states; pass the rows to sample to `compute_logits`.
+        """
+        rope = self.rope[positions]  # (T, 2, D)
+        rope_cos, rope_sin = rope[:, 0:1], rope[:, 1:2]  # (T, 1, D) each
+        residual = F.embedding(input_ids, self.embed)  # (T, hidden), a fresh tensor we own
+        for layer_idx, layer in enumerate(self.layers):
+            layer.forward(layer_idx, residual, rope_cos, rope_sin, attn)
+        return rms_norm(residual, self.norm, self.arch.rms_norm_eps)  # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`(N, hidden)` -> `(N, vocab)` float32 logits."""
+        return torch.mm(hidden, self.lm_head).float()  # (N, vocab)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named, HF-layout (`[out, in]`) tensors into the fused parameters.
+
+        With tied embeddings `lm_head.weight` is ignored and `lm_head` is copied from `embed`.
+
+        Raises:
+            ValueError: an unknown name, a shape mismatch, or weights missing at the end.
+        """
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            dst, transpose = self._weight_slot(name)
+            src = tensor.t() if transpose else tensor
+            if src.dim() == 1 and dst.dim() == 2 and dst.shape[1:] == src.shape:
+                pass  # a per-head norm weight broadcast over its rows of the fused qk_norm
+            elif dst.shape != src.shape:
+                raise ValueError(
+                    f"weights: '{name}' has shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(dst.t().shape if transpose else dst.shape)}"
+                )
+            with torch.no_grad():
+                dst.copy_(src)
+            loaded.add(name)
+        missing = sorted(set(self.expected_weight_names()) - loaded)
+        if missing:
+            raise ValueError(
+                f"weights: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
+            )
+        if self.arch.tie_word_embeddings:
+            with torch.no_grad():
+                self.lm_head.copy_(self.embed.t())
+
+    def expected_weight_names(self) -> list[str]:
+        """HF names `load_weights` needs (biases and norms only where the arch has them)."""
+        arch = self.arch
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not arch.tie_word_embeddings:
+            names.append("lm_head.weight")
+        per_layer = [
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ]
+        if arch.attention_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if arch.o_proj_bias:
+            per_layer.append("self_attn.o_proj.bias")
+        if arch.qk_norm:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        for i in range(arch.num_layers):
+            names += [f"model.layers.{i}.{suffix}" for suffix in per_layer]
+        return names
+
+    def _weight_slot(self, name: str) -> tuple[torch.Tensor, bool]:
+        """Where HF tensor `name` goes: (a view of a parameter, whether to transpose into it)."""
+        top = {
+            "model.embed_tokens.weight": (self.embed, False),
+            "model.norm.weight": (self.norm, False),
+            "lm_head.weight": (self.lm_head, True),
+        }
+        if name in top:
+            return top[name]
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            raise ValueError(f"weights: unexpected tensor '{name}'")
+        layer_idx = int(parts[2])
+        if layer_idx >= len(self.layers):
+            raise ValueError(f"weights: '{name}' is past num_layers={len(self.layers)}")
+        layer: LlamaDecoderLayer = self.layers[layer_idx]  # type: ignore[assignment]
+        q, kv, inter, heads = layer.q_size, layer.kv_size, layer.intermediate_size, layer.num_heads
+        slots: dict[str, tuple[torch.Tensor | None, bool]] = {
+            "input_layernorm.weight": (layer.input_norm, False),
+            "post_attention_layernorm.weight": (layer.post_attention_norm, False),
+            "self_attn.q_proj.weight": (layer.qkv_proj[:, :q], True),
+            "self_attn.k_proj.weight": (layer.qkv_proj[:, q : q + kv], True),
+            "self_attn.v_proj.weight": (layer.qkv_proj[:, q + kv :], True),
+            "self_attn.o_proj.weight": (layer.o_proj, True),
+            "mlp.gate_proj.weight": (layer.gate_up_proj[:, :inter], True),
+            "mlp.up_proj.weight": (layer.gate_up_proj[:, inter:], True),
+            "mlp.down_proj.weight": (layer.down_proj, True),
+        }
+        if layer.qkv_bias is not None:
+            slots["self_attn.q_proj.bias"] = (layer.qkv_bias[:q], False)
+            slots["self_attn.k_proj.bias"] = (layer.qkv_bias[q : q + kv], False)
+            slots["self_attn.v_proj.bias"] = (layer.qkv_bias[q + kv :], False)
+        if layer.o_bias is not None:
+            slots["self_attn.o_proj.bias"] = (layer.o_bias, False)
+        if layer.qk_norm is not None:
+            slots["self_attn.q_norm.weight"] = (layer.qk_norm[:heads], False)
+            slots["self_attn.k_norm.weight"] = (layer.qk_norm[heads:], False)
+        slot = slots.get(".".join(parts[3:]))
+        if slot is None or slot[0] is None:
+            raise ValueError(f"weights: unexpected tensor '{name}'")
+        return slot  # type: ignore[return-value]

@@ -1,0 +1,152 @@
+"""Load a model from a Hugging Face directory (config.json + safetensors) or a GGUF file.
+
+`load_model(None)` loads the default model (SmolLM2-135M-Instruct, Q4_1 GGUF). GGUF weights are
+dequantized to `dtype` at load time; the engine never computes on quantized weights.
+
+The fingerprint identifies the weights a KV cache was computed with (two processes may share
+cached blocks only if their fingerprints match). It is a sha256 over: the format, the dtype, the
+config.json bytes (HF), and for every weight file its size plus the sha256 of its first, middle
+and last MiB. It ignores paths and mtimes, so a copied file keeps its fingerprint; it costs a
+few MiB of reads however large the model is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from kvwise.models.arch import ModelArchConfig
+from kvwise.models.default import default_model_path
+from kvwise.models.gguf_weights import iter_gguf_weights, open_gguf
+from kvwise.models.llama import LlamaForCausalLM
+from kvwise.models.registry import model_class
+
+_SAMPLE_BYTES = 1 << 20
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run, with what the engine needs to know about it.
+
+    fingerprint: hex sha256 of the weights' identity and dtype (see the module docstring).
+    generation_config: generation_config.json of an HF directory; empty for GGUF.
+    """
+
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    source: Path
+    fingerprint: str
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    is_gguf: bool = False
+
+
+def load_model(
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> LoadedModel:
+    """Load the weights at `path` into a `LlamaForCausalLM` in eval mode.
+
+    Args:
+        path: an HF model directory, a `.gguf` file, a directory holding exactly one `.gguf`,
+            or None for the default model.
+        dtype: parameter dtype (float32, bfloat16 or float16).
+        progress: show a tqdm bar over tensors.
+
+    Raises:
+        ValueError: the path does not exist or holds no model; the architecture, rope type
+            or a tensor is not supported; weights are missing or misshapen.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    source = default_model_path() if path is None else Path(path).expanduser()
+    if not source.exists():
+        raise ValueError(f"model: path '{source}' does not exist")
+    if source.is_dir():
+        if (source / "config.json").is_file():
+            return _load_hf_dir(source, dtype, progress)
+        ggufs = sorted(source.glob("*.gguf"))
+        if len(ggufs) != 1:
+            found = "no .gguf file" if not ggufs else f"{len(ggufs)} .gguf files; pass one"
+            raise ValueError(f"model: directory '{source}' has no config.json and {found}")
+        source = ggufs[0]
+    if source.suffix != ".gguf":
+        raise ValueError(f"model: '{source}' is neither a model directory nor a .gguf file")
+    return _load_gguf(source, dtype, progress)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    reader = open_gguf(path)
+    arch = ModelArchConfig.from_gguf(reader)
+    model = model_class(arch)(arch, dtype)
+    tensors = _progress(reader.tensors, len(reader.tensors), path.name, progress)
+    model.load_weights(iter_gguf_weights(reader, arch, tensors))
+    fingerprint = _fingerprint("gguf", dtype, [path], b"")
+    return LoadedModel(model.eval(), arch, path, fingerprint, {}, is_gguf=True)
+
+
+def _load_hf_dir(directory: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    config_bytes = (directory / "config.json").read_bytes()
+    arch = ModelArchConfig.from_hf_config(json.loads(config_bytes))
+    files = _safetensors_files(directory)
+    model = model_class(arch)(arch, dtype)
+    model.load_weights(_iter_safetensors(files, directory.name, progress))
+    generation_config: dict[str, Any] = {}
+    gen_path = directory / "generation_config.json"
+    if gen_path.is_file():
+        generation_config = json.loads(gen_path.read_text())
+    fingerprint = _fingerprint("hf", dtype, files, config_bytes)
+    return LoadedModel(model.eval(), arch, directory, fingerprint, generation_config, False)
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those in the shard index, else all but consolidated*.
+
+    Mistral repos also ship `consolidated.safetensors` in another naming scheme; it is skipped.
+    """
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"model: shards listed in {index.name} are missing: {absent}")
+        return files
+    files = [f for f in sorted(directory.glob("*.safetensors")) if "consolidated" not in f.name]
+    if not files:
+        raise ValueError(f"model: directory '{directory}' has config.json but no .safetensors")
+    return files
+
+
+def _iter_safetensors(
+    files: list[Path], label: str, progress: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    keys = [(handle, name) for handle in handles for name in handle.keys()]
+    for handle, name in _progress(keys, len(keys), label, progress):
+        yield name, handle.get_tensor(name)
+
+
+def _progress(items: Iterable[_T], total: int, label: str, enabled: bool) -> Iterable[_T]:
+    return tqdm(items, total=total, desc=f"Loading {label}", unit="tensor", disable=not enabled)
+
+
+def _fingerprint(kind: str, dtype: torch.dtype, files: list[Path], config: bytes) -> str:
+    digest = hashlib.sha256()
+    digest.update(f"{kind}|{dtype}|".encode())
+    digest.update(hashlib.sha256(config).digest())
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{size}|".encode())
+        with path.open("rb") as f:
+            for offset in (0, max(0, size // 2 - _SAMPLE_BYTES // 2), max(0, size - _SAMPLE_BYTES)):
+                f.seek(offset)
+                digest.update(hashlib.sha256(f.read(_SAMPLE_BYTES)).digest())
+    return digest.hexdigest()
