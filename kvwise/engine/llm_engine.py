@@ -18,7 +18,7 @@ from kvwise.core.request import Request
 from kvwise.core.scheduler import Scheduler
 from kvwise.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
 from kvwise.engine.tokenizer import Tokenizer
-from kvwise.models.loader import load_model
+from kvwise.models.loader import LoadedModel, load_model
 from kvwise.types import FinishReason, RequestMetrics, RequestOutput, SamplingParams
 from kvwise.utils import format_bytes
 from kvwise.worker.kv_cache import PagedKVCache
@@ -44,12 +44,20 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, progress: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        progress: bool = True,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        """Load the model and size the KV pool. ``loaded`` reuses weights already in memory
+        (tests and benchmarks build several engines over one model)."""
         self.config = config = config or EngineConfig()
         if config.model.num_threads:
             torch.set_num_threads(config.model.num_threads)
         self.dtype = _DTYPES[config.model.dtype]
-        loaded = load_model(config.model.model, dtype=self.dtype, progress=progress)
+        if loaded is None:
+            loaded = load_model(config.model.model, dtype=self.dtype, progress=progress)
         self.loaded = loaded
         self.arch = arch = loaded.arch
         self.tokenizer = Tokenizer.from_path(loaded.source)

