@@ -67,6 +67,12 @@ class LLMEngine:
                 f"max_model_len: {self.max_model_len} exceeds the model's context of "
                 f"{arch.max_position_embeddings}"
             )
+        if arch.sliding_window and self.max_model_len > arch.sliding_window:
+            # NOTE: attention has no sliding window; within the window full attention is exact.
+            logger.warning(
+                "max_model_len capped at the model's sliding window of %d", arch.sliding_window
+            )
+            self.max_model_len = arch.sliding_window
         cache = config.cache
         block_bytes = PagedKVCache.bytes_per_block(
             arch.num_layers, cache.block_size, arch.num_kv_heads, arch.head_dim, self.dtype

@@ -88,8 +88,11 @@ def test_batch_of_16_with_chunked_prefill(make_engine, prompt_ids, reference):
     # 16 requests at once; chunk sizes 16, 64 and 512 cut prompts differently
     batch = (prompt_ids * 2)[:16]
     for chunk in (16, 64, 512):
-        engine = make_engine(enable_prefix_caching=False, prefill_chunk_size=chunk,
-                             max_num_batched_tokens=max(chunk, 64))
+        engine = make_engine(
+            enable_prefix_caching=False,
+            prefill_chunk_size=chunk,
+            max_num_batched_tokens=max(chunk, 64),
+        )
         assert run(engine, batch) == (reference * 2)[:16], f"prefill_chunk_size={chunk}"
 
 
@@ -111,7 +114,7 @@ def test_cache_disabled_same_tokens_more_projections(make_engine, prompt_ids, re
         for out in engine.step():
             if out.finished:
                 outs[out.request_id] = out
-    for r, ids, expected in zip(rid, short, reference, strict=True):
+    for r, ids, expected in zip(rid, short, reference[:3], strict=True):
         out = outs[r]
         assert out.token_ids == expected[:16]
         n = len(ids)
