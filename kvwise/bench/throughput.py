@@ -200,7 +200,7 @@ def format_table(r: dict, args: argparse.Namespace) -> str:
     }
     lines = ["| figure | kvwise | transformers | ratio |", "|---|---:|---:|---:|"]
     for key, ours in r["ours"].items():
-        label = labels.get(key, f"prefill {key.split('_')[1]} tokens (tokens/s)")
+        label = labels[key] if key in labels else f"prefill {key[8:]} tokens (tokens/s)"
         peer = r["peer"].get(key, float("nan"))
         lines.append(f"| {label} | {ours:.1f} | {peer:.1f} | {ours / peer:.2f}x |")
     lines.append(
@@ -217,7 +217,7 @@ def main(args: argparse.Namespace) -> int:
     from kvwise.cli import engine_kwargs
 
     result = Bench(args, engine_kwargs(args)).run()
-    print(format_table(result, args))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
+    print(format_table(result, args))
     return 0
