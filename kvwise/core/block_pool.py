@@ -9,12 +9,17 @@ Contract:
   appended at the tail, so the least recently freed block goes first; callers free a
   sequence's blocks tail-first so that, within one sequence, its tail is evicted before its
   head (the head is more likely to be shared by the next request).
+- Retention: a block a request asked to keep (``retain``) goes, once free, to a second queue
+  that is evicted only when the main queue is empty, and returns to the main queue (at its
+  head: it is old) when its time runs out. A per-tenant cap bounds how many blocks one tenant
+  may keep, so no tenant can hold the whole pool.
 - Pool events (``BlockStored``, ``BlockEvicted``) are the hook for the slower tiers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvwise.core.hashing import BlockHash
@@ -23,12 +28,22 @@ from kvwise.core.hashing import BlockHash
 class KVBlock:
     """Metadata of one KV block; the tensors live in the worker under the same ``block_id``."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "prev_free",
+        "next_free",
+        "retain_until",
+        "tenant",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.retain_until = 0.0  # > 0: kept until this time (pool clock); 0: not kept
+        self.tenant: str | None = None  # who keeps it (for the per-tenant cap)
         # NOTE: the free queue is threaded through the blocks so that removing a cached
         # block from the middle of the queue (a prefix hit on a free block) is O(1).
         self.prev_free: KVBlock | None = None
@@ -67,22 +82,30 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVBlock) -> None:
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, prev: KVBlock | None, block: KVBlock) -> None:
+        assert prev is not None and prev.next_free is not None
+        nxt = prev.next_free
+        prev.next_free = block
+        block.prev_free = prev
+        block.next_free = nxt
+        nxt.prev_free = block
         self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            nxt = block.next_free
+            yield block
+            block = nxt
 
     def block_ids(self) -> list[int]:
         """The queue in eviction order (for tests and the integrity check)."""
-        ids = []
-        block = self._head.next_free
-        while block is not None and block is not self._tail:
-            ids.append(block.block_id)
-            block = block.next_free
-        return ids
+        return [block.block_id for block in self]
 
 
 @dataclass(frozen=True)
@@ -100,20 +123,34 @@ class BlockEvicted:
 class BlockPool:
     """Owns every ``KVBlock``: allocation, reference counts, the hash → block index, events."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        max_retained_blocks_per_tenant: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.clock = clock
+        self.max_retained_per_tenant = (
+            num_blocks // 2
+            if max_retained_blocks_per_tenant is None
+            else max_retained_blocks_per_tenant
+        )
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.retained_queue = FreeBlockQueue(())  # free blocks still kept, in free order
+        self.num_retained: dict[str, int] = {}  # tenant -> blocks it keeps (used or free)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.events: list[BlockStored | BlockEvicted] = []
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free_blocks
+        return self.free_queue.num_free_blocks + self.retained_queue.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
@@ -131,9 +168,15 @@ class BlockPool:
         """Take ``num_blocks`` from the head of the free queue, evicting their hashes."""
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"cannot allocate {num_blocks} blocks, {self.num_free_blocks} free")
+        if num_blocks > self.free_queue.num_free_blocks:
+            self.expire_retention()
         blocks = []
         for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+            if self.free_queue.num_free_blocks:
+                block = self.free_queue.popleft()
+            else:  # kept blocks go last, oldest first
+                block = self.retained_queue.popleft()
+                self._unretain(block)
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
@@ -143,18 +186,67 @@ class BlockPool:
         """Take a reference on cached blocks (a prefix hit); revive free ones."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                queue = self.retained_queue if block.retain_until else self.free_queue
+                queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the queue's tail in
         the given order (so pass a sequence's blocks tail-first)."""
+        now = self.clock()
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.retain_until and block.retain_until <= now:
+                    self._unretain(block)
+                queue = self.retained_queue if block.retain_until else self.free_queue
+                queue.append(block)
+
+    # ---- retention ----------------------------------------------------------------------
+
+    def retain(self, blocks: Iterable[KVBlock], tenant: str, until: float) -> int:
+        """Keep cached blocks until ``until`` (pool clock) on ``tenant``'s account.
+
+        A block already kept has its time extended. A tenant at its cap keeps no more.
+        Returns the number of blocks newly kept.
+        """
+        added = 0
+        for block in blocks:
+            if block.block_hash is None:
+                continue
+            if block.retain_until:
+                block.retain_until = max(block.retain_until, until)
+                continue
+            if self.num_retained.get(tenant, 0) >= self.max_retained_per_tenant:
+                break
+            block.retain_until = until
+            block.tenant = tenant
+            self.num_retained[tenant] = self.num_retained.get(tenant, 0) + 1
+            added += 1
+            if block.ref_cnt == 0:  # a free block moves to the kept queue
+                self.free_queue.remove(block)
+                self.retained_queue.append(block)
+        return added
+
+    def expire_retention(self) -> int:
+        """Move free kept blocks whose time ran out to the head of the main queue."""
+        now = self.clock()
+        expired = [b for b in self.retained_queue if b.retain_until <= now]
+        for block in reversed(expired):  # keep their relative order at the head
+            self.retained_queue.remove(block)
+            self._unretain(block)
+            self.free_queue.appendleft(block)
+        return len(expired)
+
+    def _unretain(self, block: KVBlock) -> None:
+        if block.retain_until and block.tenant is not None:
+            self.num_retained[block.tenant] -= 1
+            if not self.num_retained[block.tenant]:
+                del self.num_retained[block.tenant]
+        block.retain_until = 0.0
+        block.tenant = None
 
     def cache_blocks(self, blocks: list[KVBlock], block_hashes: list[BlockHash]) -> None:
         """Record that ``blocks[i]`` holds the full block hashed ``block_hashes[i]``."""
@@ -187,6 +279,10 @@ class BlockPool:
         dropped = 0
         for block in list(self.cached.values()):
             if block.ref_cnt == 0:
+                if block.retain_until:
+                    self.retained_queue.remove(block)
+                    self._unretain(block)
+                    self.free_queue.append(block)
                 self._evict(block)
                 dropped += 1
         return dropped
@@ -198,11 +294,21 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Raise AssertionError if the pool's invariants do not hold."""
         free_ids = self.free_queue.block_ids()
-        assert len(free_ids) == len(set(free_ids)) == self.num_free_blocks, "free queue corrupt"
+        kept_ids = self.retained_queue.block_ids()
+        all_free = free_ids + kept_ids
+        assert len(all_free) == len(set(all_free)) == self.num_free_blocks, "free queues corrupt"
+        assert all(self.blocks[i].retain_until for i in kept_ids), "unkept block in kept queue"
+        assert not any(self.blocks[i].retain_until for i in free_ids), "kept block in main queue"
+        counts: dict[str, int] = {}
         for block in self.blocks:
             in_queue = block.prev_free is not None
             assert in_queue == (block.ref_cnt == 0), f"{block}: queue membership vs ref_cnt"
             assert block.ref_cnt >= 0
+            if block.retain_until:
+                assert block.tenant is not None and block.block_hash is not None
+                counts[block.tenant] = counts.get(block.tenant, 0) + 1
+        assert counts == self.num_retained, "per-tenant kept counts out of date"
+        assert all(n <= self.max_retained_per_tenant for n in counts.values())
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, f"{block}: index out of date"
         assert self.num_free_blocks + self.num_used_blocks == self.num_blocks

@@ -5,6 +5,10 @@ block's hash, the block's token ids and any extra keys. The root of every chain 
 hash of (model fingerprint, tenant namespace, optional salt), so the same block hash can never
 mean two different things: not across models, KV layouts, tenants or salts.
 
+Public prefixes (declared by the operator, e.g. a shared system prompt) hash under a public
+root instead; the first block after the public part descends from a junction hash that mixes
+in the tenant's root, so everything past the public part is the tenant's own again.
+
 Length prefixes make field boundaries unambiguous: ("ab", "c") and ("a", "bc") hash apart,
 which plain string concatenation does not guarantee.
 """
@@ -13,12 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 BlockHash = bytes
 
 _ROOT_DOMAIN = b"kvwise.root.v1"
 _BLOCK_DOMAIN = b"kvwise.block.v1"
+_JUNCTION_DOMAIN = b"kvwise.junction.v1"
+PUBLIC_TENANT = "\x00public"  # cannot collide with a tenant name (those are printable)
 
 
 def _field(data: bytes) -> bytes:
@@ -45,21 +51,9 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") 
     return h.digest()
 
 
-def hash_block_chain(
-    root: BlockHash,
-    token_ids: Sequence[int],
-    block_size: int,
-    start: int = 0,
-    parent: BlockHash | None = None,
-) -> Iterable[BlockHash]:
-    """Yield the hashes of the full blocks of ``token_ids`` from block index ``start``.
-
-    ``parent`` is the hash of block ``start - 1`` (``root`` when ``start == 0``).
-    """
-    prev = root if start == 0 else parent
-    if prev is None:
-        raise ValueError("parent: required when start > 0")
-    num_full_blocks = len(token_ids) // block_size
-    for i in range(start, num_full_blocks):
-        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size])
-        yield prev
+def junction_hash(public_parent: BlockHash, tenant_root: BlockHash) -> BlockHash:
+    """The parent of the first tenant block after a public prefix."""
+    h = hashlib.sha256(_field(_JUNCTION_DOMAIN))
+    h.update(_field(public_parent))
+    h.update(_field(tenant_root))
+    return h.digest()

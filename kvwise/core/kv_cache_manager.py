@@ -9,12 +9,21 @@ Token ranges of one request (block_size 4)::
 
 Only full blocks are hashed and cached. A prompt that is entirely cached still computes its
 last token, so a prefix hit covers at most ``(num_tokens - 1) // block_size`` blocks.
+
+Isolation: a request's hashes descend from the root of its (model, tenant, salt), so a hit
+is only possible within the same tenant and salt. The one exception is an operator-declared
+public prefix: the part of a prompt that matches one, rounded down to whole chunks of
+``public_min_tokens``, hashes under the public root and is shared by every tenant. The
+chunking means a tenant can learn at most "this N-token chunk of a declared public prefix is
+cached", never another tenant's prompt token by token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from kvwise.core.block_pool import BlockPool, KVBlock
-from kvwise.core.hashing import BlockHash, hash_block, root_hash
+from kvwise.core.hashing import PUBLIC_TENANT, BlockHash, hash_block, junction_hash, root_hash
 from kvwise.core.request import Request
 
 
@@ -25,13 +34,25 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         model_fingerprint: str = "",
+        public_prefixes: Sequence[Sequence[int]] = (),
+        public_min_tokens: int = 256,
+        max_retained_blocks_per_tenant: int | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
+        if public_min_tokens < block_size:
+            raise ValueError(
+                f"public_min_tokens: must be at least block_size ({block_size}), "
+                f"got {public_min_tokens}"
+            )
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.model_fingerprint = model_fingerprint
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.public_prefixes = [list(p) for p in public_prefixes]
+        self.public_min_tokens = public_min_tokens
+        kwargs = {} if clock is None else {"clock": clock}
+        self.pool = BlockPool(num_blocks, enable_caching, max_retained_blocks_per_tenant, **kwargs)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._roots: dict[tuple[str, str | None], BlockHash] = {}
         # prefix-cache statistics, in tokens
@@ -48,21 +69,42 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
-    def _root(self, request: Request) -> BlockHash:
-        key = (request.tenant, request.cache_salt)
+    def _root(self, tenant: str, salt: str | None) -> BlockHash:
+        key = (tenant, salt)
         if key not in self._roots:
-            self._roots[key] = root_hash(self.model_fingerprint, request.tenant, request.cache_salt)
+            self._roots[key] = root_hash(self.model_fingerprint, tenant, salt)
         return self._roots[key]
+
+    def num_public_blocks(self, token_ids: Sequence[int]) -> int:
+        """Leading blocks of ``token_ids`` shared as a public prefix (whole chunks only)."""
+        best = 0
+        for prefix in self.public_prefixes:
+            n = 0
+            limit = min(len(prefix), len(token_ids))
+            while n < limit and prefix[n] == token_ids[n]:
+                n += 1
+            best = max(best, n)
+        shared_tokens = best // self.public_min_tokens * self.public_min_tokens
+        return shared_tokens // self.block_size
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend ``request.block_hashes`` to cover the full blocks of the first tokens."""
+        if request.num_public_blocks is None:
+            prompt = request.token_ids[: request.num_prompt_tokens]
+            request.num_public_blocks = self.num_public_blocks(prompt)
+        num_public = request.num_public_blocks
         hashes = request.block_hashes
         num_full_blocks = num_tokens // self.block_size
-        parent = hashes[-1] if hashes else self._root(request)
         bs = self.block_size
         for i in range(len(hashes), num_full_blocks):
-            parent = hash_block(parent, request.token_ids[i * bs : (i + 1) * bs])
-            hashes.append(parent)
+            if i == 0:
+                tenant = PUBLIC_TENANT if num_public else request.tenant
+                parent = self._root(tenant, None if num_public else request.cache_salt)
+            elif i == num_public:
+                parent = junction_hash(hashes[-1], self._root(request.tenant, request.cache_salt))
+            else:
+                parent = hashes[-1]
+            hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a new request: (blocks, number of tokens they hold).
@@ -119,6 +161,9 @@ class KVCacheManager:
         num_full = request.num_computed_tokens // self.block_size
         blocks = self.req_to_blocks.get(request.request_id, [])
         self.pool.cache_blocks(blocks[:num_full], request.block_hashes[:num_full])
+        if request.retention_s:
+            until = self.pool.clock() + request.retention_s
+            self.pool.retain(blocks[:num_full], request.tenant, until)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so its tail is evicted before its head)."""
@@ -140,3 +185,12 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def kv_utilization(self, requests: Sequence[Request]) -> float:
+        """Tokens held by live sequences / token capacity of the blocks they hold."""
+        held = capacity = 0
+        for request in requests:
+            num_blocks = len(self.req_to_blocks.get(request.request_id, ()))
+            capacity += num_blocks * self.block_size
+            held += min(request.num_computed_tokens, num_blocks * self.block_size)
+        return held / capacity if capacity else 1.0

@@ -34,6 +34,7 @@ class Request:
         tenant: str = "default",
         cache_salt: str | None = None,
         arrival_time: float = 0.0,
+        retention_s: float | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
@@ -45,6 +46,7 @@ class Request:
         self.max_model_len = max_model_len
         self.tenant = tenant
         self.cache_salt = cache_salt
+        self.retention_s = retention_s  # keep this request's cached blocks this long
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -54,6 +56,7 @@ class Request:
         self.num_preemptions = 0
         self.output_logprobs: list[float] = []
         self.block_hashes: list[BlockHash] = []  # hashes of the full blocks of token_ids
+        self.num_public_blocks: int | None = None  # leading blocks hashed as a public prefix
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,15 @@ op = st.one_of(
     st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
     st.tuples(st.just("step"), st.integers(1, 3), st.just(0), st.just(0)),
     st.tuples(st.just("abort"), st.integers(0, 30), st.just(0), st.just(0)),
+    st.tuples(st.just("tick"), st.integers(1, 100), st.just(0), st.just(0)),
 )
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @settings(max_examples=150, deadline=None)
@@ -26,7 +34,14 @@ op = st.one_of(
     chunk=st.sampled_from([None, 3, 16]),
 )
 def test_invariants_after_every_operation(ops, num_blocks, block_size, caching, chunk):
-    manager = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    clock = Clock()
+    manager = KVCacheManager(
+        num_blocks,
+        block_size,
+        enable_caching=caching,
+        clock=clock,
+        max_retained_blocks_per_tenant=num_blocks // 3,
+    )
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=chunk)
     scheduler = Scheduler(config, manager, max_model_len=400)
     runner = FakeModelRunner(num_blocks, block_size)
@@ -37,7 +52,13 @@ def test_invariants_after_every_operation(ops, num_blocks, block_size, caching, 
             tokens = [prefix] * (a // 2) + list(range(a - a // 2))
             try:
                 scheduler.add_request(
-                    Request(str(next_id), tokens, SamplingParams(max_tokens=b, temperature=0))
+                    Request(
+                        str(next_id),
+                        tokens,
+                        SamplingParams(max_tokens=b, temperature=0),
+                        tenant=f"t{prefix % 2}",
+                        retention_s=[None, 30.0][a % 2],
+                    )
                 )
             except ValueError:
                 assert len(tokens) >= num_blocks * block_size
@@ -46,6 +67,8 @@ def test_invariants_after_every_operation(ops, num_blocks, block_size, caching, 
             for _ in range(a):
                 out = scheduler.schedule()
                 scheduler.update(out, runner.execute(out))
+        elif kind == "tick":
+            clock.now += a
         else:
             scheduler.finish_requests([str(a)], FinishReason.ABORT)
         manager.check_integrity()
