@@ -154,6 +154,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
         _report(out)
 
 
+def cmd_size(args: argparse.Namespace) -> int:
+    from kvwise.sizing import KVShape, report, shape_from_model
+    from kvwise.utils import parse_bytes
+
+    flags = (args.layers, args.heads, args.head_dim)
+    if any(f is not None for f in flags):
+        if any(f is None for f in flags):
+            raise ValueError("layers: --layers, --heads and --head-dim go together")
+        shape = KVShape(
+            args.layers, args.heads, args.kv_heads or args.heads, args.head_dim, args.dtype
+        )
+    else:
+        shape, name = shape_from_model(args.model, args.dtype)
+        print(f"model: {name}")
+    memory = parse_bytes(args.memory, "memory") if args.memory else None
+    print(report(shape, args.tokens, args.batch, memory))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvwise.bench import throughput
 
@@ -177,6 +196,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("size", help="KV-cache bytes per token, request and batch")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="config.json, HF directory or .gguf "
+        "(default: the default model); or give the shape with the flags below",
+    )
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: = heads)")
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument(
+        "--dtype",
+        default="float16",
+        choices=["float32", "float16", "bfloat16", "fp8", "int8", "int4"],
+    )
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per request")
+    p.add_argument("--batch", type=int, default=16, help="requests per batch")
+    p.add_argument("--memory", default=None, help="how many tokens fit in this, e.g. 24GiB")
+    p.set_defaults(func=cmd_size)
 
     p = sub.add_parser("bench", help="benchmarks against peers")
     bench_sub = p.add_subparsers(dest="bench", required=True)

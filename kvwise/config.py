@@ -43,12 +43,31 @@ class CacheConfig:
     kv_cache_memory_fraction: float = 0.2
     enable_kv_cache: bool = True  # False: recompute the whole prefix at every step
     enable_prefix_caching: bool = True
+    public_prefixes: tuple[str, ...] = ()  # texts whose KV every tenant may share
+    public_prefix_min_tokens: int = 256  # public prefixes are shared in chunks of this size
+    max_retained_fraction_per_tenant: float = 0.5  # share of the pool one tenant may keep
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
         if self.kv_cache_memory is not None:
             object.__setattr__(
                 self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+            )
+        if isinstance(self.public_prefixes, str):
+            object.__setattr__(self, "public_prefixes", (self.public_prefixes,))
+        object.__setattr__(self, "public_prefixes", tuple(self.public_prefixes))
+        if not all(isinstance(p, str) and p for p in self.public_prefixes):
+            raise ValueError("public_prefixes: each must be a non-empty string")
+        _positive_int("public_prefix_min_tokens", self.public_prefix_min_tokens)
+        if self.public_prefix_min_tokens < self.block_size:
+            raise ValueError(
+                f"public_prefix_min_tokens: must be at least block_size ({self.block_size}), "
+                f"got {self.public_prefix_min_tokens}"
+            )
+        if not 0 <= self.max_retained_fraction_per_tenant <= 1:
+            raise ValueError(
+                "max_retained_fraction_per_tenant: must be in [0, 1], "
+                f"got {self.max_retained_fraction_per_tenant}"
             )
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError(

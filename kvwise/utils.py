@@ -49,3 +49,28 @@ def format_bytes(num_bytes: float) -> str:
             return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
         num_bytes /= 1024
     raise AssertionError("unreachable")
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: int | float | str, field: str) -> float:
+    """Parse ``"30s"``, ``"5m"``, ``"1h"``, ``"24h"`` or a number of seconds.
+
+    Raises:
+        ValueError: naming ``field`` when the value is not a positive duration.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{field}: expected a duration such as '1h', got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", str(value))
+        if not match:
+            raise ValueError(
+                f"{field}: expected a duration such as '30s', '5m' or '1h', got {value!r}"
+            )
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
+    if not seconds > 0:
+        raise ValueError(f"{field}: must be positive, got {value!r}")
+    return seconds

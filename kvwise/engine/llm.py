@@ -28,6 +28,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         tenant: str = "default",
         cache_salt: str | None = None,
+        retention: str | float | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; results come back in prompt order.
 
@@ -47,7 +48,11 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         try:
             for prompt, p in zip(prompt_list, params_list, strict=True):
-                ids.append(engine.add_request(prompt, p, tenant=tenant, cache_salt=cache_salt))
+                ids.append(
+                    engine.add_request(
+                        prompt, p, tenant=tenant, cache_salt=cache_salt, retention=retention
+                    )
+                )
             while len(results) < len(ids):
                 for output in engine.step():
                     if output.finished:
@@ -63,13 +68,16 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         tenant: str = "default",
         cache_salt: str | None = None,
+        retention: str | float | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several."""
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if not conversations or not all(isinstance(c, list) for c in conversations):
             raise ValueError("conversations: expected a list of messages or a list of those")
-        return self.generate(list(conversations), params, tenant=tenant, cache_salt=cache_salt)
+        return self.generate(
+            list(conversations), params, tenant=tenant, cache_salt=cache_salt, retention=retention
+        )
 
     def stream(
         self,

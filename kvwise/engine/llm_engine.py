@@ -20,7 +20,7 @@ from kvwise.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
 from kvwise.engine.tokenizer import Tokenizer
 from kvwise.models.loader import LoadedModel, load_model
 from kvwise.types import FinishReason, RequestMetrics, RequestOutput, SamplingParams
-from kvwise.utils import format_bytes
+from kvwise.utils import format_bytes, parse_duration
 from kvwise.worker.kv_cache import PagedKVCache
 from kvwise.worker.model_runner import ModelRunner
 
@@ -83,11 +83,16 @@ class LLMEngine:
                 f"kv_cache_memory: {format_bytes(cache.kv_cache_bytes())} holds fewer than two "
                 f"blocks of {format_bytes(block_bytes)}"
             )
+        # NOTE: the fingerprint is the root of every block hash: weights, dtype and KV layout.
+        kv_layout = f"L{arch.num_layers}.KV{arch.num_kv_heads}.D{arch.head_dim}.B{cache.block_size}"
         self.kv_manager = KVCacheManager(
             num_blocks,
             cache.block_size,
             enable_caching=cache.enable_prefix_caching and cache.enable_kv_cache,
-            model_fingerprint=f"{loaded.fingerprint}/{config.model.dtype}/bs{cache.block_size}",
+            model_fingerprint=f"{loaded.fingerprint}/{config.model.dtype}/{kv_layout}",
+            public_prefixes=[self.tokenizer.encode(p) for p in cache.public_prefixes],
+            public_min_tokens=cache.public_prefix_min_tokens,
+            max_retained_blocks_per_tenant=int(num_blocks * cache.max_retained_fraction_per_tenant),
         )
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, self.max_model_len, cache.enable_kv_cache
@@ -136,8 +141,16 @@ class LLMEngine:
         request_id: str | None = None,
         tenant: str = "default",
         cache_salt: str | None = None,
+        retention: str | float | None = None,
     ) -> str:
+        """Queue a prompt. ``retention`` ("1h", seconds, or None for the default LRU) asks to
+        keep the request's cached prefix; kept blocks are evicted after all others."""
         params = params or SamplingParams()
+        retention_s = (
+            None if retention in (None, "default") else parse_duration(retention, "retention")
+        )
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt: must be a string")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         if not isinstance(tenant, str) or not tenant:
@@ -155,6 +168,7 @@ class LLMEngine:
             tenant=tenant,
             cache_salt=cache_salt,
             arrival_time=now,
+            retention_s=retention_s,
         )
         self.scheduler.add_request(request)
         self._states[request_id] = _RequestState(
@@ -255,7 +269,19 @@ class LLMEngine:
             "prefix_query_tokens": queries,
             "prefix_hit_tokens": hits,
             "prefix_hit_rate": hits / queries if queries else 0.0,
+            "kv_blocks_kept": sum(pool.num_retained.values()),
+            "kv_utilization": self.kv_manager.kv_utilization(self.scheduler.running),
         }
+
+    def add_public_prefix(self, prompt: Prompt) -> int:
+        """Declare a prefix every tenant may share (e.g. a system prompt); chat messages are
+        rendered without a generation prompt. Returns its length in tokens."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            token_ids = self.tokenizer.encode_chat(prompt, add_generation_prompt=False)
+        else:
+            token_ids = self.tokenize(prompt)
+        self.kv_manager.public_prefixes.append(token_ids)
+        return len(token_ids)
 
     def check_integrity(self) -> None:
         self.kv_manager.check_integrity()

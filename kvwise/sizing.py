@@ -1,0 +1,114 @@
+"""KV-cache arithmetic for ``kvwise size``. No torch.
+
+KV bytes per token = 2 (K and V) × layers × kv_heads × head_dim × bytes per element. With
+multi-head attention kv_heads = heads; grouped-query attention shares each K/V head among
+several query heads (kv_heads < heads); multi-query attention keeps one (kv_heads = 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: {self.num_kv_heads} must divide num_heads ({self.num_heads})"
+            )
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @property
+    def bytes_per_token(self) -> float:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def attention_kind(self) -> str:
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    def with_kv_heads(self, num_kv_heads: int) -> KVShape:
+        return KVShape(self.num_layers, self.num_heads, num_kv_heads, self.head_dim, self.dtype)
+
+
+def shape_from_model(path: str | Path | None, dtype: str) -> tuple[KVShape, str]:
+    """Read a config.json, an HF directory or a GGUF (None: the default model)."""
+    import json
+
+    from kvwise.models.arch import ModelArchConfig
+    from kvwise.models.default import default_model_path
+
+    p = Path(path) if path is not None else default_model_path()
+    if not p.exists():
+        raise ValueError(f"model: path '{p}' does not exist")
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        p = p / "config.json" if (p / "config.json").exists() or not ggufs else ggufs[0]
+    if p.suffix == ".gguf":
+        from kvwise.models.gguf_weights import open_gguf
+
+        arch = ModelArchConfig.from_gguf(open_gguf(p))
+    else:
+        try:
+            arch = ModelArchConfig.from_hf_config(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"model: cannot read '{p}': {e}") from e
+    shape = KVShape(arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim, dtype)
+    return shape, p.name
+
+
+def _gb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e9:,.2f} GB ({num_bytes / 2**30:,.2f} GiB)"
+
+
+def report(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None) -> str:
+    """A plain-text report: per token, per request, per batch, what fits, MHA/GQA/MQA."""
+    per_token = shape.bytes_per_token
+    lines = [
+        f"{shape.num_layers} layers, {shape.num_heads} query heads, {shape.num_kv_heads} KV "
+        f"heads ({shape.attention_kind}), head_dim {shape.head_dim}, {shape.dtype}",
+        f"KV per token:   2 x {shape.num_layers} x {shape.num_kv_heads} x {shape.head_dim} x "
+        f"{DTYPE_BYTES[shape.dtype]} B = {per_token:,.0f} B ({per_token / 1024:,.1f} KiB)",
+        f"per request:    {num_tokens:,} tokens = {_gb(per_token * num_tokens)}",
+        f"per batch:      {batch} x {num_tokens:,} tokens = {_gb(per_token * num_tokens * batch)}",
+    ]
+    if memory_bytes is not None:
+        fit = int(memory_bytes // per_token)
+        lines.append(
+            f"in {_gb(memory_bytes)}: {fit:,} tokens = {fit // num_tokens:,} requests of "
+            f"{num_tokens:,} tokens"
+        )
+    lines += [
+        "",
+        "| attention | KV heads | per token | per request | per batch | vs MHA |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    variants = [shape.num_heads]
+    for kv in (shape.num_heads // 4, shape.num_heads // 8, shape.num_kv_heads, 1):
+        if kv >= 1 and shape.num_heads % kv == 0 and kv not in variants:
+            variants.append(kv)
+    mha = shape.with_kv_heads(shape.num_heads).bytes_per_token
+    for kv in sorted(variants, reverse=True):
+        s = shape.with_kv_heads(kv)
+        b = s.bytes_per_token
+        lines.append(
+            f"| {s.attention_kind} | {kv} | {b / 1024:,.1f} KiB | {b * num_tokens / 1e9:,.2f} GB "
+            f"| {b * num_tokens * batch / 1e9:,.2f} GB | {b / mha:.3f}x |"
+        )
+    return "\n".join(lines)
