@@ -174,9 +174,9 @@ def cmd_size(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvwise.bench import throughput
+    import importlib
 
-    return throughput.main(args)
+    return importlib.import_module(f"kvwise.bench.{args.bench}").main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     from kvwise.bench.throughput import add_args
 
     add_args(b)
+    _add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench_sub.add_parser(
+        "prefix", help="prefix caching: cached vs cold TTFT, overhead, KV memory utilisation"
+    )
+    from kvwise.bench.prefix import add_args as add_prefix_args
+
+    add_prefix_args(b)
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     return parser

@@ -1,0 +1,114 @@
+"""Prefix caching on the real model: hits never change the answer; tenants and salts never
+share; multi-turn chat reuses the previous turn."""
+
+import pytest
+
+from kvwise.types import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+DOC = " ".join(
+    f"Fact {i}: the {i}th lighthouse on the coast was built in {1800 + i}." for i in range(12)
+)
+
+
+def run(engine, prompt, params=GREEDY, **kw):
+    rid = engine.add_request(prompt, params, **kw)
+    result = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished and out.request_id == rid:
+                result = out
+    engine.check_integrity()
+    return result
+
+
+@pytest.fixture(scope="module")
+def cold(make_engine):
+    """Reference outputs with prefix caching off."""
+    engine = make_engine(enable_prefix_caching=False)
+    return {p: run(engine, p).token_ids for p in (DOC, DOC + " And then", DOC[:200])}
+
+
+def test_hits_do_not_change_greedy_output(make_engine, cold):
+    engine = make_engine()
+    first = run(engine, DOC)
+    assert first.num_cached_tokens == 0 and first.token_ids == cold[DOC]
+    # the whole prompt cached: only its last token is computed
+    again = run(engine, DOC)
+    n = again.num_prompt_tokens
+    assert again.num_cached_tokens == (n - 1) // 16 * 16
+    assert again.token_ids == cold[DOC]
+    # a longer prompt sharing the prefix
+    longer = run(engine, DOC + " And then")
+    assert longer.num_cached_tokens > 0 and longer.token_ids == cold[DOC + " And then"]
+    # a prompt ending inside a cached block
+    part = run(engine, DOC[:200])
+    assert part.num_cached_tokens > 0 and part.token_ids == cold[DOC[:200]]
+    stats = engine.stats()
+    assert stats["prefix_hit_tokens"] > 0 and 0 < stats["prefix_hit_rate"] < 1
+
+
+def test_revived_free_blocks_give_same_output(make_engine, cold):
+    engine = make_engine()
+    run(engine, DOC)
+    assert engine.kv_manager.pool.num_cached_free_blocks > 0  # finished, freed, still cached
+    revived = run(engine, DOC)
+    assert revived.num_cached_tokens > 0 and revived.token_ids == cold[DOC]
+
+
+def test_tenants_and_salts_never_share(make_engine):
+    engine = make_engine()
+    a = run(engine, DOC, tenant="alice")
+    full_blocks = (a.num_prompt_tokens - 1) // 16 * 16
+    assert a.num_cached_tokens == 0
+    assert run(engine, DOC, tenant="bob").num_cached_tokens == 0
+    assert run(engine, DOC, tenant="alice").num_cached_tokens == full_blocks
+    assert run(engine, DOC, tenant="alice", cache_salt="s1").num_cached_tokens == 0
+    assert run(engine, DOC, tenant="alice", cache_salt="s1").num_cached_tokens == full_blocks
+
+
+def test_public_prefix_shared_across_tenants(make_engine):
+    system = [{"role": "system", "content": DOC}]
+    engine = make_engine(public_prefix_min_tokens=64)
+    n = engine.add_public_prefix(system)
+    a = run(engine, system + [{"role": "user", "content": "Which is the 3rd?"}], tenant="a")
+    b = run(engine, system + [{"role": "user", "content": "Which is the 5th?"}], tenant="b")
+    assert a.num_cached_tokens == 0
+    assert b.num_cached_tokens == n // 64 * 64  # whole 64-token chunks of the system prompt
+
+
+def test_multi_turn_chat_reuses_previous_turn(make_engine):
+    """Turn n+1 hits every full block of turn n's prompt and answer.
+
+    This holds when the chat template re-renders history exactly as it was generated;
+    SmolLM2's template does (the answer's tokens round-trip through its text).
+    """
+    engine = make_engine()
+    params = SamplingParams(max_tokens=40, temperature=0)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    previous_len = None
+    for turn in range(3):
+        out = run(engine, messages, params)
+        if previous_len is not None:
+            # the last answer token was sampled but never computed, so it holds no KV
+            assert out.num_cached_tokens == (previous_len - 1) // 16 * 16, (
+                f"turn {turn}: {out.num_cached_tokens} cached of {previous_len} previous tokens"
+            )
+        previous_len = out.num_prompt_tokens + len(out.token_ids)
+        retokenized = engine.tokenizer.encode(out.text, add_special_tokens=False)
+        assert retokenized == out.token_ids[: len(retokenized)], "answer does not round-trip"
+        messages += [
+            {"role": "assistant", "content": out.text},
+            {"role": "user", "content": ["And three more.", "Thanks, one more?"][turn % 2]},
+        ]
+
+
+def test_retention_keeps_prefix_through_pressure(make_engine):
+    engine = make_engine(kv_cache_memory="16MiB")  # ~22 blocks of 16 tokens
+    kept = run(engine, DOC, retention="1h")
+    assert engine.stats()["kv_blocks_kept"] > 0
+    for i in range(6):  # unrelated traffic that would evict plain LRU blocks
+        run(engine, f"Unrelated prompt number {i}: " + "lorem ipsum " * 20)
+    again = run(engine, DOC)
+    assert again.num_cached_tokens == (kept.num_prompt_tokens - 1) // 16 * 16
+    assert again.token_ids == kept.token_ids
