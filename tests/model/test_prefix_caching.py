@@ -104,11 +104,17 @@ def test_multi_turn_chat_reuses_previous_turn(make_engine):
 
 
 def test_retention_keeps_prefix_through_pressure(make_engine):
-    engine = make_engine(kv_cache_memory="16MiB")  # ~22 blocks of 16 tokens
+    engine = make_engine(kv_cache_memory="32MiB")  # 45 blocks; one tenant may keep 22
     kept = run(engine, DOC, retention="1h")
     assert engine.stats()["kv_blocks_kept"] > 0
-    for i in range(6):  # unrelated traffic that would evict plain LRU blocks
+    for i in range(6):  # unrelated traffic (17 blocks each) that evicts plain LRU blocks
         run(engine, f"Unrelated prompt number {i}: " + "lorem ipsum " * 20)
     again = run(engine, DOC)
     assert again.num_cached_tokens == (kept.num_prompt_tokens - 1) // 16 * 16
     assert again.token_ids == kept.token_ids
+    # the same traffic without retention loses the prefix
+    plain = make_engine(kv_cache_memory="32MiB")
+    run(plain, DOC)
+    for i in range(6):
+        run(plain, f"Unrelated prompt number {i}: " + "lorem ipsum " * 20)
+    assert run(plain, DOC).num_cached_tokens < again.num_cached_tokens
