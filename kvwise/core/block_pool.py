@@ -5,10 +5,12 @@ Contract:
   (``ref_cnt == 0``, in the free queue). ``num_free + num_used == num_blocks`` always.
 - A free block may still hold a cached hash (lazy eviction): it stays reusable through
   ``get_cached_block`` until ``get_new_blocks`` takes it for new work, which evicts it.
-- The free queue's order *is* the eviction order: the head is taken first. Freed blocks are
-  appended at the tail, so the least recently freed block goes first; callers free a
-  sequence's blocks tail-first so that, within one sequence, its tail is evicted before its
-  head (the head is more likely to be shared by the next request).
+- The free queue's order *is* the eviction order: the head is taken first. Freed cached
+  blocks are appended at the tail, so the least recently freed block goes first; callers free
+  a sequence's blocks tail-first so that, within one sequence, its tail is evicted before its
+  head (the head is more likely to be shared by the next request). Freed blocks without a
+  hash hold nothing worth keeping and go to the head, so they are reused before any cached
+  block is evicted.
 - Retention: a block a request asked to keep (``retain``) goes, once free, to a second queue
   that is evicted only when the main queue is empty, and returns to the main queue (at its
   head: it is old) when its time runs out. A per-tenant cap bounds how many blocks one tenant
@@ -194,6 +196,7 @@ class BlockPool:
         """Drop one reference from each block; blocks reaching zero join the queue's tail in
         the given order (so pass a sequence's blocks tail-first)."""
         now = self.clock()
+        empty = []
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
@@ -201,8 +204,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.retain_until and block.retain_until <= now:
                     self._unretain(block)
-                queue = self.retained_queue if block.retain_until else self.free_queue
-                queue.append(block)
+                if block.block_hash is None:
+                    empty.append(block)
+                else:
+                    queue = self.retained_queue if block.retain_until else self.free_queue
+                    queue.append(block)
+        # NOTE: a block without a hash holds nothing reusable: it goes to the head, to be
+        # reused before any cached block is evicted (and its neighbours' ids stay together).
+        for block in reversed(empty):
+            self.free_queue.appendleft(block)
 
     # ---- retention ----------------------------------------------------------------------
 

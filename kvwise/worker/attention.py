@@ -26,6 +26,7 @@ class PrefillChunk:
     token_end: int
     start_pos: int  # position of the first row in its sequence
     block_table: torch.Tensor  # (1, num_blocks) long
+    first_block: int | None = None  # set when the table is consecutive ids from here
 
 
 @dataclass
@@ -39,6 +40,7 @@ class AttentionMetadata:
     decode_ctx_len: int  # longest decode context (keys beyond it are not gathered)
     decode_rows_contiguous: bool  # decode rows are 0..Bd-1
     prefills: list[PrefillChunk]
+    decode_first_block: int | None = None  # one decode whose blocks are consecutive ids
 
 
 class TorchSDPAAttention:
@@ -72,7 +74,8 @@ class TorchSDPAAttention:
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
 
         if meta.decode_rows is not None:
-            kc, vc = cache.gather(layer, meta.decode_block_table)  # (Bd, L, kv_heads, head_dim)
+            # (Bd, L, kv_heads, head_dim) each
+            kc, vc = cache.gather(layer, meta.decode_block_table, meta.decode_first_block)
             ctx = meta.decode_ctx_len
             kc = kc[:, :ctx].transpose(1, 2)  # (Bd, kv_heads, ctx, head_dim)
             vc = vc[:, :ctx].transpose(1, 2)
@@ -105,7 +108,7 @@ class TorchSDPAAttention:
                 )
             else:
                 ctx = chunk.start_pos + n
-                kc, vc = cache.gather(layer, chunk.block_table)
+                kc, vc = cache.gather(layer, chunk.block_table, chunk.first_block)
                 kp = kc[:, :ctx].transpose(1, 2)  # (1, kv_heads, ctx, head_dim)
                 vp = vc[:, :ctx].transpose(1, 2)
                 q_pos = torch.arange(chunk.start_pos, ctx).unsqueeze(1)  # (n, 1)

@@ -51,6 +51,7 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
                     token_end=row + n,
                     start_pos=item.start_pos,
                     block_table=torch.tensor([table[:num_blocks]], dtype=torch.long),
+                    first_block=_first_if_consecutive(table[:num_blocks]),
                 )
             )
         if item.sample:
@@ -76,6 +77,9 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
             mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens
             decode_mask = mask[:, None, None, :]  # (Bd, 1, 1, L)
 
+    decode_first_block = None
+    if len(decodes) == 1:
+        decode_first_block = _first_if_consecutive(decodes[0].block_ids[: len(decode_table[0])])
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         decode_rows=decode_rows,
@@ -84,6 +88,7 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
         decode_ctx_len=decode_ctx_len,
         decode_rows_contiguous=True,
         prefills=chunks,
+        decode_first_block=decode_first_block,
     )
     return InputBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
@@ -91,4 +96,15 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
         attn_meta=meta,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long),
         sample_requests=sample_requests,
+    )
+
+
+def _first_if_consecutive(block_ids: list[int]) -> int | None:
+    """The first id when ``block_ids`` are consecutive (the cache can be sliced, not gathered)."""
+    first = block_ids[0]
+    return (
+        first
+        if block_ids[-1] - first == len(block_ids) - 1
+        and block_ids == list(range(first, first + len(block_ids)))
+        else None
     )

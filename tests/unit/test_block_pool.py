@@ -14,12 +14,27 @@ def test_allocation_takes_blocks_in_queue_order():
     pool.check_integrity()
 
 
-def test_freed_blocks_join_tail_in_given_order():
+def test_freed_cached_blocks_join_tail_in_given_order():
     pool = BlockPool(4)
     blocks = pool.get_new_blocks(3)  # 0, 1, 2
+    pool.cache_blocks(blocks, [b"h0", b"h1", b"h2"])
     pool.free_blocks(reversed(blocks))  # tail first
     assert pool.free_queue.block_ids() == [3, 2, 1, 0]
     assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 2]
+
+
+def test_freed_blocks_without_hash_go_to_head_before_cached_ones():
+    pool = BlockPool(5)
+    a = pool.get_new_blocks(2)  # 0, 1: cached
+    b = pool.get_new_blocks(2)  # 2, 3: never filled (no hash)
+    pool.cache_blocks(a, [b"h0", b"h1"])
+    pool.free_blocks(reversed(a))
+    pool.free_blocks(reversed(b))
+    assert pool.free_queue.block_ids() == [3, 2, 4, 1, 0]
+    # new work takes the empty blocks first and evicts nothing
+    pool.get_new_blocks(3)
+    assert pool.take_events()[-1].block_ids == (0, 1)  # only the BlockStored event
+    assert pool.num_evictions == 0
 
 
 def test_lazy_eviction_keeps_hash_until_reused():
