@@ -1,4 +1,4 @@
-"""Command line: ``kvwise generate | chat | bench``. Every command has ``--help``."""
+"""Command line: ``kvwise generate | chat | size | serve | bench``; each has ``--help``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -173,6 +174,45 @@ def cmd_size(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from kvwise.config import EngineConfig
+    from kvwise.engine.llm_engine import LLMEngine
+    from kvwise.models.default import DEFAULT_MODEL_NAME
+    from kvwise.server import create_app, parse_api_keys
+
+    keys = parse_api_keys(args.api_key, os.environ.get("KVWISE_API_KEYS"))
+    config = EngineConfig.from_kwargs(**engine_kwargs(args), max_waiting=args.max_waiting)
+    if args.served_model_name:
+        name = args.served_model_name
+    elif args.model:
+        name = Path(args.model).stem if args.model.endswith(".gguf") else Path(args.model).name
+    else:
+        name = DEFAULT_MODEL_NAME
+    engine = LLMEngine(config)
+    app = create_app(engine, api_keys=keys, model_name=name)
+    logging.getLogger("kvwise").info(
+        "serving %s on http://%s:%d/v1 (%s)",
+        name,
+        args.host,
+        args.port,
+        f"{len(keys)} API keys" if keys else "no API keys: every request is tenant 'default'",
+    )
+    # uvicorn turns SIGTERM and Ctrl-C into a graceful shutdown: stop accepting, give open
+    # requests --shutdown-timeout seconds, then the app's lifespan stops the engine loop.
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="debug" if args.verbose else "info",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -217,6 +257,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16, help="requests per batch")
     p.add_argument("--memory", default=None, help="how many tokens fit in this, e.g. 24GiB")
     p.set_defaults(func=cmd_size)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY=TENANT",
+        help="accept Bearer KEY as TENANT (repeatable; also KVWISE_API_KEYS='k1=a,k2=b'); "
+        "with keys set, requests without a valid key get 401",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="bounded waiting queue: past it requests get 429 with Retry-After",
+    )
+    p.add_argument("--served-model-name", default=None, help="the model name clients send")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds open requests get to finish on SIGTERM / Ctrl-C",
+    )
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="benchmarks against peers")
     bench_sub = p.add_subparsers(dest="bench", required=True)

@@ -1,0 +1,339 @@
+"""One engine, many asyncio callers: the step loop on its own thread, outputs through queues.
+
+Contract:
+
+- Every `LLMEngine` call (add_request, step, abort, stats, check_integrity) runs on the engine
+  thread. Other threads never touch the engine: they post commands (`submit`) that the thread
+  runs between two steps, in the order they were posted.
+- `add_request` returns a `RequestStream` only once the request is admitted, so admission errors
+  surface before any output: `ValueError` naming the field (bad prompt, prompt over the
+  context) and `QueueFullError` when the scheduler's bounded waiting queue is full.
+- A stream closed before its request finished (the caller was cancelled, the client went away)
+  aborts the request; the abort runs before the next step, so its blocks are free at once.
+- A step that raises fails the requests in flight (their streams raise `EngineStepError`), which
+  are aborted; the loop goes on if the pool passes its integrity check, else the engine is dead
+  and every later call raises `EngineDeadError`.
+
+The step itself (a model forward on CPU) holds the thread for its whole length; the event loop
+that serves HTTP never waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvwise.engine.llm_engine import LLMEngine, Prompt
+from kvwise.types import RequestOutput, SamplingParams
+
+logger = logging.getLogger("kvwise")
+
+_T = TypeVar("_T")
+
+
+class QueueFullError(Exception):
+    """The waiting queue is full: retry after ``retry_after_s`` seconds (HTTP 429)."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(f"the server is busy (waiting queue full); retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class EngineStepError(RuntimeError):
+    """A step failed while this request was in flight; the request was aborted."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (shut down, or broken by a failed step)."""
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput | BaseException items
+
+
+class RequestStream:
+    """The outputs of one admitted request, as an async iterator.
+
+    Iteration ends after the output with ``finished=True``. ``close()`` aborts the request if it
+    has not finished; call it in a ``finally`` (``AsyncEngine.generate`` does).
+    """
+
+    def __init__(self, owner: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue = queue
+        self.finished = False
+        self.last: RequestOutput | None = None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.last = item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it finished (idempotent, never blocks)."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs one `LLMEngine` on a background thread and serves it to asyncio code.
+
+    Args:
+        engine: the engine; from now on only the engine thread may call it.
+        retry_after_s: the Retry-After hint carried by `QueueFullError`.
+    """
+
+    def __init__(self, engine: LLMEngine, retry_after_s: int = 1) -> None:
+        self.engine = engine
+        self.retry_after_s = retry_after_s
+        self.max_model_len = engine.max_model_len  # immutable: readable from any thread
+        self._commands: collections.deque[tuple[Callable, concurrent.futures.Future]] = (
+            collections.deque()
+        )
+        self._wake = threading.Event()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: str | None = None  # why the loop is not running
+        self._stats: dict[str, float | int] = engine.stats()
+        self._lock = threading.Lock()  # guards start/shutdown and the dead flag
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            if self._dead:
+                raise EngineDeadError(self._dead)
+            self._thread = threading.Thread(target=self._run, name="kvwise-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop after the current step; requests in flight are aborted and their
+        streams raise `EngineDeadError`. Safe to call from any thread, more than once."""
+        with self._lock:
+            self._stopping = True
+            thread = self._thread
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive() and not self._dead
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    # ---- commands -------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[[LLMEngine], _T]) -> concurrent.futures.Future[_T]:
+        """Run ``fn(engine)`` on the engine thread between two steps; returns its future."""
+        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        if threading.current_thread() is self._thread:
+            _run_command(fn, self.engine, future)
+            return future
+        with self._lock:  # NOTE: so that no command lands after the exit drain (it would hang)
+            if self._dead or self._stopping:
+                future.set_exception(EngineDeadError(self._dead or "the engine is shutting down"))
+                return future
+            self._commands.append((fn, future))
+        self._wake.set()
+        return future
+
+    async def call(self, fn: Callable[[LLMEngine], _T]) -> _T:
+        """``await`` form of `submit`."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def call_sync(self, fn: Callable[[LLMEngine], _T], timeout: float | None = 30.0) -> _T:
+        """Blocking form of `submit`, for threads that are not the engine's (tests, tools)."""
+        return self.submit(fn).result(timeout)
+
+    def stats(self) -> dict[str, float | int]:
+        """`LLMEngine.stats()` as of the last step or command (never waits for a step)."""
+        return dict(self._stats)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        tenant: str = "default",
+        cache_salt: str | None = None,
+        retention: str | float | None = None,
+    ) -> RequestStream:
+        """Admit a request and return its output stream.
+
+        Raises:
+            ValueError: bad input, naming the field (``"prompt: ..."``).
+            QueueFullError: the waiting queue is full.
+            EngineDeadError: the engine loop is not running.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        retry_after_s = self.retry_after_s
+
+        def add(engine: LLMEngine) -> None:
+            try:
+                engine.add_request(
+                    prompt,
+                    params,
+                    request_id=request_id,
+                    tenant=tenant,
+                    cache_salt=cache_salt,
+                    retention=retention,
+                )
+            except OverflowError:
+                raise QueueFullError(retry_after_s) from None
+            self._sinks[request_id] = _Sink(loop, queue)
+
+        try:
+            await asyncio.wrap_future(self.submit(add))
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may have run already; abort after it is a no-op
+            raise
+        return RequestStream(self, request_id, queue)
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, **kwargs: Any
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs; leaving the loop early aborts it."""
+        stream = await self.add_request(prompt, params, **kwargs)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (fire and forget); unknown or finished ids are ignored."""
+
+        def abort(engine: LLMEngine) -> None:
+            self._sinks.pop(request_id, None)
+            engine.abort([request_id])
+
+        self.submit(abort)
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                # NOTE: clear before draining, so a command posted after the drain wakes the wait.
+                self._wake.clear()
+                self._run_commands()
+                if self._stopping:
+                    break
+                if engine.has_unfinished():
+                    self._step()
+                else:
+                    self._stats = engine.stats()
+                    self._wake.wait()
+        except BaseException as exc:  # noqa: BLE001 - the loop must report why it ended
+            logger.exception("engine loop crashed")
+            reason = f"the engine loop crashed: {exc!r}"
+        else:
+            reason = "the engine is shut down"
+        with self._lock:
+            self._dead = reason
+        self._close_all(EngineDeadError(reason))
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, future = self._commands.popleft()
+            _run_command(fn, self.engine, future)
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; aborting the requests in flight")
+            ids = list(engine.scheduler.requests)
+            engine.abort(ids)
+            error = EngineStepError(f"the engine step failed: {exc!r}")
+            self._deliver([(self._sinks.pop(rid), error) for rid in ids if rid in self._sinks])
+            engine.check_integrity()  # raises (the loop dies) if the pool is now inconsistent
+            self._stats = engine.stats()
+            return
+        items = []
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            items.append((sink, out))
+        self._deliver(items)
+        self._stats = engine.stats()
+
+    def _deliver(self, items: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
+        """Hand outputs to their event loops: one thread-safe callback per loop per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for sink, item in items:
+            by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                pass
+
+    def _close_all(self, error: BaseException) -> None:
+        """On exit: fail pending commands, abort what is in flight, end every open stream."""
+        while self._commands:
+            _, future = self._commands.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        try:
+            ids = list(self.engine.scheduler.requests)
+            if ids:
+                self.engine.abort(ids)
+            self._stats = self.engine.stats()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            logger.exception("aborting requests at shutdown failed")
+        sinks, self._sinks = self._sinks, {}
+        self._deliver([(sink, error) for sink in sinks.values()])
+
+
+def _run_command(fn: Callable, engine: LLMEngine, future: concurrent.futures.Future) -> None:
+    if not future.set_running_or_notify_cancel():
+        return  # the caller gave up before it ran
+    try:
+        future.set_result(fn(engine))
+    except Exception as exc:
+        future.set_exception(exc)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)

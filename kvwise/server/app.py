@@ -1,0 +1,323 @@
+"""The OpenAI-compatible HTTP app: JSON in, typed engine requests out, JSON / SSE back.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (``stream``: server-sent events ending
+with ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+
+Tenants: with API keys configured, every /v1 route needs ``Authorization: Bearer KEY`` (401
+otherwise) and the key alone names the tenant, so one tenant's prompts never hit another's
+cache. Without keys every request is tenant ``default``. /health and /metrics are open.
+
+Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
+(naming the field), 401, 404 unknown model or route, 429 (with Retry-After) when the engine's
+waiting queue is full, 503 when the engine is down. A client that disconnects, streaming or
+not, has its request aborted and its KV blocks freed before the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvwise.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+    RequestStream,
+)
+from kvwise.engine.llm_engine import LLMEngine
+from kvwise.server.metrics import ServerMetrics
+from kvwise.server.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    Usage,
+)
+from kvwise.server.transport import (
+    AuthAndCount,
+    SSEResponse,
+    collect_or_disconnect,
+    install_error_handlers,
+)
+from kvwise.types import RequestOutput
+
+logger = logging.getLogger("kvwise.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_FIELD_MESSAGE = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+_ERRORS = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in (
+        (400, "bad input; `param` names the field"),
+        (401, "missing or invalid API key"),
+        (404, "unknown model"),
+        (429, "waiting queue full; see Retry-After"),
+        (503, "engine not running"),
+    )
+}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def create_app(
+    engine: AsyncEngine | LLMEngine,
+    api_keys: dict[str, str] | None = None,
+    model_name: str = "kvwise",
+    *,
+    default_completion_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
+) -> FastAPI:
+    """Build the app over one engine.
+
+    Args:
+        engine: an `AsyncEngine` (the caller owns it: the app starts it but never shuts it
+            down) or an `LLMEngine` (wrapped; shut down with the app).
+        api_keys: key → tenant; None or empty: no auth, every request is tenant ``default``.
+        model_name: the one name served; a request naming another model gets 404.
+    """
+    owns_engine = isinstance(engine, LLMEngine)
+    async_engine = AsyncEngine(engine) if isinstance(engine, LLMEngine) else engine
+    keys = dict(api_keys or {})
+    metrics = ServerMetrics(async_engine)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            if owns_engine:
+                await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(
+        title="kvwise",
+        version="0.1.0",
+        description="OpenAI-compatible completions and chat over the kvwise engine.",
+        lifespan=lifespan,
+    )
+    app.state.engine = async_engine
+    app.state.metrics = metrics
+    app.state.model_name = model_name
+    install_error_handlers(app)
+    app.add_middleware(AuthAndCount, keys=keys, metrics=metrics)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise APIError(
+                404,
+                f"model: '{model}' is not served here (this server serves '{model_name}')",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_request(body: CompletionRequest | ChatCompletionRequest) -> None:
+        check_model(body.model)
+        body.check_supported()
+
+    async def admit(body, prompt, request_id: str, tenant: str, prompt_param: str):
+        default_max = (
+            default_completion_max_tokens
+            if isinstance(body, CompletionRequest)
+            else async_engine.max_model_len
+        )
+        try:
+            params = body.sampling_params(default_max)
+            return await async_engine.add_request(
+                prompt,
+                params,
+                request_id=request_id,
+                tenant=tenant,
+                cache_salt=body.cache_salt,
+                retention=body.retention,
+            )
+        except ValueError as exc:
+            raise _bad_input(exc, prompt_param) from None
+        except QueueFullError as exc:
+            raise APIError(
+                429,
+                str(exc),
+                code="queue_full",
+                headers={"Retry-After": str(exc.retry_after_s)},
+            ) from None
+        except EngineDeadError as exc:
+            raise APIError(503, f"the engine is not running: {exc}", code="engine_down") from None
+
+    def ended(stream: RequestStream, tenant: str) -> None:
+        stream.close()
+        last = stream.last
+        reason = last.finish_reason.value if last and last.finished else "abort"
+        metrics.observe_request(stream.request_id, tenant, last, reason)
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={**_ERRORS, 200: {"content": _SSE}},
+    )
+    async def completions(body: CompletionRequest, request: Request):
+        tenant = request.state.tenant
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        check_request(body)
+        stream = await admit(body, body.prompt_of(), request_id, tenant, "prompt")
+        now = int(time.time())
+
+        def chunk(text: str, finish: str | None = None, usage: Usage | None = None) -> str:
+            choices = [] if usage else [CompletionChoice(text=text, finish_reason=finish)]
+            c = CompletionResponse(
+                id=request_id, created=now, model=model_name, choices=choices, usage=usage
+            )
+            return f"data: {c.model_dump_json()}\n\n"
+
+        if body.stream:
+
+            async def events() -> AsyncIterator[str]:
+                async for out in _outputs_or_error(stream):
+                    if isinstance(out, str):
+                        yield out
+                        return
+                    if out.delta_text or out.finished:
+                        yield chunk(out.delta_text, _finish(out))
+                if body.include_usage and stream.last is not None:
+                    yield chunk("", usage=_usage(stream.last))
+                yield "data: [DONE]\n\n"
+
+            return SSEResponse(events(), on_close=lambda: ended(stream, tenant))
+        try:
+            out = await collect_or_disconnect(stream, request)
+        finally:
+            ended(stream, tenant)
+        if out is None:
+            return Response(status_code=499)
+        choice = CompletionChoice(text=out.text, finish_reason=_finish(out))
+        return CompletionResponse(
+            id=request_id, created=now, model=model_name, choices=[choice], usage=_usage(out)
+        )
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**_ERRORS, 200: {"content": _SSE}},
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        tenant = request.state.tenant
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        check_request(body)
+        stream = await admit(body, body.messages_of(), request_id, tenant, "messages")
+        now = int(time.time())
+
+        def chunk(delta: DeltaMessage | None, finish: str | None = None, usage=None) -> str:
+            choices = [] if delta is None else [ChatStreamChoice(delta=delta, finish_reason=finish)]
+            c = ChatCompletionChunk(
+                id=request_id, created=now, model=model_name, choices=choices, usage=usage
+            )
+            return f"data: {c.model_dump_json()}\n\n"
+
+        if body.stream:
+
+            async def events() -> AsyncIterator[str]:
+                yield chunk(DeltaMessage(role="assistant", content=""))
+                async for out in _outputs_or_error(stream):
+                    if isinstance(out, str):
+                        yield out
+                        return
+                    if out.delta_text or out.finished:
+                        delta = DeltaMessage(content=out.delta_text or None)
+                        yield chunk(delta, _finish(out))
+                if body.include_usage and stream.last is not None:
+                    yield chunk(None, usage=_usage(stream.last))
+                yield "data: [DONE]\n\n"
+
+            return SSEResponse(events(), on_close=lambda: ended(stream, tenant))
+        try:
+            out = await collect_or_disconnect(stream, request)
+        finally:
+            ended(stream, tenant)
+        if out is None:
+            return Response(status_code=499)
+        choice = ChatChoice(message=AssistantMessage(content=out.text), finish_reason=_finish(out))
+        return ChatCompletionResponse(
+            id=request_id, created=now, model=model_name, choices=[choice], usage=_usage(out)
+        )
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=created)])
+
+    @app.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS)
+    async def get_model(model: str) -> ModelCard:
+        check_model(model)
+        return ModelCard(id=model_name, created=created)
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health():
+        if async_engine.is_running:
+            return Health(status="ok")
+        reason = async_engine.dead_reason or "the engine is not started"
+        return JSONResponse(Health(status=reason).model_dump(), status_code=503)
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _usage(out: RequestOutput) -> Usage:
+    num_generated = len(out.token_ids)
+    return Usage(
+        prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=num_generated,
+        total_tokens=out.num_prompt_tokens + num_generated,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=int(out.num_cached_tokens)),
+    )
+
+
+def _finish(out: RequestOutput) -> str | None:
+    return out.finish_reason.value if out.finished and out.finish_reason else None
+
+
+def _bad_input(exc: ValueError, prompt_param: str) -> APIError:
+    """``ValueError("field: message")`` from the engine → 400 naming the field."""
+    message = str(exc)
+    match = _FIELD_MESSAGE.match(message)
+    param = match.group(1) if match else None
+    code = None
+    if param == "prompt":
+        # the chat prompt is the rendered messages: name the field the client sent
+        param, message = prompt_param, prompt_param + message[len("prompt") :]
+        if "do not fit" in message:
+            code = "context_length_exceeded"
+    return APIError(400, message, param=param, code=code)
+
+
+async def _outputs_or_error(stream: RequestStream) -> AsyncIterator[RequestOutput | str]:
+    """The stream's outputs; an engine failure becomes one SSE error event (a string)."""
+    try:
+        async for out in stream:
+            yield out
+    except (EngineStepError, EngineDeadError) as exc:
+        error = APIError(503 if isinstance(exc, EngineDeadError) else 500, str(exc))
+        yield f"data: {ErrorResponse.model_validate(error.body()).model_dump_json()}\n\n"

@@ -1,0 +1,153 @@
+"""Prometheus metrics of one server, in a registry of its own (several apps may share a process).
+
+Per request (recorded when it ends): requests by route and status, prompt / cached / generated
+tokens, TTFT, every inter-token latency, end-to-end latency. From the engine (read at scrape time
+from the async engine's last stats): waiting queue depth, running requests, KV blocks used /
+cached-free / free, KV utilisation, prefix-cache query and hit tokens, preemptions.
+Each finished request also writes one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvwise.engine.async_engine import AsyncEngine
+from kvwise.types import RequestOutput
+
+logger = logging.getLogger("kvwise.server")
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine's stats at scrape time."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        gauges = {
+            "kvwise_requests_waiting": ("requests in the waiting queue", s["num_waiting"]),
+            "kvwise_requests_running": ("requests running", s["num_running"]),
+            "kvwise_kv_blocks_total": ("KV blocks in the pool", s["kv_blocks_total"]),
+            "kvwise_kv_blocks_used": ("KV blocks held by requests", s["kv_blocks_used"]),
+            "kvwise_kv_blocks_cached": (
+                "free KV blocks still holding a cached prefix",
+                s["kv_blocks_cached_free"],
+            ),
+            "kvwise_kv_blocks_free": ("free KV blocks", s["kv_blocks_free"]),
+            "kvwise_kv_utilization": (
+                "share of allocated KV slots holding computed tokens",
+                s["kv_utilization"],
+            ),
+            "kvwise_engine_up": ("1 while the engine loop runs", int(self.engine.is_running)),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "kvwise_prefix_cache_queries_tokens": (
+                "prompt tokens looked up in the prefix cache",
+                s["prefix_query_tokens"],
+            ),
+            "kvwise_prefix_cache_hits_tokens": (
+                "prompt tokens found in the prefix cache",
+                s["prefix_hit_tokens"],
+            ),
+            "kvwise_preemptions": (
+                "requests preempted for lack of KV blocks",
+                s["num_preemptions"],
+            ),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvwise_http_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "kvwise_prompt_tokens", "prompt tokens of finished requests", registry=registry
+        )
+        self.cached_tokens = Counter(
+            "kvwise_cached_prompt_tokens",
+            "prompt tokens read from the prefix cache",
+            registry=registry,
+        )
+        self.generation_tokens = Counter(
+            "kvwise_generation_tokens", "tokens generated", registry=registry
+        )
+        self.finished = Counter(
+            "kvwise_requests_finished",
+            "generation requests by finish reason",
+            ["finish_reason"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "kvwise_time_to_first_token_seconds",
+            "time to first token",
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "kvwise_inter_token_latency_seconds",
+            "time between two output tokens",
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "kvwise_request_latency_seconds",
+            "arrival to last token",
+            buckets=_E2E_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_EngineCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe_request(
+        self, request_id: str, tenant: str, out: RequestOutput | None, finish_reason: str
+    ) -> None:
+        """Record one ended request (``out``: its last output, None if none came) and log it."""
+        self.finished.labels(finish_reason).inc()
+        if out is None:
+            logger.info("%s tenant=%s no output, finish=%s", request_id, tenant, finish_reason)
+            return
+        m = out.metrics
+        num_generated = len(out.token_ids)
+        self.prompt_tokens.inc(out.num_prompt_tokens)
+        self.cached_tokens.inc(out.num_cached_tokens)
+        self.generation_tokens.inc(num_generated)
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        for gap in m.inter_token_times:
+            self.itl.observe(gap)
+        end = m.finished_time or time.perf_counter()
+        self.e2e.observe(end - m.arrival_time)
+        decode_s = end - m.first_token_time if m.first_token_time is not None else 0.0
+        rate = (num_generated - 1) / decode_s if num_generated > 1 and decode_s > 0 else 0.0
+        ttft = f"{m.ttft * 1000:.0f}ms" if m.ttft is not None else "-"
+        logger.info(
+            "%s tenant=%s prompt=%d cached=%d completion=%d ttft=%s tokens/s=%.1f finish=%s",
+            request_id,
+            tenant,
+            out.num_prompt_tokens,
+            out.num_cached_tokens,
+            num_generated,
+            ttft,
+            rate,
+            finish_reason,
+        )

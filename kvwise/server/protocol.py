@@ -1,0 +1,339 @@
+"""The OpenAI wire format: pydantic models of requests, responses and streamed chunks.
+
+Requests are validated here for types and ranges (a failure becomes a 400 naming the field);
+`to_sampling_params` and `prompt_of` / `messages_of` turn them into the engine's typed inputs.
+Fields the engine does not implement are accepted at their neutral value and rejected with a
+400 otherwise (``n`` > 1, penalties, logprobs, tools, ...). Unknown fields are ignored, as
+OpenAI clients send many.
+
+Prompt caching: ``cache_salt`` is an extra salt *within* the caller's tenant (the tenant itself
+comes from the API key, never from the body). ``prompt_cache_key`` is a routing hint that a
+single server has no use for: it is accepted and ignored, and never widens what may be shared.
+``prompt_cache_retention`` is ``"in_memory"`` (the default LRU) or ``"24h"`` (keep the
+request's cached prefix for a day, evicted only after all unkept blocks).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from kvwise.types import SamplingParams
+
+# Below this a temperature is treated as greedy: dividing logits by a tinier one overflows.
+_GREEDY_TEMPERATURE = 1e-5
+_INT64 = 2**63
+
+
+class APIError(Exception):
+    """An error the client caused (or may retry), rendered as an OpenAI error body."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _ERROR_TYPES.get(status_code, "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        error = ErrorInfo(
+            message=self.message, type=self.error_type, param=self.param, code=self.code
+        )
+        return ErrorResponse(error=error).model_dump()
+
+
+_ERROR_TYPES = {
+    401: "authentication_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+def unsupported(param: str, what: str) -> APIError:
+    return APIError(400, f"{param}: {what} is not supported", param=param, code="unsupported")
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = Field(None, description="the served model's name (default: it)")
+    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate")
+    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy (default 1)")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off (extension)")
+    min_p: float | None = Field(None, ge=0, le=1, description="(extension)")
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64, description="reproducible sampling")
+    stop: str | list[str] | None = Field(None, description="up to any number of stop strings")
+    stop_token_ids: list[int] | None = Field(None, description="(extension)")
+    ignore_eos: bool = Field(False, description="keep generating past EOS (extension)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, description="only 1 is supported")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported")
+    user: str | None = Field(None, description="ignored; the tenant comes from the API key")
+    cache_salt: str | None = Field(
+        None, min_length=1, description="extra prompt-cache salt within the caller's tenant"
+    )
+    prompt_cache_key: str | None = Field(
+        None, description="accepted and ignored (a routing hint; never shares across tenants)"
+    )
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="in_memory: default LRU; 24h: keep the cached prefix for a day"
+    )
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise unsupported("n", f"n={self.n} (only n=1)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise unsupported(name, "a non-zero penalty")
+        if self.logit_bias:
+            raise unsupported("logit_bias", "logit_bias")
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's sampling parameters (ValueError naming the field on a bad value)."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if temperature < _GREEDY_TEMPERATURE:
+            temperature = 0.0
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(
+            max_tokens=self._max_tokens() or default_max_tokens,
+            temperature=temperature,
+            top_k=self.top_k or 0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or 0.0,
+            # NOTE: the engine seeds a generator with seed * 1_000_003 + i: fold to 32 bits.
+            seed=None if self.seed is None else self.seed % 2**32,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def retention(self) -> str | None:
+        return "24h" if self.prompt_cache_retention == "24h" else None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="one prompt: a string or token ids (a list of one is accepted)"
+    )
+    echo: bool = Field(False, description="only false is supported")
+    suffix: str | None = Field(None, description="not supported")
+    logprobs: int | None = Field(None, ge=0, description="not supported")
+    best_of: int | None = Field(None, ge=1, description="only 1 is supported")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise unsupported("echo", "echo")
+        if self.suffix:
+            raise unsupported("suffix", "suffix")
+        if self.logprobs is not None:
+            raise unsupported("logprobs", "logprobs")
+        if self.best_of not in (None, 1):
+            raise unsupported("best_of", f"best_of={self.best_of}")
+
+    def prompt_of(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise unsupported("prompt", f"a batch of {len(prompt)} prompts (send one)")
+            prompt = prompt[0]
+        return prompt  # type: ignore[return-value]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
+    logprobs: bool | None = Field(None, description="only false is supported")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="not supported")
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="only none")
+    response_format: dict[str, Any] | None = Field(None, description="only {type: text}")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise unsupported("logprobs", "logprobs")
+        if self.top_logprobs:
+            raise unsupported("top_logprobs", "top_logprobs")
+        if self.tools:
+            raise unsupported("tools", "tool calling")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice", "tool_choice")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", "a structured response_format")
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def messages_of(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them: str role and str content."""
+        out = []
+        for i, message in enumerate(self.messages):
+            content = message.content
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        param = f"messages[{i}].content[{j}]"
+                        raise unsupported(param, f"content part type {part.type!r} (only text)")
+                    texts.append(part.text)
+                content = "".join(texts)
+            role = "system" if message.role == "developer" else message.role
+            out.append({"role": role, "content": content or ""})
+        return out
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or (streamed) one chunk of it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvwise"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str

@@ -1,0 +1,203 @@
+"""HTTP plumbing under the routes: API keys → tenants (checked before the body is read),
+requests counted by route and status, OpenAI error bodies for every failure, server-sent-event
+responses that abort their request however they end, and disconnect detection for answers that
+are not streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvwise.engine.async_engine import EngineDeadError, EngineStepError, RequestStream
+from kvwise.server.metrics import ServerMetrics
+from kvwise.server.protocol import APIError
+from kvwise.types import RequestOutput
+
+logger = logging.getLogger("kvwise.server")
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def parse_api_keys(pairs: Iterable[str] | None = None, env: str | None = None) -> dict[str, str]:
+    """API key → tenant from ``KEY=TENANT`` items (``--api-key``, repeatable) and from ``env``
+    (the ``KVWISE_API_KEYS`` value, ``k1=alice,k2=bob``). ValueError on a malformed item."""
+    items = list(pairs or [])
+    if env:
+        items += [item for item in env.split(",") if item.strip()]
+    keys: dict[str, str] = {}
+    for i, item in enumerate(items):
+        key, sep, tenant = item.strip().partition("=")
+        if not sep or not key or not tenant.strip():
+            raise ValueError(f"api_key: item {i + 1} is not KEY=TENANT")
+        if keys.get(key, tenant.strip()) != tenant.strip():
+            raise ValueError(f"api_key: item {i + 1} maps a key already given another tenant")
+        keys[key] = tenant.strip()
+    return keys
+
+
+async def collect_or_disconnect(stream: RequestStream, request: Request) -> RequestOutput | None:
+    """Wait for the last output, or return None as soon as the client disconnects."""
+
+    async def consume() -> RequestOutput | None:
+        async for _ in stream:
+            pass
+        return stream.last
+
+    task = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+    if not task.done() or task.cancelled():
+        return None
+    try:
+        return task.result()
+    except EngineDeadError as exc:
+        raise APIError(503, f"the engine is not running: {exc}", code="engine_down") from None
+    except EngineStepError as exc:
+        raise APIError(500, str(exc), code="engine_error") from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-events response that runs ``on_close`` however it ends (done, client
+    gone, cancelled), so an abandoned request is aborted even if its stream never started."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class AuthAndCount:
+    """ASGI middleware: the tenant from the Bearer key (401 before the body is read), and the
+    request counter by route and status."""
+
+    def __init__(self, app, keys: dict[str, str], metrics: ServerMetrics) -> None:
+        self.app = app
+        self.keys = [(key.encode(), tenant) for key, tenant in keys.items()]
+        self.metrics = metrics
+
+    def tenant_of(self, scope) -> str | None:
+        if not self.keys:
+            return "default"
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
+            return None
+        token = token.strip()
+        found = None
+        for key, tenant in self.keys:  # compare with every key: no timing hint
+            if hmac.compare_digest(key, token):
+                found = tenant
+        return found
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = 500
+
+        async def send_counted(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if path.startswith("/v1/"):
+                tenant = self.tenant_of(scope)
+                if tenant is None:
+                    error = APIError(
+                        401,
+                        "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                        code="invalid_api_key",
+                    )
+                    response = JSONResponse(
+                        error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                    )
+                    await response(scope, receive, send_counted)
+                    return
+                scope.setdefault("state", {})["tenant"] = tenant
+            await self.app(scope, receive, send_counted)
+        finally:
+            self.metrics.requests.labels(_route_label(path), str(status)).inc()
+
+
+def _route_label(path: str) -> str:
+    if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"):
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return "other"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_error(exc.errors()).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(exc.status_code, str(exc.detail), code=None)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        error = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+        return JSONResponse(error.body(), status_code=500)
+
+
+def _validation_error(errors: list[dict]) -> APIError:
+    """pydantic's first error → 400 with ``param`` such as ``messages[0].role``."""
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"invalid JSON body: {first.get('msg')}", code="invalid_json")
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _TYPE_TAGS or any(c in str(part) for c in "[-,"):
+            continue  # a union member's tag (``str``, ``list[int]``), not a field
+        else:
+            param += f".{part}" if param else str(part)
+    if not param:
+        message = "request body: expected a JSON object" + (
+            "" if first.get("type") == "missing" else f" ({first.get('msg')})"
+        )
+        return APIError(400, message, code="invalid_body")
+    return APIError(400, f"{param}: {first.get('msg')}", param=param, code="invalid_value")

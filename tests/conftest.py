@@ -1,0 +1,27 @@
+"""Fixtures shared by the suites on real weights (tests/model, tests/server): the default model
+loaded once per session, and engines built over it."""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default SmolLM2-135M-Instruct GGUF, loaded by kvwise in float32."""
+    import torch
+
+    from kvwise.models.loader import load_model
+
+    return load_model(None, dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def make_engine(smollm2):
+    """Build an engine over the shared weights: ``make_engine(block_size=4, ...)``."""
+    from kvwise.config import EngineConfig
+    from kvwise.engine.llm_engine import LLMEngine
+
+    def make(**kwargs) -> LLMEngine:
+        kwargs.setdefault("kv_cache_memory", "256MiB")
+        return LLMEngine(EngineConfig.from_kwargs(**kwargs), progress=False, loaded=smollm2)
+
+    return make

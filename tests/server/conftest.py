@@ -1,0 +1,141 @@
+"""Server fixtures: real servers on free loopback ports, in a background thread.
+
+Two engines: the default model (SmolLM2, loaded once per session) for the official-client tests,
+and a tiny random Llama with the default model's tokenizer (2 layers, hidden 32: a step takes
+about a millisecond) for protocol, backpressure, disconnect and fuzz tests.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import uvicorn
+
+from kvwise.config import EngineConfig
+from kvwise.engine.async_engine import AsyncEngine
+from kvwise.engine.llm_engine import LLMEngine
+from kvwise.engine.tokenizer import Tokenizer
+from kvwise.models.arch import ModelArchConfig
+from kvwise.models.default import default_model_path
+from kvwise.models.llama import LlamaForCausalLM
+from kvwise.models.loader import LoadedModel
+from kvwise.server import create_app
+
+KEYS = {"key-alice": "alice", "key-bob": "bob"}
+TINY_NAME = "tiny"
+TINY_CONTEXT = 256
+
+
+class LiveServer:
+    """uvicorn serving ``app`` on 127.0.0.1 at a free port, in a daemon thread."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.app.state.engine
+
+
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def slow_down(engine: LLMEngine, seconds_per_step: float) -> None:
+    """Make every model step take at least this long (to catch a request mid-stream)."""
+    execute = engine.runner.execute
+
+    def slow(sched_out):
+        time.sleep(seconds_per_step)
+        return execute(sched_out)
+
+    engine.runner.execute = slow
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded() -> LoadedModel:
+    """A 2-layer random Llama over the default model's tokenizer (and chat template)."""
+    source = default_model_path()
+    tokenizer = Tokenizer.from_path(source)
+    arch = ModelArchConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=TINY_CONTEXT,
+        tie_word_embeddings=False,
+    )
+    generator = torch.Generator().manual_seed(0)
+    model = LlamaForCausalLM(arch, torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return LoadedModel(model=model, arch=arch, source=source, fingerprint="tiny-random-0")
+
+
+@pytest.fixture(scope="session")
+def make_tiny_engine(tiny_loaded):
+    def make(**kwargs) -> LLMEngine:
+        kwargs.setdefault("kv_cache_memory", "4MiB")
+        return LLMEngine(EngineConfig.from_kwargs(**kwargs), progress=False, loaded=tiny_loaded)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def tiny_server(make_tiny_engine):
+    """A tiny-model server with the two API keys of KEYS."""
+    app = create_app(make_tiny_engine(), api_keys=KEYS, model_name=TINY_NAME)
+    with LiveServer(app) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def real_server(make_engine):
+    """The default model behind API keys (SmolLM2, context capped at 2,048 tokens)."""
+    app = create_app(
+        make_engine(max_model_len=2048, kv_cache_memory="128MiB"),
+        api_keys=KEYS,
+        model_name="SmolLM2-135M-Instruct",
+    )
+    with LiveServer(app) as server:
+        yield server

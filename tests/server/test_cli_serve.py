@@ -1,0 +1,86 @@
+"""``kvwise serve``: key parsing, and the real command in a subprocess (default model): it
+serves, reads keys from KVWISE_API_KEYS, and shuts down cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kvwise.cli import build_parser
+from kvwise.server import parse_api_keys
+
+
+def test_parse_api_keys():
+    assert parse_api_keys(["k1=alice"], "k2=bob, k3=bob") == {
+        "k1": "alice",
+        "k2": "bob",
+        "k3": "bob",
+    }
+    assert parse_api_keys([], None) == {}
+    assert parse_api_keys(["k=a=b"]) == {"k": "a=b"}
+    for bad in (["nokey"], ["=tenant"], ["k="], ["k=a", "k=b"]):
+        with pytest.raises(ValueError, match="^api_key: "):
+            parse_api_keys(bad)
+    with pytest.raises(ValueError) as info:
+        parse_api_keys(["secret-key-123"])
+    assert "secret-key-123" not in str(info.value)  # never echo a key
+
+
+def test_serve_flags():
+    args = build_parser().parse_args(
+        ["serve", "--api-key", "a=x", "--api-key", "b=y", "--no-prefix-caching"]
+    )
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, ["a=x", "b=y"])
+    assert args.no_prefix_caching and args.max_waiting == 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_subprocess_sigterm():
+    port = _free_port()
+    env = {**os.environ, "KVWISE_API_KEYS": "sk-test=carol"}
+    cmd = [sys.executable, "-m", "kvwise.cli", "serve", "--port", str(port)]
+    cmd += ["--kv-cache-memory", "64MiB", "--max-model-len", "512", "--max-waiting", "4"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "kvwise serve did not come up"
+            time.sleep(0.2)
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        assert httpx.post(base + "/v1/chat/completions", json=body).status_code == 401
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": "Bearer sk-test"},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["model"] == "SmolLM2-135M-Instruct"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = out.decode()
+    assert proc.returncode == 0, log
+    assert "tenant=carol" in log and "Shutting down" in log
