@@ -176,6 +176,7 @@ def cmd_size(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
+    import signal
 
     import uvicorn
 
@@ -201,15 +202,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.port,
         f"{len(keys)} API keys" if keys else "no API keys: every request is tenant 'default'",
     )
-    # uvicorn turns SIGTERM and Ctrl-C into a graceful shutdown: stop accepting, give open
-    # requests --shutdown-timeout seconds, then the app's lifespan stops the engine loop.
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="debug" if args.verbose else "info",
-        timeout_graceful_shutdown=args.shutdown_timeout,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="debug" if args.verbose else "info",
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
     )
+    # uvicorn turns SIGTERM and Ctrl-C into a graceful shutdown (stop accepting, give open
+    # requests --shutdown-timeout seconds, then the app's lifespan stops the engine loop), and
+    # afterwards re-raises the signal to the handler it found: make that one a no-op, so a
+    # graceful shutdown exits with status 0.
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

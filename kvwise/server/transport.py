@@ -33,12 +33,13 @@ def parse_api_keys(pairs: Iterable[str] | None = None, env: str | None = None) -
         items += [item for item in env.split(",") if item.strip()]
     keys: dict[str, str] = {}
     for i, item in enumerate(items):
-        key, sep, tenant = item.strip().partition("=")
-        if not sep or not key or not tenant.strip():
+        key, sep, tenant = item.partition("=")
+        key, tenant = key.strip(), tenant.strip()
+        if not sep or not key or not tenant:
             raise ValueError(f"api_key: item {i + 1} is not KEY=TENANT")
-        if keys.get(key, tenant.strip()) != tenant.strip():
+        if keys.get(key, tenant) != tenant:
             raise ValueError(f"api_key: item {i + 1} maps a key already given another tenant")
-        keys[key] = tenant.strip()
+        keys[key] = tenant
     return keys
 
 

@@ -85,3 +85,13 @@ def test_full_queue_is_429_with_retry_after(slow_server):
     assert_all_freed(slow_server)
     r = httpx.post(slow_server.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_engine_down_is_503_and_unhealthy(slow_server):
+    """Last in this module: it stops the engine."""
+    slow_server.engine.shutdown()
+    r = httpx.post(slow_server.base_url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down"
+    health = httpx.get(slow_server.base_url + "/health")
+    assert health.status_code == 503 and "shut down" in health.json()["status"]
+    assert "kvwise_engine_up 0.0" in httpx.get(slow_server.base_url + "/metrics").text

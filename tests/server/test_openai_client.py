@@ -101,7 +101,8 @@ def test_tenant_isolation_end_to_end(alice, bob):
         return r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
 
     assert cached(alice)[0] == 0
-    assert cached(bob)[0] == 0  # bob asks for alice's prompt: nothing of hers is visible
+    # bob asks for alice's prompt, even naming her in the body: nothing of hers is visible
+    assert cached(bob, user="alice", tenant="alice")[0] == 0
     hit, n = cached(alice)
     assert hit == full_blocks(n) > 0  # alice's repeat: every full block
     # a salt is a namespace within the tenant; prompt_cache_key never crosses tenants

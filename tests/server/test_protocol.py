@@ -228,3 +228,23 @@ def test_one_log_line_per_finished_request(client, caplog):
     for part in ("tenant=alice", "prompt=", "cached=", "completion=2", "ttft=", "tokens/s="):
         assert part in lines[0]
     assert "finish=length" in lines[0] or "finish=stop" in lines[0]
+
+
+def test_prompt_cache_retention_24h_keeps_the_prefix(client, tiny_server):
+    prompt = "retention " * 40
+    assert tiny_server.engine.stats()["kv_blocks_kept"] == 0
+    body = {"prompt": prompt, "max_tokens": 2, "prompt_cache_retention": "in_memory"}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert tiny_server.engine.stats()["kv_blocks_kept"] == 0
+    body = {**body, "prompt_cache_retention": "24h", "prompt_cache_key": "ignored"}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert tiny_server.engine.call_sync(lambda e: e.stats()["kv_blocks_kept"]) > 0
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 1e-40}, {"seed": 2**62}, {"seed": -(2**63)}])
+def test_extreme_sampling_values_do_not_break_a_step(client, extra):
+    """The sampler overflows on these (NaN probabilities, a seed past 64 bits): the server maps
+    a tiny temperature to greedy and folds the seed to 32 bits."""
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+    assert client.get("/health").status_code == 200
