@@ -1,0 +1,257 @@
+"""``kvwise bench load``: many concurrent streaming chat clients against OpenAI-compatible
+servers on loopback, kvwise and llama.cpp's server side by side, same GGUF, same workload.
+
+Each server is started as a subprocess on a free 127.0.0.1 port, loaded with ``--clients``
+concurrent streaming clients for ``--duration`` seconds (bounded in time and in count), then
+stopped. Prompts share one system prompt (prefix caching's best case) and differ in the user
+question. Reported per server: requests ok / 429 / other errors, p50 and p99 TTFT, total
+generated tokens per second; for kvwise also the pool state afterwards (no leaked blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SYSTEM_PROMPT = (
+    "You are the support assistant of a small bicycle shop. Answer briefly and politely. "
+    + " ".join(
+        f"Rule {i}: when a customer asks about item {i}, mention that it ships in {i % 5 + 1} "
+        "days and that returns are accepted within 30 days."
+        for i in range(20)
+    )
+)
+QUESTIONS = [
+    "Do you sell helmets?",
+    "How long does shipping take?",
+    "Can I return a saddle?",
+    "What tyres fit a road bike?",
+    "Do you repair brakes?",
+    "Is there a warranty on lights?",
+    "Which lock do you recommend?",
+    "Do you have kids' bikes?",
+    "Can I pay in instalments?",
+    "What are your opening hours?",
+]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of load per server")
+    p.add_argument("--max-requests", type=int, default=5000, help="cap on requests per server")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer")
+    p.add_argument(
+        "--peer-python",
+        default=".venv-peer/bin/python",
+        help="python with llama-cpp-python[server] installed ('' to skip the peer)",
+    )
+    p.add_argument("--max-waiting", type=int, default=48, help="kvwise queue bound (429 past it)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _client(
+    http,
+    url: str,
+    model: str,
+    deadline: float,
+    budget: list[int],
+    rng,
+    max_tokens: int,
+    stats: dict,
+) -> None:
+    while time.perf_counter() < deadline and budget[0] > 0:
+        budget[0] -= 1
+        body = {
+            "model": model,
+            "messages": [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": rng.choice(QUESTIONS)},
+            ],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        start = time.perf_counter()
+        first = None
+        tokens = 0
+        try:
+            async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+                if resp.status_code == 429:
+                    stats["429"] += 1
+                    await asyncio.sleep(float(resp.headers.get("retry-after", "1")))
+                    continue
+                if resp.status_code != 200:
+                    stats["errors"][str(resp.status_code)] = (
+                        stats["errors"].get(str(resp.status_code), 0) + 1
+                    )
+                    continue
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    choices = chunk.get("choices") or []
+                    if choices and (choices[0].get("delta") or {}).get("content"):
+                        tokens += 1
+                        if first is None:
+                            first = time.perf_counter()
+        except Exception as e:  # noqa: BLE001 - a load test counts every failure
+            stats["errors"][type(e).__name__] = stats["errors"].get(type(e).__name__, 0) + 1
+            continue
+        if first is not None:
+            stats["ttft"].append(first - start)
+        stats["tokens"] += tokens
+        stats["ok"] += 1
+
+
+async def _load(url: str, model: str, args: argparse.Namespace) -> dict:
+    import httpx
+
+    stats = {"ok": 0, "429": 0, "errors": {}, "ttft": [], "tokens": 0}
+    budget = [args.max_requests]
+    limits = httpx.Limits(max_connections=args.clients + 4)
+    timeout = httpx.Timeout(args.duration + 60)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+        start = time.perf_counter()
+        deadline = start + args.duration
+        await asyncio.gather(
+            *(
+                _client(
+                    http, url, model, deadline, budget, random.Random(i), args.max_tokens, stats
+                )
+                for i in range(args.clients)
+            )
+        )
+        wall = time.perf_counter() - start
+    ttft = sorted(stats.pop("ttft"))
+
+    def pct(q):
+        return ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan")
+
+    return {
+        **stats,
+        "wall_s": wall,
+        "tokens_per_s": stats["tokens"] / wall,
+        "ttft_p50_s": pct(0.50),
+        "ttft_p99_s": pct(0.99),
+    }
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("server did not become ready")
+
+
+def _serve(cmd: list[str], url: str, model: str, args, after=None) -> dict:
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        _wait_ready(url, proc)
+        result = asyncio.run(_load(url, model, args))
+        if after:
+            result.update(after(url))
+        return result
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _kvwise_after(url: str) -> dict:
+    import httpx
+
+    time.sleep(1.0)
+    health = httpx.get(f"{url}/health", timeout=10).json()
+    return {"health_after": health}
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvwise.models.default import default_model_path
+
+    gguf = str(Path(args.model) if args.model else default_model_path())
+    results = {}
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    results["kvwise"] = _serve(
+        [
+            sys.executable,
+            "-m",
+            "kvwise.cli",
+            "serve",
+            "--model",
+            gguf,
+            "--port",
+            str(port),
+            "--max-waiting",
+            str(args.max_waiting),
+            "--kv-cache-memory",
+            "2GiB",
+        ],
+        url,
+        "kvwise",
+        args,
+        after=_kvwise_after,
+    )
+    if args.peer_python and Path(args.peer_python).exists():
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        results["llama.cpp"] = _serve(
+            [
+                args.peer_python,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                gguf,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--n_ctx",
+                "4096",
+                "--n_threads",
+                "2",
+            ],
+            url,
+            gguf,
+            args,
+        )
+    print("| server | ok | 429 | errors | TTFT p50 | TTFT p99 | tokens/s |")
+    print("|---|---:|---:|---|---:|---:|---:|")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['ok']} | {r['429']} | {r['errors'] or 0} | "
+            f"{r['ttft_p50_s']:.2f} s | {r['ttft_p99_s']:.2f} s | {r['tokens_per_s']:.1f} |"
+        )
+    if "health_after" in results["kvwise"]:
+        print("kvwise after the load:", json.dumps(results["kvwise"]["health_after"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
