@@ -58,3 +58,22 @@ class TimingStreamer:
 
     def end(self) -> None:
         pass
+
+
+def run_to_completion(engine, prompts: list, params, **request_kwargs):
+    """Submit every prompt at once, step until all finish; return (outputs in order, wall s).
+
+    ``params`` is one SamplingParams for all prompts or a list of them.
+    """
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [
+        engine.add_request(p, sp, **request_kwargs)
+        for p, sp in zip(prompts, params_list, strict=True)
+    ]
+    done = {}
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids], time.perf_counter() - start

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvwise.bench.common import median
+from kvwise.bench.common import median, run_to_completion
 from kvwise.config import EngineConfig
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.types import SamplingParams
@@ -28,17 +28,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=5, help="repetitions per figure (median)")
     p.add_argument("--prefix-len", type=int, default=2048, help="cached prefix length")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-
-
-def _run(engine: LLMEngine, prompts, params, **kw):
-    ids = [engine.add_request(p, params, **kw) for p in prompts]
-    done = {}
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids], time.perf_counter() - start
 
 
 class _Timed:
@@ -92,11 +81,13 @@ def main(args: argparse.Namespace) -> int:
         _Timed(on.kv_manager, "cache_full_blocks"),
     ]
     cold, warm, rate_on, rate_off, bookkeeping = [], [], [], [], []
-    _run(on, [prefix + rand(16)], one)  # warm-up
+    run_to_completion(on, [prefix + rand(16)], one)  # warm-up
     for rep in tqdm(range(args.reps), desc="bench prefix", unit="rep"):
         salt = f"rep{rep}"
-        (c,), _ = _run(on, [prefix + rand(16)], one, cache_salt=salt)  # cold, then cached
-        (w,), _ = _run(on, [prefix + rand(16)], one, cache_salt=salt)
+        (c,), _ = run_to_completion(
+            on, [prefix + rand(16)], one, cache_salt=salt
+        )  # cold, then cached
+        (w,), _ = run_to_completion(on, [prefix + rand(16)], one, cache_salt=salt)
         assert w.num_cached_tokens == args.prefix_len, w.num_cached_tokens
         cold.append(c.metrics.ttft)
         warm.append(w.metrics.ttft)
@@ -105,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
         for engine in (on, off) if rep % 2 == 0 else (off, on):
             for t in timers:
                 t.seconds = 0.0
-            outs, wall = _run(engine, fresh, no_share_params)
+            outs, wall = run_to_completion(engine, fresh, no_share_params)
             assert sum(o.num_cached_tokens for o in outs) == 0
             rate = sum(len(o.token_ids) for o in outs) / wall
             if engine is on:

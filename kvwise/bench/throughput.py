@@ -21,7 +21,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvwise.bench.common import TimingStreamer, load_hf_reference, measure_read_bandwidth, median
+from kvwise.bench.common import (
+    TimingStreamer,
+    load_hf_reference,
+    measure_read_bandwidth,
+    median,
+    run_to_completion,
+)
 from kvwise.config import EngineConfig
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.types import SamplingParams
@@ -34,17 +40,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-lens", default="512,2048", help="prompt lengths for prefill")
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-
-
-def _run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]):
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    done = {}
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids], time.perf_counter() - start
 
 
 def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -79,7 +74,7 @@ class Bench:
 
     def ours_decode(self) -> float:
         n = self.args.decode_tokens
-        (out,), _ = _run(
+        (out,), _ = run_to_completion(
             self.engine,
             [self.decode_prompt],
             [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)],
@@ -92,11 +87,11 @@ class Bench:
             SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
             for m in self.batch_max_tokens
         ]
-        outs, wall = _run(self.engine, self.batch_prompts, params)
+        outs, wall = run_to_completion(self.engine, self.batch_prompts, params)
         return sum(len(o.token_ids) for o in outs) / wall
 
     def ours_prefill(self, n: int) -> float:
-        (out,), _ = _run(
+        (out,), _ = run_to_completion(
             self.engine,
             [self.prefill_prompts[n]],
             [SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)],
