@@ -315,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_args(b)
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
+    b = bench_sub.add_parser(
+        "load", help="concurrent streaming clients vs kvwise and llama.cpp servers on loopback"
+    )
+    from kvwise.bench.load import add_args as add_load_args
+
+    add_load_args(b)
+    b.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 
