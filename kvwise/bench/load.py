@@ -211,8 +211,11 @@ def _kvwise_after(url: str) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    import logging
+
     from kvwise.models.default import default_model_path
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     gguf = str(Path(args.model) if args.model else default_model_path())
     results = {}
     port = _free_port()
