@@ -257,6 +257,9 @@ def main(args: argparse.Namespace) -> int:
                 "4096",
                 "--n_threads",
                 "2",
+                # by default a new request interrupts the running stream; queue them instead
+                "--interrupt_requests",
+                "False",
             ],
             url,
             args,
