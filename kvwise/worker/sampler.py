@@ -15,6 +15,8 @@ import torch
 from kvwise.types import SamplingParams
 
 _SEED_STRIDE = 1_000_003
+_SEED_RANGE = 2**63  # manual_seed takes a signed 64-bit value
+_MIN_TEMPERATURE = 1e-5  # below this, sampling is treated as greedy
 
 
 def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -45,13 +47,14 @@ def sample(
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (S, V)
     token_ids = torch.argmax(logits, dim=-1)  # (S,)
     for row, p in enumerate(params):
-        if p.greedy:
-            continue
+        if p.temperature < _MIN_TEMPERATURE:
+            continue  # greedy; a vanishing temperature would only overflow the softmax
         filtered = apply_filters(logits[row].float(), p)
         probs = filtered.softmax(-1)
         generator = None
         if p.seed is not None:
-            generator = torch.Generator().manual_seed(p.seed * _SEED_STRIDE + output_indices[row])
+            seed = (p.seed * _SEED_STRIDE + output_indices[row]) % _SEED_RANGE
+            generator = torch.Generator().manual_seed(seed)
         token_ids[row] = torch.multinomial(probs, 1, generator=generator)[0]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (S,)
     return token_ids.tolist(), chosen.tolist()

@@ -140,3 +140,12 @@ def test_offline_api_shapes(smollm2):
         llm.generate(["a", "b"], [params])
     with pytest.raises(ValueError, match="^prompts:"):
         llm.generate([])
+
+
+def test_sampler_extreme_values_do_not_crash():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    ids, _ = sample(logits, [SamplingParams(temperature=1e-40)], [0])
+    assert ids == [0]  # a vanishing temperature is greedy
+    big = SamplingParams(temperature=1.0, seed=10**30)
+    assert sample(logits, [big], [5])[0] == sample(logits, [big], [5])[0]
+    assert sample(logits, [SamplingParams(temperature=1.0, seed=-7)], [0])[0][0] in range(4)
