@@ -201,6 +201,7 @@ def _kvwise_after(url: str) -> dict:
         "kvwise_prefix_cache_hits_tokens_total",
         "kvwise_prefix_cache_queries_tokens_total",
         "kvwise_engine_up",
+        "kvwise_kv_integrity_checks_total",
     )
     after = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():

@@ -116,7 +116,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: str | None = None  # why the loop is not running
-        self._stats: dict[str, float | int] = engine.stats()
+        self._integrity_checks = 0  # idle-time pool audits passed
+        self._stats: dict[str, float | int] = {}
+        self._refresh_stats()
         self._lock = threading.Lock()  # guards start/shutdown and the dead flag
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -257,7 +259,10 @@ class AsyncEngine:
                 if engine.has_unfinished():
                     self._step()
                 else:
-                    self._stats = engine.stats()
+                    # idle: audit the pool; an inconsistent one stops the engine (503)
+                    engine.check_integrity()
+                    self._integrity_checks += 1
+                    self._refresh_stats()
                     self._wake.wait()
         except BaseException as exc:  # noqa: BLE001 - the loop must report why it ended
             logger.exception("engine loop crashed")
@@ -267,6 +272,9 @@ class AsyncEngine:
         with self._lock:
             self._dead = reason
         self._close_all(EngineDeadError(reason))
+
+    def _refresh_stats(self) -> None:
+        self._stats = {**self.engine.stats(), "kv_integrity_checks": self._integrity_checks}
 
     def _run_commands(self) -> None:
         while self._commands:
@@ -284,7 +292,7 @@ class AsyncEngine:
             error = EngineStepError(f"the engine step failed: {exc!r}")
             self._deliver([(self._sinks.pop(rid), error) for rid in ids if rid in self._sinks])
             engine.check_integrity()  # raises (the loop dies) if the pool is now inconsistent
-            self._stats = engine.stats()
+            self._refresh_stats()
             return
         items = []
         for out in outputs:
@@ -295,7 +303,7 @@ class AsyncEngine:
                 del self._sinks[out.request_id]
             items.append((sink, out))
         self._deliver(items)
-        self._stats = engine.stats()
+        self._refresh_stats()
 
     def _deliver(self, items: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
         """Hand outputs to their event loops: one thread-safe callback per loop per step."""
@@ -318,7 +326,7 @@ class AsyncEngine:
             ids = list(self.engine.scheduler.requests)
             if ids:
                 self.engine.abort(ids)
-            self._stats = self.engine.stats()
+            self._refresh_stats()
         except Exception:  # noqa: BLE001 - best effort on the way out
             logger.exception("aborting requests at shutdown failed")
         sinks, self._sinks = self._sinks, {}

@@ -64,6 +64,10 @@ class _EngineCollector:
                 "requests preempted for lack of KV blocks",
                 s["num_preemptions"],
             ),
+            "kvwise_kv_integrity_checks": (
+                "KV pool integrity checks passed while idle (a failure stops the engine)",
+                s["kv_integrity_checks"],
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -40,12 +40,10 @@ def test_disconnect_mid_stream_frees_blocks(slow_server):
     with httpx.Client(base_url=slow_server.base_url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
             assert r.status_code == 200
-            events = 0
-            for line in r.iter_lines():
-                events += line.startswith("data: ")
-                if events == 3:
-                    break
-            assert used_blocks(slow_server) > 0
+            # NOTE: mid-stream is judged by the pool, not by counting events: a random tiny
+            # model may emit many tokens whose text is empty, so events can lag the tokens.
+            assert wait_for(lambda: used_blocks(slow_server) > 0, timeout=2.0)
+            next(r.iter_lines())
     # 200 tokens take 4 s; the blocks must be back long before that
     assert_all_freed(slow_server)
     metrics = httpx.get(slow_server.base_url + "/metrics").text
