@@ -39,6 +39,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="recompute the whole prefix at every step (the no-cache baseline)",
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument(
+        "--public-system-prompt-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a system prompt whose KV every tenant may share, in whole chunks of "
+        "--public-prefix-min-tokens (repeatable)",
+    )
+    g.add_argument(
+        "--public-prefix-min-tokens",
+        type=int,
+        default=256,
+        help="public prefixes are shared only in chunks of this many tokens",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -54,8 +68,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "prefill_chunk_size": args.prefill_chunk_size,
         "enable_kv_cache": not args.no_kv_cache,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "public_system_prompts": tuple(_read_text(p) for p in args.public_system_prompt_file),
+        "public_prefix_min_tokens": args.public_prefix_min_tokens,
         "num_threads": args.threads,
     }
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"public_system_prompt_file: cannot read '{path}': {e.strerror}") from e
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

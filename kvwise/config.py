@@ -44,6 +44,7 @@ class CacheConfig:
     enable_kv_cache: bool = True  # False: recompute the whole prefix at every step
     enable_prefix_caching: bool = True
     public_prefixes: tuple[str, ...] = ()  # texts whose KV every tenant may share
+    public_system_prompts: tuple[str, ...] = ()  # the same, rendered as chat system messages
     public_prefix_min_tokens: int = 256  # public prefixes are shared in chunks of this size
     max_retained_fraction_per_tenant: float = 0.5  # share of the pool one tenant may keep
 
@@ -53,11 +54,12 @@ class CacheConfig:
             object.__setattr__(
                 self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory")
             )
-        if isinstance(self.public_prefixes, str):
-            object.__setattr__(self, "public_prefixes", (self.public_prefixes,))
-        object.__setattr__(self, "public_prefixes", tuple(self.public_prefixes))
-        if not all(isinstance(p, str) and p for p in self.public_prefixes):
-            raise ValueError("public_prefixes: each must be a non-empty string")
+        for name in ("public_prefixes", "public_system_prompts"):
+            value = getattr(self, name)
+            value = (value,) if isinstance(value, str) else tuple(value)
+            object.__setattr__(self, name, value)
+            if not all(isinstance(p, str) and p for p in value):
+                raise ValueError(f"{name}: each must be a non-empty string")
         _positive_int("public_prefix_min_tokens", self.public_prefix_min_tokens)
         if self.public_prefix_min_tokens < self.block_size:
             raise ValueError(

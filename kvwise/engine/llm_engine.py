@@ -90,7 +90,13 @@ class LLMEngine:
             cache.block_size,
             enable_caching=cache.enable_prefix_caching and cache.enable_kv_cache,
             model_fingerprint=f"{loaded.fingerprint}/{config.model.dtype}/{kv_layout}",
-            public_prefixes=[self.tokenizer.encode(p) for p in cache.public_prefixes],
+            public_prefixes=[self.tokenizer.encode(p) for p in cache.public_prefixes]
+            + [
+                self.tokenizer.encode_chat(
+                    [{"role": "system", "content": p}], add_generation_prompt=False
+                )
+                for p in cache.public_system_prompts
+            ],
             public_min_tokens=cache.public_prefix_min_tokens,
             max_retained_blocks_per_tenant=int(num_blocks * cache.max_retained_fraction_per_tenant),
         )

@@ -118,3 +118,11 @@ def test_retention_keeps_prefix_through_pressure(make_engine):
     for i in range(6):
         run(plain, f"Unrelated prompt number {i}: " + "lorem ipsum " * 20)
     assert run(plain, DOC).num_cached_tokens < again.num_cached_tokens
+
+
+def test_public_system_prompt_from_config(make_engine):
+    engine = make_engine(public_system_prompts=(DOC,), public_prefix_min_tokens=64)
+    question = [{"role": "user", "content": "Which is the 4th?"}]
+    run(engine, [{"role": "system", "content": DOC}] + question, tenant="a")
+    b = run(engine, [{"role": "system", "content": DOC}] + question, tenant="b")
+    assert b.num_cached_tokens > 0 and b.num_cached_tokens % 64 == 0

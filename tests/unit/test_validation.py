@@ -66,3 +66,12 @@ def test_sizes():
     assert CacheConfig(kv_cache_memory="1KiB").kv_cache_bytes() == 1024
     assert CacheConfig().kv_cache_bytes() > 0
     assert SchedulerConfig().max_num_seqs == 64
+
+
+def test_unreadable_public_system_prompt_file(capsys):
+    from kvwise.cli import main
+
+    assert main(["generate", "--public-system-prompt-file", "/nonexistent", "hi"]) == 2
+    assert "public_system_prompt_file: cannot read" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^public_system_prompts:"):
+        EngineConfig.from_kwargs(public_system_prompts=("",))
