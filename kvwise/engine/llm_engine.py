@@ -60,7 +60,10 @@ class LLMEngine:
             loaded = load_model(config.model.model, dtype=self.dtype, progress=progress)
         self.loaded = loaded
         self.arch = arch = loaded.arch
-        self.tokenizer = Tokenizer.from_path(loaded.source)
+        if loaded.gguf_reader is not None:
+            self.tokenizer = Tokenizer.from_gguf(loaded.gguf_reader)
+        else:
+            self.tokenizer = Tokenizer.from_path(loaded.source)
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(

@@ -47,6 +47,7 @@ class LoadedModel:
     fingerprint: str
     generation_config: dict[str, Any] = field(default_factory=dict)
     is_gguf: bool = False
+    gguf_reader: Any = None  # the open GGUF, so the tokenizer need not parse it again
 
 
 def load_model(
@@ -89,7 +90,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
     tensors = _progress(reader.tensors, len(reader.tensors), path.name, progress)
     model.load_weights(iter_gguf_weights(reader, arch, tensors))
     fingerprint = _fingerprint("gguf", dtype, [path], b"")
-    return LoadedModel(model.eval(), arch, path, fingerprint, {}, is_gguf=True)
+    return LoadedModel(model.eval(), arch, path, fingerprint, {}, is_gguf=True, gguf_reader=reader)
 
 
 def _load_hf_dir(directory: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
