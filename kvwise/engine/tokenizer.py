@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.exceptions
-import jinja2.ext
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
+
+from kvwise.engine.chat_template import check_messages, compile_template, pick_template
 
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # values of tokenizer.ggml.token_type
 
@@ -146,7 +143,7 @@ class Tokenizer:
         if template_file.is_file():
             template = template_file.read_text(encoding="utf-8")
         else:
-            template = _pick_template(config.get("chat_template"))
+            template = pick_template(config.get("chat_template"))
         bos_token_id = token_id("bos_token")
         if bos_token_id is None and isinstance(generation.get("bos_token_id"), int):
             bos_token_id = generation["bos_token_id"]
@@ -270,11 +267,11 @@ class Tokenizer:
         Raises:
             ValueError: bad messages, no chat template, or the template raised an error.
         """
-        _check_messages(messages)
+        check_messages(messages)
         if self._chat_template is None:
             raise ValueError("messages: this model has no chat template")
         if self._compiled_template is None:
-            self._compiled_template = _compile_template(self._chat_template)
+            self._compiled_template = compile_template(self._chat_template)
         try:
             return self._compiled_template.render(
                 messages=[dict(m) for m in messages],
@@ -384,72 +381,3 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     return json.loads(path.read_text(encoding="utf-8"))
-
-
-def _pick_template(template: Any) -> str | None:
-    """tokenizer_config.json's chat_template: a string, or ``[{"name", "template"}, ...]``."""
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-        return named.get("default")
-    return template if isinstance(template, str) else None
-
-
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise ValueError("messages: expected a non-empty list of {role, content} dicts")
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ValueError(f"messages: item {i} is {type(message).__name__}, not a dict")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise ValueError(f"messages: item {i} needs a str {key!r}")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """Jinja's ``namespace()`` refusing underscore names, hardened as transformers does it."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature trick: `self` in args
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _check_namespace_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _check_namespace_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-
-def _check_namespace_name(name: Any) -> None:
-    if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template the way transformers does (same environment and helpers)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["namespace"] = _Namespace
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"chat_template: not valid Jinja: {exc}") from exc
