@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvwise.utils import parse_bytes
+from kvwise.utils import parse_bytes, parse_duration
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -84,6 +84,63 @@ class CacheConfig:
         return int(available_memory_bytes() * self.kv_cache_memory_fraction)
 
 
+LOAD_POLICIES = ("auto", "always", "never")
+
+
+def default_kv_disk_path() -> str:
+    """``$XDG_CACHE_HOME/kvwise/kv`` (``~/.cache/kvwise/kv`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvwise", "kv")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The tiers below the device pool. Sizes: bytes or "4GiB"; "off" (or 0) disables a tier."""
+
+    kv_host_memory: int | str | None = "2GiB"  # host-RAM tier budget
+    kv_disk_path: str | None = None  # None: default_kv_disk_path(); "off": no disk tier
+    kv_disk_size: int | str = "20GiB"
+    kv_redis_url: str | None = None  # redis:// or rediss:// URL (password allowed); None: off
+    kv_redis_ttl: str | float = "1h"  # how long Redis keeps an entry (retention may extend it)
+    kv_redis_timeout: str | float = 0.5  # seconds before a Redis call counts as a fault
+    kv_chunk_blocks: int = 8  # blocks per stored entry (measured: see docs/BENCHMARKS.md)
+    kv_store_min_tokens: int = 64  # sequences shorter than this are not written to the tiers
+    kv_load_policy: str = "auto"  # auto: the cost model decides; always / never (benchmarks)
+
+    def __post_init__(self) -> None:
+        host = self.kv_host_memory
+        host = 0 if host in (None, "off", 0) else parse_bytes(host, "kv_host_memory")
+        object.__setattr__(self, "kv_host_memory", host)
+        path = self.kv_disk_path
+        if path is not None and not isinstance(path, (str, Path)):
+            raise ValueError(f"kv_disk_path: expected a directory or 'off', got {path!r}")
+        path = default_kv_disk_path() if path is None else str(path)
+        object.__setattr__(self, "kv_disk_path", None if path == "off" else path)
+        object.__setattr__(self, "kv_disk_size", parse_bytes(self.kv_disk_size, "kv_disk_size"))
+        url = self.kv_redis_url
+        if url in ("", "off"):
+            url = None
+        if url is not None and (
+            not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))
+        ):
+            raise ValueError(f"kv_redis_url: expected redis://host:port[/db], got {url!r}")
+        object.__setattr__(self, "kv_redis_url", url)
+        object.__setattr__(self, "kv_redis_ttl", parse_duration(self.kv_redis_ttl, "kv_redis_ttl"))
+        object.__setattr__(
+            self, "kv_redis_timeout", parse_duration(self.kv_redis_timeout, "kv_redis_timeout")
+        )
+        _positive_int("kv_chunk_blocks", self.kv_chunk_blocks)
+        _positive_int("kv_store_min_tokens", self.kv_store_min_tokens)
+        if self.kv_load_policy not in LOAD_POLICIES:
+            raise ValueError(
+                f"kv_load_policy: expected one of {LOAD_POLICIES}, got {self.kv_load_policy!r}"
+            )
+
+    @property
+    def any_tier(self) -> bool:
+        return bool(self.kv_host_memory or self.kv_disk_path or self.kv_redis_url)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # cap on running requests
@@ -103,17 +160,24 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
         """Build from flat keywords; an unknown keyword is a ValueError naming it."""
-        parts: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
+        parts: dict[str, dict[str, object]] = {
+            "model": {},
+            "cache": {},
+            "scheduler": {},
+            "store": {},
+        }
         owners = {
             f.name: part
             for part, klass in (
                 ("model", ModelConfig),
                 ("cache", CacheConfig),
                 ("scheduler", SchedulerConfig),
+                ("store", StoreConfig),
             )
             for f in dataclasses.fields(klass)
         }
@@ -125,6 +189,7 @@ class EngineConfig:
             model=ModelConfig(**parts["model"]),  # type: ignore[arg-type]
             cache=CacheConfig(**parts["cache"]),  # type: ignore[arg-type]
             scheduler=SchedulerConfig(**parts["scheduler"]),  # type: ignore[arg-type]
+            store=StoreConfig(**parts["store"]),  # type: ignore[arg-type]
         )
 
 

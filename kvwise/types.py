@@ -112,8 +112,9 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     num_prompt_tokens: int
-    num_cached_tokens: int
+    num_cached_tokens: int  # prompt tokens not computed: device prefix hit + loaded from tiers
     num_kv_rows_projected: int
     metrics: RequestMetrics
     delta_text: str = ""
+    num_loaded_tokens: int = 0  # of the cached tokens, those loaded from the slower tiers
     delta_token_ids: list[int] = field(default_factory=list)

@@ -1,7 +1,14 @@
 """Fixtures shared by the suites on real weights (tests/model, tests/server): the default model
 loaded once per session, and engines built over it."""
 
+import os
+import tempfile
+
 import pytest
+
+# NOTE: engines built with default settings keep their disk tier under $XDG_CACHE_HOME; point
+# it at a fresh directory so that no test reads what an earlier run (or the user) stored.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvwise-test-cache-")
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +29,9 @@ def make_engine(smollm2):
 
     def make(**kwargs) -> LLMEngine:
         kwargs.setdefault("kv_cache_memory", "256MiB")
+        # the slower KV tiers only where a test asks for them (none leak between tests)
+        kwargs.setdefault("kv_host_memory", "off")
+        kwargs.setdefault("kv_disk_path", "off")
         return LLMEngine(EngineConfig.from_kwargs(**kwargs), progress=False, loaded=smollm2)
 
     return make

@@ -54,6 +54,7 @@ def main(args: argparse.Namespace) -> int:
     kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], kw["prefill_chunk_size"])
     kw.setdefault("kv_cache_memory", None)
     kw["kv_cache_memory"] = kw["kv_cache_memory"] or "1GiB"
+    kw.update(kv_host_memory="off", kv_disk_path="off", kv_redis_url=None)  # the device pool only
     on = LLMEngine(EngineConfig.from_kwargs(**kw))
     off = LLMEngine(
         EngineConfig.from_kwargs(**{**kw, "enable_prefix_caching": False}),

@@ -57,6 +57,7 @@ class Bench:
             engine_kwargs["max_num_batched_tokens"], engine_kwargs["prefill_chunk_size"]
         )
         engine_kwargs["enable_prefix_caching"] = False  # measure compute, not cache hits
+        engine_kwargs.update(kv_host_memory="off", kv_disk_path="off", kv_redis_url=None)
         self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
         self.hf = None if args.no_peer else load_hf_reference(self.engine.loaded.source)
         self.vocab = self.engine.arch.vocab_size

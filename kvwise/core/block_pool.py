@@ -131,6 +131,7 @@ class BlockPool:
         enable_caching: bool = True,
         max_retained_blocks_per_tenant: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        record_events: bool = True,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
@@ -147,6 +148,8 @@ class BlockPool:
         self.retained_queue = FreeBlockQueue(())  # free blocks still kept, in free order
         self.num_retained: dict[str, int] = {}  # tenant -> blocks it keeps (used or free)
         self.cached: dict[BlockHash, KVBlock] = {}
+        # NOTE: events pile up until taken; an engine that takes none turns them off.
+        self.record_events = record_events
         self.events: list[BlockStored | BlockEvicted] = []
         self.num_evictions = 0
 
@@ -272,7 +275,7 @@ class BlockPool:
             self.cached[block_hash] = block
             stored_hashes.append(block_hash)
             stored_ids.append(block.block_id)
-        if stored_hashes:
+        if stored_hashes and self.record_events:
             self.events.append(BlockStored(tuple(stored_hashes), tuple(stored_ids)))
 
     def _evict(self, block: KVBlock) -> None:
@@ -280,7 +283,8 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-        self.events.append(BlockEvicted(block.block_hash, block.block_id))
+        if self.record_events:
+            self.events.append(BlockEvicted(block.block_hash, block.block_id))
         self.num_evictions += 1
         block.block_hash = None
 
@@ -295,6 +299,23 @@ class BlockPool:
                     self.free_queue.append(block)
                 self._evict(block)
                 dropped += 1
+        return dropped
+
+    def drop_cached(self, block_hashes: Iterable[BlockHash]) -> int:
+        """Forget the given hashes where their blocks are free (parking a conversation whose
+        KV is safe in a slower tier); blocks in use are left alone. The dropped blocks go to
+        the head of the main queue, to be reused first. Returns how many were dropped."""
+        dropped = 0
+        for block_hash in block_hashes:
+            block = self.cached.get(block_hash)
+            if block is None or block.ref_cnt:
+                continue
+            queue = self.retained_queue if block.retain_until else self.free_queue
+            queue.remove(block)
+            self._unretain(block)
+            self._evict(block)
+            self.free_queue.appendleft(block)
+            dropped += 1
         return dropped
 
     def take_events(self) -> list[BlockStored | BlockEvicted]:

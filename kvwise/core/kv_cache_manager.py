@@ -52,7 +52,13 @@ class KVCacheManager:
         self.public_prefixes = [list(p) for p in public_prefixes]
         self.public_min_tokens = public_min_tokens
         kwargs = {} if clock is None else {"clock": clock}
-        self.pool = BlockPool(num_blocks, enable_caching, max_retained_blocks_per_tenant, **kwargs)
+        self.pool = BlockPool(
+            num_blocks,
+            enable_caching,
+            max_retained_blocks_per_tenant,
+            record_events=False,
+            **kwargs,
+        )
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._roots: dict[tuple[str, str | None], BlockHash] = {}
         # prefix-cache statistics, in tokens

@@ -1,9 +1,11 @@
-"""Plain data crossing the scheduler ↔ worker boundary: ints, strings and frozen params."""
+"""Plain data crossing the scheduler ↔ worker boundary: ints, strings, frozen params and, for
+the tiers, byte buffers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvwise.store.tiered import ChunkLoad, ChunkWrite
 from kvwise.types import SamplingParams
 
 
@@ -30,10 +32,28 @@ class ScheduledRequest:
         return len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class KVLoad:
+    """Copy part of a stored entry into fresh device blocks before the step runs."""
+
+    block_ids: list[int]  # device blocks receiving the entry's blocks skip .. skip + n
+    chunk: ChunkLoad
+
+
+@dataclass(frozen=True)
+class KVSave:
+    """Copy device blocks out for the tiers before another step runs (they may be reused)."""
+
+    block_ids: list[int]
+    chunk: ChunkWrite
+    ttl_s: float | None
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)  # copy in before the step runs
 
     @property
     def num_batched_tokens(self) -> int:

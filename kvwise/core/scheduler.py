@@ -6,6 +6,11 @@ allow. A long prompt is cut into chunks of at most ``prefill_chunk_size`` tokens
 stalls the others' decoding. When blocks run out, the newest running request is preempted:
 its blocks are freed and it goes back to the head of the queue to be recomputed.
 
+With a ``TieredStore``, admission continues a device prefix hit from the slower tiers when
+the store's cost model says loading beats recomputing (``SchedulerOutput.kv_loads``), and the
+full blocks of every finished or preempted request are handed out as ``KVSave`` items
+(``take_saves``), which the engine copies out before the next step can reuse the blocks.
+
 With ``enable_kv_cache=False`` every step recomputes each request's whole sequence (the seed
 article's "no cache" baseline): after each step the computed count is reset to zero.
 """
@@ -18,8 +23,9 @@ from dataclasses import dataclass
 
 from kvwise.config import SchedulerConfig
 from kvwise.core.kv_cache_manager import KVCacheManager
-from kvwise.core.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvwise.core.outputs import KVLoad, KVSave, ModelOutput, ScheduledRequest, SchedulerOutput
 from kvwise.core.request import Request, RequestStatus
+from kvwise.store.tiered import PrefixLoad, TieredStore
 from kvwise.types import FinishReason
 
 
@@ -39,8 +45,11 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         enable_kv_cache: bool = True,
+        store: TieredStore | None = None,
     ) -> None:
         self.config = config
+        self.store = store if kv_manager.enable_caching else None
+        self._pending_saves: list[KVSave] = []
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.enable_kv_cache = enable_kv_cache
@@ -88,6 +97,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._plan_saves(request)
         self.kv.free(request)
         del self.requests[request.request_id]
 
@@ -138,10 +148,12 @@ class Scheduler:
                 break  # the pool is full: do not admit while evicting
             request = self.waiting[0]
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            request.num_computed_tokens = num_cached
+            load = self._load_from_store(request, len(computed_blocks))
+            num_loaded = load.num_blocks * self.kv.block_size if load else 0
+            request.num_computed_tokens = num_cached + num_loaded
             num_new = self._num_new_tokens(request, budget)
             request.num_computed_tokens = 0
-            block_ids = self.kv.allocate_slots(request, num_new, computed_blocks)
+            block_ids = self.kv.allocate_slots(request, num_loaded + num_new, computed_blocks)
             if block_ids is None:
                 if not self.running:
                     # alone and still too big: it grew past the pool while generating
@@ -151,6 +163,14 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
+            request.pending_load = None
+            if load is not None:
+                first = len(computed_blocks)
+                for chunk in load.chunks:
+                    out.kv_loads.append(KVLoad(block_ids[first : first + chunk.num_blocks], chunk))
+                    first += chunk.num_blocks
+                request.num_loaded_tokens += num_loaded
+            num_cached += num_loaded
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -175,8 +195,46 @@ class Scheduler:
             )
         return out
 
+    def _load_from_store(self, request: Request, num_device_blocks: int) -> PrefixLoad | None:
+        """The stored continuation of a device prefix hit that is worth loading, if any.
+
+        NOTE: a request that waits for blocks keeps what was read, so that it is not read
+        again at every step while it waits.
+        """
+        if self.store is None:
+            return None
+        if request.pending_load is not None and request.pending_load[0] == num_device_blocks:
+            return request.pending_load[1]
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size
+        load = self.store.load_prefix(
+            request.request_id, request.block_hashes, num_device_blocks, max_blocks,
+            request.num_tokens,
+        )  # fmt: skip
+        request.pending_load = (num_device_blocks, load)
+        return load
+
+    def _plan_saves(self, request: Request) -> None:
+        """Queue the full computed blocks of a request leaving the pool for the tiers."""
+        if self.store is None:
+            return
+        block_ids = self.kv.block_ids(request.request_id)
+        num_full = min(
+            request.num_computed_tokens // self.kv.block_size,
+            len(request.block_hashes),
+            len(block_ids),
+        )
+        for chunk in self.store.plan_writes(request.block_hashes, num_full):
+            ids = block_ids[chunk.first_block : chunk.first_block + len(chunk.block_hashes)]
+            self._pending_saves.append(KVSave(ids, chunk, request.retention_s))
+
+    def take_saves(self) -> list[KVSave]:
+        """Blocks to copy out for the tiers; copy them before the next step runs."""
+        saves, self._pending_saves = self._pending_saves, []
+        return saves
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._plan_saves(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

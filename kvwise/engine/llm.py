@@ -10,6 +10,8 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections.abc import Iterator, Sequence
 
 from kvwise.config import EngineConfig
@@ -18,9 +20,29 @@ from kvwise.types import RequestOutput, SamplingParams
 
 
 class LLM:
+    """Use as ``with LLM(...) as llm:`` (or call ``close()``) so that KV still being written to
+    the disk or Redis tier is flushed; normal interpreter exit flushes too."""
+
     def __init__(self, model: str | None = None, progress: bool = True, **config: object) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config), progress=progress)
         self.tokenizer = self.engine.tokenizer
+        atexit.register(_close_at_exit, weakref.ref(self.engine))
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Flush pending writes to the KV tiers and release them. Idempotent."""
+        self.engine.close()
+
+    def park(self, session_id: str, tenant: str = "default") -> int:
+        """Move a finished conversation turn's KV from the device pool to the tiers (e.g.
+        while a tool call runs); its next turn, sent with the same ``session_id``, loads it
+        back. Returns the number of tokens parked."""
+        return self.engine.park(session_id, tenant)
 
     def generate(
         self,
@@ -29,6 +51,7 @@ class LLM:
         tenant: str = "default",
         cache_salt: str | None = None,
         retention: str | float | None = None,
+        session_id: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; results come back in prompt order.
 
@@ -50,7 +73,12 @@ class LLM:
             for prompt, p in zip(prompt_list, params_list, strict=True):
                 ids.append(
                     engine.add_request(
-                        prompt, p, tenant=tenant, cache_salt=cache_salt, retention=retention
+                        prompt,
+                        p,
+                        tenant=tenant,
+                        cache_salt=cache_salt,
+                        retention=retention,
+                        session_id=session_id,
                     )
                 )
             while len(results) < len(ids):
@@ -69,14 +97,22 @@ class LLM:
         tenant: str = "default",
         cache_salt: str | None = None,
         retention: str | float | None = None,
+        session_id: str | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several."""
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if not conversations or not all(isinstance(c, list) for c in conversations):
             raise ValueError("conversations: expected a list of messages or a list of those")
+        if session_id is not None and len(conversations) != 1:
+            raise ValueError("session_id: names one conversation, got several")
         return self.generate(
-            list(conversations), params, tenant=tenant, cache_salt=cache_salt, retention=retention
+            list(conversations),
+            params,
+            tenant=tenant,
+            cache_salt=cache_salt,
+            retention=retention,
+            session_id=session_id,
         )
 
     def stream(
@@ -102,6 +138,12 @@ class LLM:
 
     def stats(self) -> dict[str, float | int]:
         return self.engine.stats()
+
+
+def _close_at_exit(engine_ref: weakref.ref) -> None:
+    engine = engine_ref()
+    if engine is not None:
+        engine.close()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -1,7 +1,9 @@
 """The synchronous engine: add requests, ``step()`` them, get outputs.
 
-One step = schedule → worker executes → scheduler updates → detokenize and check stop strings.
-The engine is the only place that joins the tokenizer (text) with the core (token ids).
+One step = schedule → copy stored prefixes in → worker executes → scheduler updates → copy
+finished requests' blocks out for the tiers → detokenize and check stop strings. The engine
+is the only place that joins the tokenizer (text) with the core (token ids), and the core's
+plain store decisions with the worker's tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.request import Request
 from kvwise.core.scheduler import Scheduler
 from kvwise.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
+from kvwise.engine.store_factory import build_store
 from kvwise.engine.tokenizer import Tokenizer
 from kvwise.models.loader import LoadedModel, load_model
 from kvwise.types import FinishReason, RequestMetrics, RequestOutput, SamplingParams
@@ -39,6 +42,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher | None
     metrics: RequestMetrics
+    session_id: str | None = None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
 
@@ -103,8 +107,22 @@ class LLMEngine:
             public_min_tokens=cache.public_prefix_min_tokens,
             max_retained_blocks_per_tenant=int(num_blocks * cache.max_retained_fraction_per_tenant),
         )
+        self.store = None
+        if self.kv_manager.enable_caching and config.store.any_tier:
+            self.store = build_store(
+                config.store,
+                self.kv_manager.model_fingerprint,
+                config.model.dtype,
+                arch,
+                cache.block_size,
+                config.scheduler.prefill_chunk_size,
+            )
         self.scheduler = Scheduler(
-            config.scheduler, self.kv_manager, self.max_model_len, cache.enable_kv_cache
+            config.scheduler,
+            self.kv_manager,
+            self.max_model_len,
+            cache.enable_kv_cache,
+            store=self.store,
         )
         self.runner = ModelRunner(loaded.model, arch, num_blocks, cache.block_size, self.dtype)
         self.num_blocks = num_blocks
@@ -118,6 +136,9 @@ class LLMEngine:
         )
         self._states: dict[str, _RequestState] = {}
         self._next_id = 0
+        # (tenant, session id) -> chain hashes of the session's last finished turn
+        self._sessions: dict[tuple[str, str], list[bytes]] = {}
+        self._closed = False
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -151,9 +172,12 @@ class LLMEngine:
         tenant: str = "default",
         cache_salt: str | None = None,
         retention: str | float | None = None,
+        session_id: str | None = None,
     ) -> str:
         """Queue a prompt. ``retention`` ("1h", seconds, or None for the default LRU) asks to
-        keep the request's cached prefix; kept blocks are evicted after all others."""
+        keep the request's cached prefix; kept blocks are evicted after all others (and kept
+        that long in the disk and Redis tiers). ``session_id`` names the conversation, so that
+        ``park(session_id)`` can move its KV down to the tiers between turns."""
         params = params or SamplingParams()
         retention_s = (
             None if retention in (None, "default") else parse_duration(retention, "retention")
@@ -164,6 +188,10 @@ class LLMEngine:
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         if not isinstance(tenant, str) or not tenant:
             raise ValueError("tenant: must be a non-empty string")
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise ValueError("session_id: must be a non-empty string")
+        if self._closed:
+            raise RuntimeError("the engine is closed")
         token_ids = self.tokenize(prompt)
         if request_id is None:
             request_id = f"req-{self._next_id}"
@@ -185,12 +213,14 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
             metrics=RequestMetrics(arrival_time=now),
+            session_id=session_id,
         )
         return request_id
 
     def abort(self, request_ids: list[str]) -> None:
         """Cancel requests; their blocks are freed at once."""
         self.scheduler.finish_requests(list(request_ids), FinishReason.ABORT)
+        self._save_blocks()
         for request_id in request_ids:
             self._states.pop(request_id, None)
 
@@ -201,7 +231,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
+        self._save_blocks()  # of requests preempted just now, before their blocks are reused
+        if sched_out.kv_loads:
+            t0 = time.perf_counter()
+            num_bytes = self.runner.load_kv(sched_out.kv_loads)
+            self.store.cost.observe_copy(num_bytes, time.perf_counter() - t0)
+        t0 = time.perf_counter()
         model_out = self.runner.execute(sched_out)
+        if self.store is not None and sched_out.scheduled:
+            chunks = [(s.start_pos, s.num_tokens) for s in sched_out.scheduled]
+            self.store.cost.observe_step(chunks, time.perf_counter() - t0)
         updates = self.scheduler.update(sched_out, model_out)
         now = time.perf_counter()
         outputs = []
@@ -236,10 +275,21 @@ class LLMEngine:
             if finished:
                 state.metrics.finished_time = now
                 self._states.pop(request.request_id)
+                if state.session_id is not None:
+                    num_full = request.num_computed_tokens // self.kv_manager.block_size
+                    key = (request.tenant, state.session_id)
+                    self._sessions[key] = list(request.block_hashes[:num_full])
             outputs.append(self._output(state, delta_text, update.new_token_ids, finished))
         if stopped:
             self.scheduler.finish_requests(stopped, FinishReason.STOP)
+        self._save_blocks()  # of requests that finished in this step
         return outputs
+
+    def _save_blocks(self) -> None:
+        """Copy the blocks the scheduler queued for the tiers out of the pool (a memory copy
+        here; packing and I/O run on the store's writer thread)."""
+        for save in self.scheduler.take_saves():
+            self.store.write(save.chunk, self.runner.save_kv(save.block_ids), save.ttl_s)
 
     def _output(
         self, state: _RequestState, delta_text: str, delta_ids: list[int], finished: bool
@@ -255,6 +305,7 @@ class LLMEngine:
             finish_reason=request.finish_reason if finished else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_loaded_tokens=request.num_loaded_tokens,
             num_kv_rows_projected=request.num_tokens_projected * self.arch.num_layers,
             metrics=state.metrics,
             delta_text=delta_text,
@@ -280,7 +331,21 @@ class LLMEngine:
             "prefix_hit_rate": hits / queries if queries else 0.0,
             "kv_blocks_kept": sum(pool.num_retained.values()),
             "kv_utilization": self.kv_manager.kv_utilization(self.scheduler.running),
+            **self.store_stats(),
         }
+
+    def store_stats(self) -> dict[str, float | int]:
+        """Per-tier counters (``kv_tier_<tier>_<counter>``) and the store's decisions."""
+        if self.store is None:
+            return {}
+        stats = self.store.stats()
+        flat: dict[str, float | int] = {
+            f"kv_tier_{tier}_{name}": value
+            for tier, counters in stats.pop("tiers").items()
+            for name, value in counters.items()
+        }
+        flat.update({f"kv_store_{name}": value for name, value in stats.items()})
+        return flat
 
     def add_public_prefix(self, prompt: Prompt) -> int:
         """Declare a prefix every tenant may share (e.g. a system prompt); chat messages are
@@ -294,3 +359,38 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv_manager.check_integrity()
+
+    # ---- sessions and the tiers ---------------------------------------------------------
+
+    def park(self, session_id: str, tenant: str = "default") -> int:
+        """Move a conversation's KV out of the device pool, into the tiers, until its next
+        turn (sent with the same ``session_id``) loads it back.
+
+        Waits for its blocks to be written, then frees the device blocks that some tier now
+        holds (blocks shared with running requests stay). Returns the number of tokens parked.
+        """
+        hashes = self._sessions.get((tenant, session_id))
+        if hashes is None:
+            raise ValueError(f"session_id: no finished turn of session {session_id!r}")
+        busy = [s for s in self._states.values() if s.session_id == session_id]
+        if any(s.request.tenant == tenant for s in busy):
+            raise ValueError(f"session_id: session {session_id!r} has a request in flight")
+        if self.store is None or not hashes:
+            return 0
+        self.store.flush()
+        num_stored = self.store.num_stored_blocks(hashes, len(hashes))
+        self.kv_manager.pool.drop_cached(hashes[:num_stored])
+        return num_stored * self.kv_manager.block_size
+
+    def flush(self) -> None:
+        """Wait until every queued write has reached the tiers."""
+        if self.store is not None:
+            self.store.flush()
+
+    def close(self) -> None:
+        """Flush pending writes to the tiers and release them. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.store is not None:
+            self.store.close()

@@ -6,6 +6,8 @@ pool) is block ``s // block_size``, offset ``s % block_size``.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -70,3 +72,34 @@ class PagedKVCache:
         v = self.kv[layer, 1].index_select(0, ids)
         shape = (b, nb * self.block_size, self.num_kv_heads, self.head_dim)
         return k.view(shape), v.view(shape)
+
+    # ---- block copies for the slower tiers ----------------------------------------------
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of blocks ``(layers, 2, len(block_ids), block_size, kv_heads, D)``."""
+        first = _consecutive(block_ids)
+        if first is not None:
+            return self.kv[:, :, first : first + len(block_ids)].contiguous()
+        return self.kv[:, :, torch.tensor(block_ids)]  # advanced indexing copies
+
+    def write_blocks(self, block_ids: list[int], payload, num_entry_blocks: int, skip: int):
+        """Copy blocks ``skip .. skip + len(block_ids)`` of a stored payload (a buffer laid out
+        ``(layers, 2, num_entry_blocks, block_size, kv_heads, D)``) into ``block_ids``."""
+        with warnings.catch_warnings():  # read-only buffers are fine: we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(payload, dtype=self.dtype)
+        shape = (self.num_layers, 2, num_entry_blocks, self.block_size)
+        src = src.view(*shape, self.num_kv_heads, self.head_dim)[:, :, skip : skip + len(block_ids)]
+        first = _consecutive(block_ids)
+        if first is not None:
+            self.kv[:, :, first : first + len(block_ids)].copy_(src)
+        else:
+            self.kv[:, :, torch.tensor(block_ids)] = src
+
+
+def _consecutive(block_ids: list[int]) -> int | None:
+    """The first id when ``block_ids`` is a run of consecutive ids, else None."""
+    if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1:
+        if all(b == block_ids[0] + i for i, b in enumerate(block_ids)):
+            return block_ids[0]
+    return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwise.core.outputs import ModelOutput, SchedulerOutput
+from kvwise.core.outputs import KVLoad, ModelOutput, SchedulerOutput
 from kvwise.worker.attention import TorchSDPAAttention
 from kvwise.worker.input_batch import build_input_batch
 from kvwise.worker.kv_cache import PagedKVCache
@@ -24,6 +24,26 @@ class ModelRunner:
             arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype
         )
         self.attention = TorchSDPAAttention(self.kv_cache, arch.num_heads, arch.head_dim)
+        self.block_bytes = PagedKVCache.bytes_per_block(
+            arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype
+        )
+
+    @torch.inference_mode()
+    def load_kv(self, loads: list[KVLoad]) -> int:
+        """Copy stored blocks into their device blocks. Returns the bytes copied."""
+        num_bytes = 0
+        for load in loads:
+            chunk = load.chunk
+            self.kv_cache.write_blocks(
+                load.block_ids, chunk.payload, chunk.entry_blocks, chunk.skip
+            )
+            num_bytes += len(load.block_ids) * self.block_bytes
+        return num_bytes
+
+    @torch.inference_mode()
+    def save_kv(self, block_ids: list[int]):
+        """A host copy of device blocks, as a buffer (a numpy array) for the tiers."""
+        return self.kv_cache.read_blocks(block_ids).view(torch.uint8).numpy()
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:

@@ -123,7 +123,9 @@ def test_offline_api_shapes(smollm2):
     from kvwise.engine.llm_engine import LLMEngine
 
     llm.engine = LLMEngine(
-        EngineConfig.from_kwargs(kv_cache_memory="64MiB"), progress=False, loaded=smollm2
+        EngineConfig.from_kwargs(kv_cache_memory="64MiB", kv_host_memory="off", kv_disk_path="off"),
+        progress=False,
+        loaded=smollm2,
     )
     llm.tokenizer = llm.engine.tokenizer
     params = SamplingParams(max_tokens=5, temperature=0)

@@ -116,6 +116,8 @@ def tiny_loaded() -> LoadedModel:
 def make_tiny_engine(tiny_loaded):
     def make(**kwargs) -> LLMEngine:
         kwargs.setdefault("kv_cache_memory", "4MiB")
+        kwargs.setdefault("kv_host_memory", "off")
+        kwargs.setdefault("kv_disk_path", "off")
         return LLMEngine(EngineConfig.from_kwargs(**kwargs), progress=False, loaded=tiny_loaded)
 
     return make
