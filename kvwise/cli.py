@@ -347,6 +347,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_args(b)
     b.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     b.set_defaults(func=cmd_bench)
+    b = bench_sub.add_parser(
+        "breakeven",
+        help="TTFT vs prefix length: recompute vs a hit from each KV tier; break-even lengths",
+    )
+    from kvwise.bench.breakeven import add_args as add_breakeven_args
+
+    add_breakeven_args(b)
+    _add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 
