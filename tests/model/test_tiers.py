@@ -1,0 +1,213 @@
+"""The host and disk tiers on the default model: greedy tokens identical after a round trip,
+after a restart, across tenants (isolated), through faults, and for parked sessions."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvwise.types import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Here is a list of fruits and their colours. " + " ".join(
+    f"Fruit number {i} is {'red' if i % 3 else 'yellow'}." for i in range(40)
+)
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+def run(engine, prompt=PROMPT, **kw):
+    request_id = engine.add_request(prompt, GREEDY, **kw)
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
+
+
+def evict_device(engine) -> None:
+    """Forget every cached block in the device pool: what comes back now comes from a tier."""
+    engine.flush()
+    engine.kv_manager.pool.reset_prefix_cache()
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine):
+    engine = make_engine()
+    out = run(engine)
+    assert out.num_prompt_tokens > 300
+    return out.token_ids
+
+
+@pytest.fixture
+def tiered(make_engine, tmp_path):
+    engines = []
+
+    def make(**kw):
+        kw.setdefault("kv_store_min_tokens", 16)
+        engine = make_engine(**kw)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_round_trip_is_token_identical(tiered, tmp_path, reference, tier):
+    kw = {"kv_host_memory": "256MiB"} if tier == "host" else {"kv_disk_path": str(tmp_path)}
+    engine = tiered(**kw)
+    first = run(engine)
+    assert first.token_ids == reference and first.num_loaded_tokens == 0
+    evict_device(engine)
+    again = run(engine)
+    full_blocks = (again.num_prompt_tokens - 1) // 16
+    assert again.num_loaded_tokens == full_blocks * 16
+    assert again.num_cached_tokens == again.num_loaded_tokens
+    assert again.token_ids == reference
+    stats = engine.stats()
+    assert stats[f"kv_tier_{tier}_hits"] > 0 and stats[f"kv_tier_{tier}_faults"] == 0
+    assert stats["kv_store_load_decisions"] == 1
+
+
+def test_disk_tier_survives_a_restart(tiered, tmp_path, reference):
+    engine = tiered(kv_disk_path=str(tmp_path))
+    run(engine)
+    engine.close()  # flushes
+    restarted = tiered(kv_disk_path=str(tmp_path))
+    assert restarted.stats()["kv_tier_disk_num_entries"] > 0
+    out = run(restarted)
+    assert out.num_loaded_tokens > 0 and out.token_ids == reference
+
+
+def test_tiers_are_isolated_by_tenant_and_salt(tiered, tmp_path, reference):
+    engine = tiered(kv_host_memory="256MiB", kv_disk_path=str(tmp_path))
+    run(engine, tenant="alice")
+    evict_device(engine)
+    for kw in ({"tenant": "bob"}, {"tenant": "alice", "cache_salt": "s"}):
+        out = run(engine, **kw)
+        assert out.num_cached_tokens == 0 and out.token_ids == reference, kw
+    # a fresh engine on the same disk (host tier empty): nothing for a third tenant
+    # (bob's own run above stored bob's blocks, which are bob's to reuse)
+    other = tiered(kv_host_memory="off", kv_disk_path=str(tmp_path))
+    assert run(other, tenant="carol").num_cached_tokens == 0
+    assert run(other, tenant="alice").num_loaded_tokens > 0
+
+
+def test_prefix_continues_from_device_hit_into_tiers(tiered, tmp_path, reference):
+    """The device holds the head of the prompt; the tiers supply the rest (mid-chunk)."""
+    engine = tiered(kv_host_memory="256MiB")
+    run(engine)
+    engine.flush()
+    pool = engine.kv_manager.pool
+    # keep the first 3 blocks on the device, drop the rest
+    by_id = sorted(pool.cached.values(), key=lambda b: b.block_id)
+    assert len(by_id) > 3
+    pool.drop_cached([b.block_hash for b in by_id[3:]])
+    assert len(pool.cached) == 3
+    out = run(engine)
+    assert out.num_cached_tokens == (out.num_prompt_tokens - 1) // 16 * 16
+    assert out.num_loaded_tokens == out.num_cached_tokens - 3 * 16
+    assert out.token_ids == reference
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_damaged_disk_entries_are_misses(tiered, tmp_path, reference, damage):
+    engine = tiered(kv_disk_path=str(tmp_path))
+    run(engine)
+    evict_device(engine)
+    files = sorted(tmp_path.rglob("*.kv"))
+    assert files
+    victim = files[0]
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    elif damage == "truncate":
+        data = data[: len(data) // 3]
+    else:  # a well-formed entry from another model
+        data[30:46] = bytes(16)  # the model digest field
+    victim.write_bytes(bytes(data))
+    out = run(engine)
+    assert out.token_ids == reference
+    stats = engine.stats()
+    assert stats["kv_tier_disk_faults"] >= 1
+    # the fault stops loading at that chunk; what precedes it is still used
+    assert out.num_loaded_tokens < (out.num_prompt_tokens - 1) // 16 * 16
+
+
+def test_full_disk_budget_evicts_and_keeps_serving(tiered, tmp_path, reference):
+    # each entry is 8 blocks of 720 KiB (≈ 5.6 MiB): a 12 MiB budget holds two
+    engine = tiered(kv_disk_path=str(tmp_path), kv_disk_size="12MiB")
+    run(engine)
+    engine.flush()
+    stats = engine.stats()
+    assert stats["kv_tier_disk_evictions"] >= 1
+    assert stats["kv_tier_disk_num_bytes"] <= 12 * 2**20
+    assert sum(f.stat().st_size for f in tmp_path.rglob("*.kv")) <= 12 * 2**20
+    evict_device(engine)
+    out = run(engine)
+    assert out.token_ids == reference  # the first chunk was evicted: nothing loads, all good
+
+
+def test_unwritable_disk_is_a_fault_not_an_error(tiered, tmp_path, reference):
+    engine = tiered(kv_disk_path=str(tmp_path))
+    os.chmod(tmp_path, 0o500)
+    try:
+        if os.access(tmp_path, os.W_OK):
+            pytest.skip("running as root: permissions are not enforced")
+        out = run(engine)
+        engine.flush()
+    finally:
+        os.chmod(tmp_path, 0o700)
+    assert out.token_ids == reference
+    assert engine.stats()["kv_tier_disk_faults"] >= 1
+
+
+def test_parked_session_resumes_from_a_tier(tiered, tmp_path, make_engine):
+    turn1 = [{"role": "user", "content": PROMPT}]
+    ref_engine = make_engine()
+    ref1 = run(ref_engine, turn1)
+    turn2 = turn1 + [
+        {"role": "assistant", "content": ref1.text},
+        {"role": "user", "content": "And which fruit is yellow?"},
+    ]
+    ref2 = run(ref_engine, turn2)
+
+    engine = tiered(kv_disk_path=str(tmp_path))
+    out1 = run(engine, turn1, session_id="conv-1")
+    assert out1.token_ids == ref1.token_ids
+    parked = engine.park("conv-1")
+    assert parked >= (out1.num_prompt_tokens // 16 - 1) * 16
+    pool = engine.kv_manager.pool
+    assert pool.num_cached_free_blocks < 3  # the conversation left the device pool
+    out2 = run(engine, turn2, session_id="conv-1")
+    assert out2.token_ids == ref2.token_ids
+    assert out2.num_loaded_tokens >= parked - 16
+    with pytest.raises(ValueError, match="session_id"):
+        engine.park("never-seen")
+    with pytest.raises(ValueError, match="session_id"):
+        engine.park("conv-1", tenant="someone-else")
+
+
+def test_cost_model_recomputes_when_loading_is_slower(tiered, tmp_path, reference):
+    engine = tiered(kv_disk_path=str(tmp_path))
+    run(engine)
+    evict_device(engine)
+    # pretend the disk reads at 1 MB/s: recomputing ~330 tokens is far cheaper
+    engine.store.cost.tiers["disk"].w = [0.0, 0.0, 1000.0]
+    out = run(engine)
+    assert out.num_loaded_tokens == 0 and out.token_ids == reference
+    decision = engine.store.decisions[-1]
+    assert decision.available_tokens > 0 and decision.chosen_tokens == 0
+    assert engine.stats()["kv_store_recompute_decisions"] == 1
+
+
+def test_retained_prefix_is_kept_on_disk(tiered, tmp_path):
+    import time
+
+    engine = tiered(kv_disk_path=str(tmp_path))
+    run(engine, retention="24h")
+    engine.flush()
+    mtimes = [f.stat().st_mtime for f in tmp_path.rglob("*.kv")]
+    assert mtimes and min(mtimes) > time.time() + 23 * 3600
