@@ -3,32 +3,11 @@ after a restart, across tenants (isolated), through faults, and for parked sessi
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from kvwise.types import SamplingParams
+from tests.tiers_util import PROMPT, evict_device, run
 
 pytestmark = pytest.mark.slow
-
-PROMPT = "Here is a list of fruits and their colours. " + " ".join(
-    f"Fruit number {i} is {'red' if i % 3 else 'yellow'}." for i in range(40)
-)
-GREEDY = SamplingParams(max_tokens=12, temperature=0)
-
-
-def run(engine, prompt=PROMPT, **kw):
-    request_id = engine.add_request(prompt, GREEDY, **kw)
-    while True:
-        for out in engine.step():
-            if out.request_id == request_id and out.finished:
-                return out
-
-
-def evict_device(engine) -> None:
-    """Forget every cached block in the device pool: what comes back now comes from a tier."""
-    engine.flush()
-    engine.kv_manager.pool.reset_prefix_cache()
 
 
 @pytest.fixture(scope="module")
@@ -150,18 +129,25 @@ def test_full_disk_budget_evicts_and_keeps_serving(tiered, tmp_path, reference):
     assert out.token_ids == reference  # the first chunk was evicted: nothing loads, all good
 
 
-def test_unwritable_disk_is_a_fault_not_an_error(tiered, tmp_path, reference):
+def test_disk_full_is_a_fault_not_an_error(tiered, tmp_path, reference, monkeypatch):
+    import errno
+
+    from kvwise.store import disk
+
     engine = tiered(kv_disk_path=str(tmp_path))
-    os.chmod(tmp_path, 0o500)
-    try:
-        if os.access(tmp_path, os.W_OK):
-            pytest.skip("running as root: permissions are not enforced")
-        out = run(engine)
-        engine.flush()
-    finally:
-        os.chmod(tmp_path, 0o700)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk.os, "replace", no_space)
+    out = run(engine)
+    engine.flush()
     assert out.token_ids == reference
     assert engine.stats()["kv_tier_disk_faults"] >= 1
+    assert not list(tmp_path.rglob("*.kv")) and not list(tmp_path.rglob("*.tmp"))
+    monkeypatch.undo()
+    evict_device(engine)
+    assert run(engine).token_ids == reference
 
 
 def test_parked_session_resumes_from_a_tier(tiered, tmp_path, make_engine):
