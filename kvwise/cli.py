@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -54,9 +55,105 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="public prefixes are shared only in chunks of this many tokens",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    _add_tier_args(p)
+
+
+# --flag dest -> StoreConfig field: passed to the engine only when given, so that StoreConfig's
+# defaults stay the one place they are written down
+_TIER_FIELDS = (
+    "kv_host_memory",
+    "kv_disk_path",
+    "kv_disk_size",
+    "kv_redis_url",
+    "kv_redis_ttl",
+    "kv_redis_timeout",
+    "kv_chunk_blocks",
+    "kv_store_min_tokens",
+    "kv_load_policy",
+)
+
+
+def _add_tier_args(p: argparse.ArgumentParser) -> None:
+    import dataclasses
+
+    from kvwise.config import StoreConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
+    g = p.add_argument_group(
+        "KV tiers",
+        "stores below the KV pool, tried in order host -> disk -> Redis: finished sequences are "
+        "written to them in the background, and a later prompt with the same prefix loads its "
+        "KV from them instead of recomputing it",
+    )
+    g.add_argument(
+        "--kv-host-memory",
+        default=None,
+        metavar="SIZE",
+        help="host-RAM tier budget, e.g. 8GiB; 'off' disables it "
+        f"(default: {default['kv_host_memory']})",
+    )
+    g.add_argument(
+        "--kv-disk-path",
+        default=None,
+        metavar="DIR",
+        help="directory of the disk tier; 'off' disables it "
+        "(default: $XDG_CACHE_HOME/kvwise/kv, or ~/.cache/kvwise/kv without it)",
+    )
+    g.add_argument(
+        "--kv-disk-size",
+        default=None,
+        metavar="SIZE",
+        help=f"disk tier budget (default: {default['kv_disk_size']})",
+    )
+    g.add_argument(
+        "--kv-redis-url",
+        default=os.environ.get("KVWISE_KV_REDIS_URL") or None,
+        metavar="URL",
+        help="Redis tier, redis://[:password@]host:port[/db] (or rediss://, unix://); off unless "
+        "a URL is given; default: $KVWISE_KV_REDIS_URL, which keeps a password off the "
+        "command line",
+    )
+    g.add_argument(
+        "--kv-redis-ttl",
+        default=None,
+        metavar="DURATION",
+        help="how long Redis keeps an entry, e.g. 30m, 1h, 2d "
+        f"(default: {default['kv_redis_ttl']}; a request's retention may extend it)",
+    )
+    g.add_argument(
+        "--kv-redis-timeout",
+        default=None,
+        metavar="SECONDS",
+        help="a Redis call slower than this counts as a fault, served as a miss "
+        f"(default: {default['kv_redis_timeout']})",
+    )
+    g.add_argument(
+        "--kv-chunk-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"KV blocks per stored entry (default: {default['kv_chunk_blocks']})",
+    )
+    g.add_argument(
+        "--kv-store-min-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sequences shorter than this are not written to the tiers "
+        f"(default: {default['kv_store_min_tokens']})",
+    )
+    g.add_argument(
+        "--kv-load-policy",
+        default=None,
+        choices=["auto", "always", "never"],
+        help="auto: load a stored prefix only where the cost model says it beats recomputing "
+        f"it; always / never: for benchmarks (default: {default['kv_load_policy']})",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The engine keywords of the parsed flags (KV-tier ones only where given)."""
+    tiers = {name: getattr(args, name) for name in _TIER_FIELDS}
     return {
         "model": args.model,
         "dtype": args.dtype,
@@ -71,6 +168,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "public_system_prompts": tuple(_read_text(p) for p in args.public_system_prompt_file),
         "public_prefix_min_tokens": args.public_prefix_min_tokens,
         "num_threads": args.threads,
+        **{name: value for name, value in tiers.items() if value is not None},
     }
 
 
@@ -199,7 +297,6 @@ def cmd_size(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
     import signal
 
     import uvicorn

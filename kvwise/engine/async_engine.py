@@ -13,6 +13,9 @@ Contract:
 - A step that raises fails the requests in flight (their streams raise `EngineStepError`), which
   are aborted; the loop goes on if the pool passes its integrity check, else the engine is dead
   and every later call raises `EngineDeadError`.
+- Once the loop has stopped (shutdown or crash), the engine thread calls `LLMEngine.close()`,
+  so KV writes still queued for the tiers (host, disk, Redis) reach them before the process
+  exits; `shutdown` waits for that flush.
 
 The step itself (a model forward on CPU) holds the thread for its whole length; the event loop
 that serves HTTP never waits on it.
@@ -25,6 +28,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ from typing import Any, TypeVar
 
 from kvwise.engine.llm_engine import LLMEngine, Prompt
 from kvwise.types import RequestOutput, SamplingParams
+from kvwise.utils import format_bytes
 
 logger = logging.getLogger("kvwise")
 
@@ -102,11 +107,16 @@ class AsyncEngine:
     Args:
         engine: the engine; from now on only the engine thread may call it.
         retry_after_s: the Retry-After hint carried by `QueueFullError`.
+        close_engine: close the engine (flushing its pending tier writes) once the loop has
+            stopped; False leaves it open, to be reused after `shutdown` (tests).
     """
 
-    def __init__(self, engine: LLMEngine, retry_after_s: int = 1) -> None:
+    def __init__(
+        self, engine: LLMEngine, retry_after_s: int = 1, *, close_engine: bool = True
+    ) -> None:
         self.engine = engine
         self.retry_after_s = retry_after_s
+        self.close_engine = close_engine
         self.max_model_len = engine.max_model_len  # immutable: readable from any thread
         self._commands: collections.deque[tuple[Callable, concurrent.futures.Future]] = (
             collections.deque()
@@ -116,6 +126,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: str | None = None  # why the loop is not running
+        self._loop_done = threading.Event()  # the loop has stopped (the close may still run)
+        self._engine_closed = False
         self._integrity_checks = 0  # idle-time pool audits passed
         self._stats: dict[str, float | int] = {}
         self._refresh_stats()
@@ -135,13 +147,30 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the loop after the current step; requests in flight are aborted and their
-        streams raise `EngineDeadError`. Safe to call from any thread, more than once."""
+        streams raise `EngineDeadError`. Then the engine is closed (see ``close_engine``).
+        Safe to call from any thread, more than once.
+
+        Waits up to ``timeout`` seconds for the loop to stop, then for the close to flush the
+        writes queued for the tiers (bounded by the store's pending-write cap and its tiers'
+        timeouts), so that they are on disk / in Redis when this returns.
+        """
         with self._lock:
             self._stopping = True
             thread = self._thread
         self._wake.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        if thread is None:
+            self._close_engine()  # never started: no other thread touches the engine
+            return
+        if thread is threading.current_thread():
+            return  # a command asked for it: the loop stops and closes once it returns
+        if not self._loop_done.wait(timeout):
+            logger.warning(
+                "the engine loop did not stop within %s s; writes queued for the KV tiers "
+                "may be lost",
+                timeout,
+            )
+            return
+        thread.join()
 
     @property
     def is_running(self) -> bool:
@@ -191,8 +220,10 @@ class AsyncEngine:
         tenant: str = "default",
         cache_salt: str | None = None,
         retention: str | float | None = None,
+        session_id: str | None = None,
     ) -> RequestStream:
-        """Admit a request and return its output stream.
+        """Admit a request and return its output stream (``session_id``: see
+        `LLMEngine.add_request`; `park` takes the same id and tenant).
 
         Raises:
             ValueError: bad input, naming the field (``"prompt: ..."``).
@@ -213,6 +244,7 @@ class AsyncEngine:
                     tenant=tenant,
                     cache_salt=cache_salt,
                     retention=retention,
+                    session_id=session_id,
                 )
             except OverflowError:
                 raise QueueFullError(retry_after_s) from None
@@ -235,6 +267,17 @@ class AsyncEngine:
                 yield out
         finally:
             stream.close()
+
+    async def park(self, session_id: str, tenant: str = "default") -> int:
+        """`LLMEngine.park` on the engine thread (between two steps): move a session's KV
+        to the tiers. Returns the tokens parked.
+
+        Raises:
+            ValueError: ``"session_id: ..."``: no finished turn of that session in this
+                tenant, or a request of it is in flight.
+            EngineDeadError: the engine loop is not running.
+        """
+        return await self.call(lambda engine: engine.park(session_id, tenant))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (fire and forget); unknown or finished ids are ignored."""
@@ -272,6 +315,30 @@ class AsyncEngine:
         with self._lock:
             self._dead = reason
         self._close_all(EngineDeadError(reason))
+        self._loop_done.set()
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        """Close the engine once (flushing its tier writes) and log what the flush wrote."""
+        with self._lock:
+            if not self.close_engine or self._engine_closed:
+                return
+            self._engine_closed = True
+        engine = self.engine
+        try:
+            before = engine.store_stats()
+            t0 = time.perf_counter()
+            engine.close()
+            if before:
+                after = engine.store_stats()
+                logger.info(
+                    "KV tiers flushed on shutdown in %.2f s: %s pending, entries written: %d",
+                    time.perf_counter() - t0,
+                    format_bytes(before["kv_store_pending_write_bytes"]),
+                    after["kv_store_chunks_written"] - before["kv_store_chunks_written"],
+                )
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            logger.exception("closing the engine (flushing the KV tiers) failed")
 
     def _refresh_stats(self) -> None:
         self._stats = {**self.engine.stats(), "kv_integrity_checks": self._integrity_checks}

@@ -1,15 +1,22 @@
 """The OpenAI-compatible HTTP app: JSON in, typed engine requests out, JSON / SSE back.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream``: server-sent events ending
-with ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+with ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus text), and the
+extension POST /v1/kvwise/park.
+
+Sessions: a request's ``prompt_cache_key`` is its engine session id (within its tenant).
+``POST /v1/kvwise/park {"prompt_cache_key": ...}`` moves that conversation's KV from the device
+pool down to the tiers (host RAM, disk, Redis) until its next turn, which loads it back; it runs
+on the engine thread between two steps and waits for the tier writes.
 
 Tenants: with API keys configured, every /v1 route needs ``Authorization: Bearer KEY`` (401
 otherwise) and the key alone names the tenant, so one tenant's prompts never hit another's
 cache. Without keys every request is tenant ``default``. /health and /metrics are open.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
-(naming the field), 401, 404 unknown model or route, 429 (with Retry-After) when the engine's
-waiting queue is full, 503 when the engine is down. A client that disconnects, streaming or
+(naming the field), 401, 404 unknown model, route or session, 409 park of a session with a
+request in flight, 429 (with Retry-After) when the engine's waiting queue is full, 503 when the
+engine is down. A client that disconnects, streaming or
 not, has its request aborted and its KV blocks freed before the next engine step.
 """
 
@@ -52,6 +59,8 @@ from kvwise.server.protocol import (
     Health,
     ModelCard,
     ModelList,
+    ParkRequest,
+    ParkResponse,
     PromptTokensDetails,
     Usage,
 )
@@ -76,6 +85,11 @@ _ERRORS = {
         (429, "waiting queue full; see Retry-After"),
         (503, "engine not running"),
     )
+}
+_PARK_ERRORS = {
+    **{code: _ERRORS[code] for code in (400, 401, 503)},
+    404: {"model": ErrorResponse, "description": "no finished turn of this prompt_cache_key"},
+    409: {"model": ErrorResponse, "description": "a request of this session is in flight"},
 }
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
@@ -150,6 +164,7 @@ def create_app(
                 tenant=tenant,
                 cache_salt=body.cache_salt,
                 retention=body.retention,
+                session_id=body.session_id,
             )
         except ValueError as exc:
             raise _bad_input(exc, prompt_param) from None
@@ -259,6 +274,18 @@ def create_app(
             id=request_id, created=now, model=model_name, choices=[choice], usage=_usage(out)
         )
 
+    @app.post("/v1/kvwise/park", response_model=ParkResponse, responses=_PARK_ERRORS)
+    async def park(body: ParkRequest, request: Request) -> ParkResponse:
+        """Move a conversation's KV to the tiers until its next turn (kvwise extension)."""
+        key = body.prompt_cache_key
+        try:
+            parked_tokens = await async_engine.park(key, request.state.tenant)
+        except ValueError as exc:
+            raise _park_error(exc) from None
+        except EngineDeadError as exc:
+            raise APIError(503, f"the engine is not running: {exc}", code="engine_down") from None
+        return ParkResponse(prompt_cache_key=key, parked_tokens=parked_tokens)
+
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, created=created)])
@@ -311,6 +338,19 @@ def _bad_input(exc: ValueError, prompt_param: str) -> APIError:
         if "do not fit" in message:
             code = "context_length_exceeded"
     return APIError(400, message, param=param, code=code)
+
+
+def _park_error(exc: ValueError) -> APIError:
+    """The engine's ``ValueError("session_id: ...")`` → 404 (unknown) or 409 (busy), naming
+    the field the client sent."""
+    message = str(exc)
+    if message.startswith("session_id"):
+        message = "prompt_cache_key" + message[len("session_id") :]
+    if "in flight" in message:
+        return APIError(409, message, param="prompt_cache_key", code="session_busy")
+    if "no finished turn" in message:
+        return APIError(404, message, param="prompt_cache_key", code="session_not_found")
+    return APIError(400, message, param="prompt_cache_key", code="invalid_value")
 
 
 async def _outputs_or_error(stream: RequestStream) -> AsyncIterator[RequestOutput | str]:

@@ -3,7 +3,10 @@
 Per request (recorded when it ends): requests by route and status, prompt / cached / generated
 tokens, TTFT, every inter-token latency, end-to-end latency. From the engine (read at scrape time
 from the async engine's last stats): waiting queue depth, running requests, KV blocks used /
-cached-free / free, KV utilisation, prefix-cache query and hit tokens, preemptions.
+cached-free / free, KV utilisation, prefix-cache query and hit tokens, preemptions; with KV
+tiers, per tier (label ``tier``: host, disk, redis) hits, misses, bytes read and written, load
+time, evictions, faults, entries and bytes held, and the store's load / recompute decisions,
+loaded tokens, chunks written, writes dropped and bytes waiting to be written.
 Each finished request also writes one log line.
 """
 
@@ -23,6 +26,23 @@ logger = logging.getLogger("kvwise.server")
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+_TIERS = ("host", "disk", "redis")  # the engine's ``kv_tier_<tier>_<counter>`` stats
+# metric name -> (engine counter, help); counters get ``_total`` appended on exposition
+_TIER_COUNTERS = {
+    "kvwise_kv_tier_hits": ("hits", "KV entries found in the tier"),
+    "kvwise_kv_tier_misses": ("misses", "KV entries looked for and not found in the tier"),
+    "kvwise_kv_tier_read_bytes": ("bytes_read", "bytes read from the tier"),
+    "kvwise_kv_tier_written_bytes": ("bytes_written", "bytes written to the tier"),
+    "kvwise_kv_tier_loads": ("loads", "reads from the tier that returned entries"),
+    "kvwise_kv_tier_load_seconds": ("load_seconds", "seconds spent reading from the tier"),
+    "kvwise_kv_tier_evictions": ("evictions", "entries the tier dropped (budget or expiry)"),
+    "kvwise_kv_tier_faults": ("faults", "I/O errors, timeouts and corrupt entries (as misses)"),
+}
+_TIER_GAUGES = {
+    "kvwise_kv_tier_entries": ("num_entries", "KV entries held by the tier"),
+    "kvwise_kv_tier_bytes": ("num_bytes", "bytes held by the tier"),
+}
 
 
 class _EngineCollector:
@@ -71,6 +91,43 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _store_families(s)
+
+
+def _store_families(s: dict[str, float | int]):
+    """The KV tiers' series; none when the engine has no tier store."""
+    if "kv_store_load_decisions" not in s:
+        return
+    tiers = [t for t in _TIERS if f"kv_tier_{t}_hits" in s]
+    for family, table in ((CounterMetricFamily, _TIER_COUNTERS), (GaugeMetricFamily, _TIER_GAUGES)):
+        for name, (key, doc) in table.items():
+            metric = family(name, doc, labels=["tier"])
+            for tier in tiers:
+                metric.add_metric([tier], s[f"kv_tier_{tier}_{key}"])
+            yield metric
+    decisions = CounterMetricFamily(
+        "kvwise_kv_store_decisions",
+        "stored-prefix hits by what the cost model chose: load from a tier or recompute",
+        labels=["decision"],
+    )
+    decisions.add_metric(["load"], s["kv_store_load_decisions"])
+    decisions.add_metric(["recompute"], s["kv_store_recompute_decisions"])
+    yield decisions
+    counters = {
+        "kvwise_kv_store_loaded_tokens": ("prompt tokens loaded from the tiers", "loaded_tokens"),
+        "kvwise_kv_store_chunks_written": ("KV entries written to the tiers", "chunks_written"),
+        "kvwise_kv_store_writes_dropped": (
+            "KV entries not written because the write queue was full",
+            "writes_dropped",
+        ),
+    }
+    for name, (doc, key) in counters.items():
+        yield CounterMetricFamily(name, doc, value=s[f"kv_store_{key}"])
+    yield GaugeMetricFamily(
+        "kvwise_kv_store_pending_write_bytes",
+        "bytes queued for the tiers, not yet written",
+        value=s["kv_store_pending_write_bytes"],
+    )
 
 
 class ServerMetrics:

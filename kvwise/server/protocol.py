@@ -7,10 +7,12 @@ Fields the engine does not implement are accepted at their neutral value and rej
 OpenAI clients send many.
 
 Prompt caching: ``cache_salt`` is an extra salt *within* the caller's tenant (the tenant itself
-comes from the API key, never from the body). ``prompt_cache_key`` is a routing hint that a
-single server has no use for: it is accepted and ignored, and never widens what may be shared.
-``prompt_cache_retention`` is ``"in_memory"`` (the default LRU) or ``"24h"`` (keep the
-request's cached prefix for a day, evicted only after all unkept blocks).
+comes from the API key, never from the body). ``prompt_cache_key`` names the conversation (the
+engine's session id, scoped to the caller's tenant): ``POST /v1/kvwise/park`` with the same key
+moves that conversation's KV down to the tiers between turns, and the next turn loads it back.
+It never widens what may be shared. ``prompt_cache_retention`` is ``"in_memory"`` (the default
+LRU) or ``"24h"`` (keep the request's cached prefix for a day, evicted only after all unkept
+blocks).
 """
 
 from __future__ import annotations
@@ -114,11 +116,17 @@ class _SamplingRequest(BaseModel):
         None, min_length=1, description="extra prompt-cache salt within the caller's tenant"
     )
     prompt_cache_key: str | None = Field(
-        None, description="accepted and ignored (a routing hint; never shares across tenants)"
+        None,
+        description="names the conversation within the caller's tenant, for "
+        "POST /v1/kvwise/park (never shares across tenants)",
     )
     prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
         None, description="in_memory: default LRU; 24h: keep the cached prefix for a day"
     )
+
+    @property
+    def session_id(self) -> str | None:
+        return self.prompt_cache_key or None  # "" names no conversation
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -245,6 +253,16 @@ class ChatCompletionRequest(_SamplingRequest):
         return out
 
 
+class ParkRequest(BaseModel):
+    """``POST /v1/kvwise/park`` (extension)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    prompt_cache_key: str = Field(
+        ..., min_length=1, description="the conversation whose KV to move to the tiers"
+    )
+
+
 # ---- responses -------------------------------------------------------------------------------
 
 
@@ -337,3 +355,13 @@ class ModelList(BaseModel):
 
 class Health(BaseModel):
     status: str
+
+
+class ParkResponse(BaseModel):
+    object: Literal["kvwise.park"] = "kvwise.park"
+    prompt_cache_key: str
+    parked_tokens: int = Field(
+        ...,
+        description="tokens of the conversation whose KV the tiers now hold (freed from the "
+        "device pool unless shared); 0 when no tier is configured",
+    )

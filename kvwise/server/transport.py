@@ -151,8 +151,20 @@ class AuthAndCount:
             self.metrics.requests.labels(_route_label(path), str(status)).inc()
 
 
+_ROUTES = frozenset(
+    (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/kvwise/park",
+        "/health",
+        "/metrics",
+    )
+)
+
+
 def _route_label(path: str) -> str:
-    if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"):
+    if path in _ROUTES:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"

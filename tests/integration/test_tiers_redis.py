@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.tiers_util import PROMPT, evict_device, run
+from tests.tiers_util import evict_device, run
 
 pytestmark = pytest.mark.slow
 

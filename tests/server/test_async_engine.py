@@ -28,7 +28,7 @@ def engine(make_tiny_engine):
 @pytest.fixture
 def async_engine(engine):
     runner_execute = engine.runner.execute
-    async_engine = AsyncEngine(engine, retry_after_s=3)
+    async_engine = AsyncEngine(engine, retry_after_s=3, close_engine=False)  # engine reused
     async_engine.start()
     yield async_engine
     async_engine.shutdown()
