@@ -123,7 +123,8 @@ class StoreConfig:
         if url is not None and (
             not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))
         ):
-            raise ValueError(f"kv_redis_url: expected redis://host:port[/db], got {url!r}")
+            # NOTE: the URL may hold a password: never echo it
+            raise ValueError("kv_redis_url: expected redis://[:password@]host:port[/db]")
         object.__setattr__(self, "kv_redis_url", url)
         object.__setattr__(self, "kv_redis_ttl", parse_duration(self.kv_redis_ttl, "kv_redis_ttl"))
         object.__setattr__(

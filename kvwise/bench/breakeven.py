@@ -318,12 +318,16 @@ def _compare_chunks(args, loaded, lengths: list[int], disk_root: str) -> dict:
     engines = {}
     for c in sizes:
         config = EngineConfig.from_kwargs(
-            **{**kw, "kv_host_memory": "off", "kv_redis_url": None},
-            kv_disk_path=f"{disk_root}/c{c}",
-            kv_chunk_blocks=c,
-            kv_store_min_tokens=16,
-            kv_load_policy="always",
-            max_model_len=lengths[-1] + 64,
+            **{
+                **kw,
+                "kv_host_memory": "off",
+                "kv_redis_url": None,
+                "kv_disk_path": f"{disk_root}/c{c}",
+                "kv_chunk_blocks": c,
+                "kv_store_min_tokens": 16,
+                "kv_load_policy": "always",
+                "max_model_len": lengths[-1] + 64,
+            }
         )
         engines[c] = LLMEngine(config, progress=False, loaded=loaded)
     rng = random.Random(1)

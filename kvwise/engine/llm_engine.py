@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,8 @@ from kvwise.worker.model_runner import ModelRunner
 logger = logging.getLogger("kvwise")
 
 Prompt = str | list[dict] | list[int]
+
+MAX_SESSIONS = 100_000  # sessions remembered for park(); the least recently used go first
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -136,8 +139,8 @@ class LLMEngine:
         )
         self._states: dict[str, _RequestState] = {}
         self._next_id = 0
-        # (tenant, session id) -> chain hashes of the session's last finished turn
-        self._sessions: dict[tuple[str, str], list[bytes]] = {}
+        # (tenant, session id) -> chain hashes of the session's last finished turn, LRU-capped
+        self._sessions: OrderedDict[tuple[str, str], list[bytes]] = OrderedDict()
         self._closed = False
 
     # ---- requests -----------------------------------------------------------------------
@@ -279,6 +282,9 @@ class LLMEngine:
                     num_full = request.num_computed_tokens // self.kv_manager.block_size
                     key = (request.tenant, state.session_id)
                     self._sessions[key] = list(request.block_hashes[:num_full])
+                    self._sessions.move_to_end(key)
+                    if len(self._sessions) > MAX_SESSIONS:
+                        self._sessions.popitem(last=False)
             outputs.append(self._output(state, delta_text, update.new_token_ids, finished))
         if stopped:
             self.scheduler.finish_requests(stopped, FinishReason.STOP)

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvwise.store.base import FaultLog, TierStats
-from kvwise.store.host import LruIndex, check_key, check_value
+from kvwise.store.index import LruIndex, check_key, check_value
 
 _SUFFIX = ".kv"
 _UTIME_FD = os.utime in os.supports_fd

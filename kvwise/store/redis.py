@@ -35,7 +35,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvwise.store.base import FaultLog, TierStats
-from kvwise.store.host import check_key, check_value
+from kvwise.store.index import check_key, check_value
 
 _SCHEMES = ("redis", "rediss", "unix")
 _SKIPPED = object()  # the call did not reach the server (closed, down, or a fault)
