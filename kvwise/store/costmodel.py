@@ -77,7 +77,7 @@ class LoadDecision:
 class CostModel:
     def __init__(self, prefill_chunk_size: int | None = 512) -> None:
         self.prefill_chunk_size = prefill_chunk_size
-        self.step = OnlineFit(_STEP_PRIOR, prior_var=0.5)
+        self.step = OnlineFit(_STEP_PRIOR, prior_var=0.5, forget=0.995)
         self.tiers = {name: OnlineFit(p, prior_var=1.0) for name, p in _TIER_PRIORS.items()}
         self.copy = OnlineFit(_COPY_PRIOR, prior_var=1.0)
 
@@ -85,10 +85,10 @@ class CostModel:
 
     def observe_step(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
         """A model step ran over chunks ``[(start_pos, num_tokens), ...]`` in ``seconds``."""
-        num_tokens = sum(n for _, n in chunks)
-        if num_tokens < 16:
-            return  # decode-only steps are memory-bound: they say little about prefill
-        self.step.update(_step_features(chunks), seconds)
+        # NOTE: decode steps count too: they pin down the fixed cost of a step (γ), which
+        # decides short prefixes; long prefill chunks pin down α and β.
+        if chunks:
+            self.step.update(_step_features(chunks), seconds)
 
     def observe_load(self, tier: str, num_entries: int, num_bytes: int, seconds: float) -> None:
         self.tiers[tier].update((1.0, num_entries, num_bytes / 1e9), seconds)
