@@ -1,0 +1,237 @@
+"""TieredStore and CostModel without torch: entries, lookups across tiers, partial matches,
+faults as misses, promotion, write planning and the cost model's choices."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import pytest
+
+from kvwise.store import serde
+from kvwise.store.costmodel import CostModel, OnlineFit
+from kvwise.store.host import HostStore
+from kvwise.store.tiered import TieredStore
+
+FMT = serde.EntryFormat("model-x", "float32", 2, 4, 1, 2)  # 64-byte blocks
+
+
+def chain(n: int, tag: str = "a") -> list[bytes]:
+    return [hashlib.sha256(f"{tag}{i}".encode()).digest() for i in range(n)]
+
+
+def payload(hashes: list[bytes]) -> bytes:
+    """A recognisable payload: each block's bytes derive from its hash."""
+    return b"".join(h * 2 for h in hashes)
+
+
+class Flaky(HostStore):
+    """A host tier that can fail every call (as a dead server would)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(1 << 20)
+        self.name = name
+        self.down = False
+
+    def get(self, keys):
+        if self.down:
+            self.stats.faults += 1
+            return [None] * len(keys)
+        return super().get(keys)
+
+
+def make_store(*tiers, chunk_blocks=4, min_tokens=4, policy="always") -> TieredStore:
+    return TieredStore(
+        list(tiers),
+        FMT,
+        chunk_blocks=chunk_blocks,
+        min_tokens=min_tokens,
+        policy=policy,
+        background=False,
+    )
+
+
+def write_all(store: TieredStore, hashes: list[bytes], ttl_s=None) -> list:
+    writes = store.plan_writes(hashes, len(hashes))
+    for w in writes:
+        store.write(w, payload(list(w.block_hashes)), ttl_s)
+    return writes
+
+
+def test_writes_are_aligned_chunks_keyed_by_their_first_block():
+    store = make_store(HostStore(1 << 20))
+    h = chain(10)
+    writes = write_all(store, h)
+    assert [(w.first_block, len(w.block_hashes)) for w in writes] == [(0, 4), (4, 4), (8, 2)]
+    assert [w.key for w in writes] == [h[0], h[4], h[8]]
+    # the same sequence again: nothing new to write; grown by a block: only its last chunk
+    assert store.plan_writes(h, 10) == []
+    grown = chain(11)
+    assert [(w.first_block, len(w.block_hashes)) for w in store.plan_writes(grown, 11)] == [
+        (8, 3)
+    ]
+
+
+def test_short_sequences_are_not_written():
+    store = make_store(HostStore(1 << 20), min_tokens=17)  # block_size 4: 5 blocks needed
+    assert store.plan_writes(chain(4), 4) == []
+    assert len(store.plan_writes(chain(5), 5)) == 2
+
+
+def test_load_continues_a_device_hit_mid_chunk_and_stops_where_entries_stop_matching():
+    store = make_store(HostStore(1 << 20))
+    h = chain(10)
+    write_all(store, h)
+    other = h[:6] + chain(4, "b")  # shares 6 blocks, then diverges
+    load = store.load_prefix("r", other, num_device_blocks=2, max_blocks=10, num_prompt_tokens=41)
+    assert load.num_blocks == 4  # blocks 2..5: the rest of chunk 0, then half of chunk 1
+    assert [(c.first_block, c.skip, c.num_blocks, c.entry_blocks) for c in load.chunks] == [
+        (0, 2, 2, 4),
+        (4, 0, 2, 4),
+    ]
+    first = load.chunks[0]
+    assert bytes(first.payload) == payload(h[0:4])
+
+
+def test_load_respects_max_blocks_and_a_missing_chunk():
+    host = HostStore(1 << 20)
+    store = make_store(host)
+    h = chain(12)
+    write_all(store, h)
+    assert store.load_prefix("r", h, 0, max_blocks=6, num_prompt_tokens=25).num_blocks == 6
+    host.delete([h[4]])
+    assert store.load_prefix("r", h, 0, max_blocks=12, num_prompt_tokens=49).num_blocks == 4
+
+
+def test_tenants_never_share_entries():
+    store = make_store(HostStore(1 << 20))
+    write_all(store, chain(8, "tenant-a"))
+    assert store.load_prefix("r", chain(8, "tenant-b"), 0, 8, 33) is None
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda v: v[: len(v) // 2],  # truncated
+        lambda v: v[:-1] + bytes([v[-1] ^ 1]),  # bit flip in the payload
+        lambda v: v.replace(b"KVWS", b"KVWX", 1),  # foreign format
+    ],
+)
+def test_a_damaged_entry_is_a_fault_and_a_miss(damage):
+    host = HostStore(1 << 20)
+    store = make_store(host)
+    h = chain(8)
+    write_all(store, h)
+    (value,) = host.get([h[4]])
+    host.put([(h[4], damage(bytes(value)))])
+    load = store.load_prefix("r", h, 0, 8, 33)
+    assert load.num_blocks == 4  # the first chunk only
+    assert host.stats.faults == 1
+    assert host.contains([h[4]]) == [False]  # deleted
+
+
+def test_entry_of_another_model_is_refused():
+    host = HostStore(1 << 20)
+    h = chain(4)
+    other_fmt = serde.EntryFormat("model-y", "float32", 2, 4, 1, 2)
+    host.put([(h[0], serde.pack(other_fmt, h, 0, payload(h)))])
+    store = make_store(host)
+    assert store.load_prefix("r", h + chain(1, "z"), 0, 4, 17) is None
+    assert host.stats.faults == 1
+
+
+def test_lower_tier_hits_are_promoted_and_dead_tiers_are_misses():
+    upper, lower = Flaky("host"), Flaky("disk")
+    store = make_store(upper, lower)
+    h = chain(8)
+    write_all(store, h)
+    upper.delete(h)
+    load = store.load_prefix("r", h, 0, 8, 33)
+    assert load.num_blocks == 8 and {c.tier for c in load.chunks} == {"disk"}
+    assert upper.contains([h[0], h[4]]) == [True, True]  # promoted
+    upper.down = True
+    lower.down = True
+    assert store.load_prefix("r", h, 0, 8, 33) is None
+    assert upper.stats.faults >= 1
+
+
+def test_policy_never_loads_nothing_and_decisions_are_recorded():
+    store = make_store(HostStore(1 << 20), policy="never")
+    h = chain(8)
+    write_all(store, h)
+    assert store.load_prefix("r", h, 0, 8, 33) is None
+    store.policy = "always"
+    store.load_prefix("r", h, 0, 8, 33)
+    decision = store.decisions[-1]
+    assert (decision.available_tokens, decision.chosen_tokens) == (32, 32)
+    assert store.counters["load_decisions"] == 1
+
+
+def test_auto_policy_follows_the_cost_model():
+    store = make_store(HostStore(1 << 20), policy="auto")
+    h = chain(8)
+    write_all(store, h)
+    store.cost.tiers["host"].w = [10.0, 0.0, 0.0]  # 10 s per read: never worth it
+    assert store.load_prefix("r", h, 0, 8, 33) is None
+    assert store.counters["recompute_decisions"] == 1
+    assert store.decisions[-1].recomputed_instead
+    store.cost.tiers["host"].w = [0.0, 0.0, 0.0]  # free reads: always worth it
+    assert store.load_prefix("r", h, 0, 8, 33).num_blocks == 8
+
+
+def test_background_writer_flushes_on_close_and_drops_when_full():
+    host = HostStore(1 << 20)
+    store = TieredStore([host], FMT, chunk_blocks=4, min_tokens=4, max_pending_bytes=300)
+    gate = threading.Event()
+    real_put = host.put
+    host.put = lambda items, ttl_s=None: (gate.wait(5), real_put(items, ttl_s))
+    h = chain(12)
+    writes = store.plan_writes(h, 12)
+    for w in writes:  # 256 bytes each: the second does not fit while the first is pending
+        store.write(w, payload(list(w.block_hashes)))
+    assert store.counters["writes_dropped"] >= 1
+    gate.set()
+    store.close()
+    assert host.contains([h[0]]) == [True]
+    store.close()  # idempotent
+
+
+def test_num_stored_blocks_counts_the_leading_stored_run():
+    host = HostStore(1 << 20)
+    store = make_store(host)
+    h = chain(10)
+    write_all(store, h)
+    assert store.num_stored_blocks(h, 10) == 10
+    host.delete([h[4]])
+    assert store.num_stored_blocks(h, 10) == 4
+
+
+# ---- cost model -------------------------------------------------------------------------
+
+
+def test_online_fit_recovers_a_linear_law():
+    fit = OnlineFit([0.0, 0.0, 0.0], prior_var=10.0, forget=1.0)
+    for i in range(200):
+        x = (1.0, (i % 17) / 3, (i % 5) ** 2 / 7)
+        fit.update(x, 0.03 + 1.5 * x[1] + 0.2 * x[2])
+    assert fit.w == pytest.approx([0.03, 1.5, 0.2], abs=1e-6)
+
+
+def test_recompute_time_sums_prefill_chunks():
+    cost = CostModel(prefill_chunk_size=512)
+    cost.step.w = [0.01, 1.0, 0.0]  # 10 ms a step + 1 ms a token
+    assert cost.t_recompute(0, 1024) == pytest.approx(2 * 0.01 + 1.024)
+    assert cost.t_recompute(100, 100) == 0.0
+
+
+def test_choose_loads_only_what_beats_recomputing():
+    cost = CostModel(prefill_chunk_size=512)
+    cost.step.w = [0.0, 1.0, 0.0]  # 1 ms a token
+    cost.copy.w = [0.0, 0.0]
+    cost.tiers["disk"].w = [0.0, 0.0, 0.0]
+    cost.tiers["redis"].w = [0.2, 0.0, 0.0]  # 200 ms a read: dearer than 128 tokens
+    ends, tiers, sizes = [128, 256, 384], ["disk", "disk", "redis"], [1000, 1000, 1000]
+    m, t_load, t_rec = cost.choose(0, ends, tiers, sizes, 10.0, 400)
+    assert m == 2 and t_load == 0.0 and t_rec == pytest.approx(0.256)
+    cost.tiers["redis"].w = [0.0, 0.0, 0.0]
+    assert cost.choose(0, ends, tiers, sizes, 10.0, 400)[0] == 3
