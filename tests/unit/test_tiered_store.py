@@ -13,7 +13,7 @@ from kvwise.store.costmodel import CostModel, OnlineFit
 from kvwise.store.host import HostStore
 from kvwise.store.tiered import TieredStore
 
-FMT = serde.EntryFormat("model-x", "float32", 2, 4, 1, 2)  # 64-byte blocks
+FMT = serde.EntryFormat("model-x", "float32", 2, 4, 1, 2)  # 128-byte blocks
 
 
 def chain(n: int, tag: str = "a") -> list[bytes]:
@@ -22,7 +22,7 @@ def chain(n: int, tag: str = "a") -> list[bytes]:
 
 def payload(hashes: list[bytes]) -> bytes:
     """A recognisable payload: each block's bytes derive from its hash."""
-    return b"".join(h * 2 for h in hashes)
+    return b"".join(h * 4 for h in hashes)
 
 
 class Flaky(HostStore):
@@ -181,18 +181,20 @@ def test_auto_policy_follows_the_cost_model():
 
 def test_background_writer_flushes_on_close_and_drops_when_full():
     host = HostStore(1 << 20)
-    store = TieredStore([host], FMT, chunk_blocks=4, min_tokens=4, max_pending_bytes=300)
+    store = TieredStore([host], FMT, chunk_blocks=4, min_tokens=4, max_pending_bytes=600)
     gate = threading.Event()
     real_put = host.put
     host.put = lambda items, ttl_s=None: (gate.wait(5), real_put(items, ttl_s))
     h = chain(12)
     writes = store.plan_writes(h, 12)
-    for w in writes:  # 256 bytes each: the second does not fit while the first is pending
+    for w in writes:  # 512 bytes each: the second does not fit while the first is pending
         store.write(w, payload(list(w.block_hashes)))
     assert store.counters["writes_dropped"] >= 1
     gate.set()
-    store.close()
+    store.flush()
     assert host.contains([h[0]]) == [True]
+    assert store.counters["chunks_written"] == 1
+    store.close()
     store.close()  # idempotent
 
 
@@ -210,7 +212,7 @@ def test_num_stored_blocks_counts_the_leading_stored_run():
 
 
 def test_online_fit_recovers_a_linear_law():
-    fit = OnlineFit([0.0, 0.0, 0.0], prior_var=10.0, forget=1.0)
+    fit = OnlineFit([0.0, 0.0, 0.0], prior_var=1e6, forget=1.0)
     for i in range(200):
         x = (1.0, (i % 17) / 3, (i % 5) ** 2 / 7)
         fit.update(x, 0.03 + 1.5 * x[1] + 0.2 * x[2])
