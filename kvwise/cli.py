@@ -68,6 +68,7 @@ _TIER_FIELDS = (
     "kv_redis_ttl",
     "kv_redis_timeout",
     "kv_chunk_blocks",
+    "kv_layer_groups",
     "kv_store_min_tokens",
     "kv_load_policy",
 )
@@ -132,7 +133,15 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help=f"KV blocks per stored entry (default: {default['kv_chunk_blocks']})",
+        help=f"KV blocks per stored chunk (default: {default['kv_chunk_blocks']})",
+    )
+    g.add_argument(
+        "--kv-layer-groups",
+        type=int,
+        default=None,
+        metavar="N",
+        help="entries per chunk, by runs of layers; loads stream group by group "
+        f"(default: {default['kv_layer_groups']})",
     )
     g.add_argument(
         "--kv-store-min-tokens",

@@ -103,7 +103,8 @@ class StoreConfig:
     kv_redis_url: str | None = None  # redis:// or rediss:// URL (password allowed); None: off
     kv_redis_ttl: str | float = "1h"  # how long Redis keeps an entry (retention may extend it)
     kv_redis_timeout: str | float = 0.5  # seconds before a Redis call counts as a fault
-    kv_chunk_blocks: int = 8  # blocks per stored entry (measured: see docs/BENCHMARKS.md)
+    kv_chunk_blocks: int = 8  # blocks per stored chunk (measured: see docs/BENCHMARKS.md)
+    kv_layer_groups: int = 1  # entries per chunk, by layers: loads stream group by group
     kv_store_min_tokens: int = 64  # sequences shorter than this are not written to the tiers
     kv_load_policy: str = "auto"  # auto: the cost model decides; always / never (benchmarks)
 
@@ -131,6 +132,7 @@ class StoreConfig:
             self, "kv_redis_timeout", parse_duration(self.kv_redis_timeout, "kv_redis_timeout")
         )
         _positive_int("kv_chunk_blocks", self.kv_chunk_blocks)
+        _positive_int("kv_layer_groups", self.kv_layer_groups)
         _positive_int("kv_store_min_tokens", self.kv_store_min_tokens)
         if self.kv_load_policy not in LOAD_POLICIES:
             raise ValueError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvwise.store.tiered import ChunkLoad, ChunkWrite
+from kvwise.store.tiered import ChunkWrite, PlannedChunk
 from kvwise.types import SamplingParams
 
 
@@ -34,10 +34,12 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class KVLoad:
-    """Copy part of a stored entry into fresh device blocks before the step runs."""
+    """Part of a stored chunk to stream into fresh device blocks while the step runs (each
+    layer group before the model reaches it)."""
 
-    block_ids: list[int]  # device blocks receiving the entry's blocks skip .. skip + n
-    chunk: ChunkLoad
+    request_id: str
+    block_ids: list[int]  # device blocks receiving the chunk's blocks skip .. skip + n
+    chunk: PlannedChunk
 
 
 @dataclass(frozen=True)
@@ -69,3 +71,5 @@ class ModelOutput:
     """Sampled token id and its logprob for each request whose chunk asked to sample."""
 
     sampled: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # requests whose planned loads came up short: the number of blocks actually loaded
+    short_loads: dict[str, int] = field(default_factory=dict)

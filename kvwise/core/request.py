@@ -58,7 +58,8 @@ class Request:
         self.block_hashes: list[BlockHash] = []  # hashes of the full blocks of token_ids
         self.num_public_blocks: int | None = None  # leading blocks hashed as a public prefix
         self.num_loaded_tokens = 0  # prefix tokens loaded from the slower tiers
-        self.pending_load = None  # (device blocks, PrefixLoad | None) read while waiting
+        self.pending_load = None  # (device blocks, LoadPlan | None) planned while waiting
+        self.num_planned_load_blocks = 0  # blocks the last admission planned to load
 
     @property
     def num_tokens(self) -> int:

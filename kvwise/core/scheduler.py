@@ -23,9 +23,15 @@ from dataclasses import dataclass
 
 from kvwise.config import SchedulerConfig
 from kvwise.core.kv_cache_manager import KVCacheManager
-from kvwise.core.outputs import KVLoad, KVSave, ModelOutput, ScheduledRequest, SchedulerOutput
+from kvwise.core.outputs import (
+    KVLoad,
+    KVSave,
+    ModelOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from kvwise.core.request import Request, RequestStatus
-from kvwise.store.tiered import PrefixLoad, TieredStore
+from kvwise.store.tiered import LoadPlan, TieredStore
 from kvwise.types import FinishReason
 
 
@@ -57,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_load_rollbacks = 0
         self._finished_while_scheduling: list[Request] = []  # reported by the next update()
 
     # ---- admission ----------------------------------------------------------------------
@@ -164,10 +171,12 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.pending_load = None
+            request.num_planned_load_blocks = load.num_blocks if load else 0
             if load is not None:
                 first = len(computed_blocks)
                 for chunk in load.chunks:
-                    out.kv_loads.append(KVLoad(block_ids[first : first + chunk.num_blocks], chunk))
+                    ids = block_ids[first : first + chunk.num_blocks]
+                    out.kv_loads.append(KVLoad(request.request_id, ids, chunk))
                     first += chunk.num_blocks
                 request.num_loaded_tokens += num_loaded
             num_cached += num_loaded
@@ -195,10 +204,10 @@ class Scheduler:
             )
         return out
 
-    def _load_from_store(self, request: Request, num_device_blocks: int) -> PrefixLoad | None:
+    def _load_from_store(self, request: Request, num_device_blocks: int) -> LoadPlan | None:
         """The stored continuation of a device prefix hit that is worth loading, if any.
 
-        NOTE: a request that waits for blocks keeps what was read, so that it is not read
+        NOTE: a request that waits for blocks keeps its plan, so that the tiers are not asked
         again at every step while it waits.
         """
         if self.store is None:
@@ -206,7 +215,7 @@ class Scheduler:
         if request.pending_load is not None and request.pending_load[0] == num_device_blocks:
             return request.pending_load[1]
         max_blocks = (request.num_tokens - 1) // self.kv.block_size
-        load = self.store.load_prefix(
+        load = self.store.plan_load(
             request.request_id, request.block_hashes, num_device_blocks, max_blocks,
             request.num_tokens,
         )  # fmt: skip
@@ -250,8 +259,11 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_tokens
             request.num_tokens_projected += item.num_tokens
+            if item.request_id in model_out.short_loads:
+                self._roll_back_load(request, item, model_out.short_loads[item.request_id])
+                continue
+            request.num_computed_tokens += item.num_tokens
             self.kv.cache_full_blocks(request)
             if not item.sample:
                 continue
@@ -264,6 +276,24 @@ class Scheduler:
                 request.num_computed_tokens = 0  # recompute everything next step
             updates.append(RequestUpdate(request, [token_id], reason is not None))
         return updates
+
+    def _roll_back_load(self, request: Request, item: ScheduledRequest, num_loaded: int) -> None:
+        """A planned load delivered fewer blocks than planned (a miss, a fault or an entry
+        that stopped matching): what this step computed for the request rests on KV that is
+        not there, so keep only what was verified and recompute the rest from there.
+
+        ::
+
+            | device hit | loaded ok | missing ... | this step's tokens |   (before)
+            | device hit | loaded ok |<- recomputed from here, next steps ->|
+        """
+        planned = request.num_planned_load_blocks
+        missing_tokens = (planned - num_loaded) * self.kv.block_size
+        request.num_computed_tokens = item.start_pos - missing_tokens
+        request.num_loaded_tokens -= missing_tokens
+        request.num_cached_tokens -= missing_tokens
+        self.kv.cache_full_blocks(request)
+        self.num_load_rollbacks += 1
 
     def now(self) -> float:
         return time.perf_counter()

@@ -20,6 +20,7 @@ from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.request import Request
 from kvwise.core.scheduler import Scheduler
 from kvwise.engine.detokenize import IncrementalDetokenizer, StopStringMatcher
+from kvwise.engine.kv_loader import KVLoader
 from kvwise.engine.store_factory import build_store
 from kvwise.engine.tokenizer import Tokenizer
 from kvwise.models.loader import LoadedModel, load_model
@@ -235,13 +236,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
         self._save_blocks()  # of requests preempted just now, before their blocks are reused
-        if sched_out.kv_loads:
-            t0 = time.perf_counter()
-            num_bytes = self.runner.load_kv(sched_out.kv_loads)
-            self.store.cost.observe_copy(num_bytes, time.perf_counter() - t0)
+        loader = (
+            KVLoader(self.store, self.runner, sched_out.kv_loads) if sched_out.kv_loads else None
+        )
         t0 = time.perf_counter()
-        model_out = self.runner.execute(sched_out)
-        if self.store is not None and sched_out.scheduled:
+        try:
+            model_out = self.runner.execute(sched_out, loader.wait_layer if loader else None)
+        finally:
+            if loader is not None:
+                loaded, short = loader.finish()
+        if loader is not None:
+            model_out.short_loads = short
+            self.store.count_loaded(sum(loaded.values()))
+        elif self.store is not None and sched_out.scheduled:
+            # NOTE: steps that waited on loads are not the model's own speed: not observed
             chunks = [(s.start_pos, s.num_tokens) for s in sched_out.scheduled]
             self.store.cost.observe_step(chunks, time.perf_counter() - t0)
         updates = self.scheduler.update(sched_out, model_out)

@@ -39,7 +39,13 @@ def build_store(
             )
         )
     fmt = EntryFormat(
-        model_fingerprint, dtype, arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim
+        model_fingerprint,
+        dtype,
+        arch.num_layers,
+        block_size,
+        arch.num_kv_heads,
+        arch.head_dim,
+        layer_groups=min(config.kv_layer_groups, arch.num_layers),
     )
     store = TieredStore(
         tiers,
@@ -61,9 +67,11 @@ def build_store(
         else:
             described.append("redis")
     logger.info(
-        "KV tiers: %s; entries of %d blocks; sequences under %d tokens not stored",
+        "KV tiers: %s; chunks of %d blocks in %d layer groups; sequences under %d tokens "
+        "not stored",
         " → ".join(described),
         config.kv_chunk_blocks,
+        fmt.layer_groups,
         config.kv_store_min_tokens,
     )
     return store

@@ -123,6 +123,7 @@ class CostModel:
         entry_bytes: Sequence[int],
         block_bytes_per_token: float,
         num_prompt_tokens: int,
+        entries_per_chunk: int = 1,
     ) -> tuple[int, float, float]:
         """How many of the available chunks to load.
 
@@ -133,6 +134,7 @@ class CostModel:
             entry_bytes: bytes read for each chunk (whole entries).
             block_bytes_per_token: device bytes per token (for the copy).
             num_prompt_tokens: the prompt's length (the last token is always computed).
+            entries_per_chunk: entries read per chunk (its layer groups).
 
         Returns:
             (number of chunks, predicted load seconds, predicted recompute seconds of the
@@ -142,7 +144,7 @@ class CostModel:
         reads: dict[str, tuple[int, int]] = {}
         for m, (end, tier, nbytes) in enumerate(zip(chunk_ends, chunk_tiers, entry_bytes), 1):
             n, b = reads.get(tier, (0, 0))
-            reads[tier] = (n + 1, b + nbytes)
+            reads[tier] = (n + entries_per_chunk, b + nbytes)
             t_load = self.t_load(reads, int((end - start_tokens) * block_bytes_per_token))
             total = t_load + self.t_recompute(end, num_prompt_tokens)
             if total < best[0]:

@@ -1,18 +1,23 @@
 """KV entries ↔ bytes: a fixed versioned header, then the payload.
 
-One entry holds ``num_blocks`` consecutive blocks of one sequence, starting at block index
-``first_block`` of that sequence, as a C-contiguous array
-``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)`` of ``dtype``. It is stored
-under the chain hash of its first block and lists the chain hashes of all its blocks, so a
-request that shares only the first few of them can still use those (and a chunk written by
-another conversation with the same start is recognised as such, never loaded as ours).
+One entry holds one *layer group* of ``num_blocks`` consecutive blocks of one sequence,
+starting at block index ``first_block`` of that sequence: a C-contiguous array
+``(group_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)`` of ``dtype``. Splitting
+a chunk by layer groups lets a load stream in layer order: the model runs its first layers
+while later groups are still being read.
+
+An entry's key is derived from the chain hash of its first block and its group
+(``entry_key``), so the tenant and salt in the chain are in every key. It lists the chain
+hashes of all its blocks, so a request that shares only the first few of them can still use
+those (and an entry written by another conversation with the same start is recognised as
+such, never loaded as ours).
 
 Layout (little-endian)::
 
     magic "KVWS" | version u16 | fixed header size u16 | key 32s | model digest 16s
     | dtype 8s | layers u16 | kv heads u16 | head dim u16 | block size u32 | first block u32
-    | num blocks u32 | payload bytes u64 | crc32 of (hashes + payload) u32
-    | num_blocks × 32-byte block hashes | payload
+    | num blocks u32 | layer group u16 | layer groups u16 | payload bytes u64
+    | crc32 of (hashes + payload) u32 | num_blocks × 32-byte block hashes | payload
 
 ``unpack`` checks every field against what this engine expects, so an entry from another
 model, KV layout, dtype or format version, a truncated file or a flipped bit is a
@@ -27,8 +32,8 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"KVWS"
-VERSION = 1
-_HEADER = struct.Struct("<4sHH32s16s8sHHHIIIQI")
+VERSION = 2
+_HEADER = struct.Struct("<4sHH32s16s8sHHHIIIHHQI")
 HEADER_SIZE = _HEADER.size
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -48,55 +53,89 @@ class EntryFormat:
     block_size: int
     num_kv_heads: int
     head_dim: int
+    layer_groups: int = 1  # entries per chunk, each a run of consecutive layers
 
     def __post_init__(self) -> None:
         if self.dtype not in _ITEMSIZE:
             raise ValueError(f"dtype: expected one of {sorted(_ITEMSIZE)}, got {self.dtype!r}")
+        if not 1 <= self.layer_groups <= self.num_layers:
+            raise ValueError(
+                f"layer_groups: must be in [1, {self.num_layers}], got {self.layer_groups}"
+            )
+
+    def group_layers(self, group: int) -> tuple[int, int]:
+        """(first layer, number of layers) of a layer group; the groups tile the layers."""
+        base, extra = divmod(self.num_layers, self.layer_groups)
+        first = group * base + min(group, extra)
+        return first, base + (group < extra)
+
+    def group_of_layer(self, layer: int) -> int:
+        for group in range(self.layer_groups):
+            first, count = self.group_layers(group)
+            if layer < first + count:
+                return group
+        raise ValueError(f"layer: {layer} out of range")
 
     @property
     def model_digest(self) -> bytes:
         return hashlib.sha256(self.model_fingerprint.encode()).digest()[:16]
 
     @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one block's K and V in one layer."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * _ITEMSIZE[self.dtype]
+
+    @property
     def block_bytes(self) -> int:
-        """Payload bytes of one block (K and V, every layer)."""
-        return (
-            2
-            * self.num_layers
-            * self.block_size
-            * self.num_kv_heads
-            * self.head_dim
-            * _ITEMSIZE[self.dtype]
-        )
+        """Bytes of one block (K and V, every layer)."""
+        return self.num_layers * self.layer_block_bytes
+
+    def group_block_bytes(self, group: int) -> int:
+        return self.group_layers(group)[1] * self.layer_block_bytes
+
+
+def entry_key(first_block_hash: bytes, group: int) -> bytes:
+    """The key of one layer group of the chunk whose first block has this chain hash."""
+    return hashlib.sha256(
+        b"kvwise.entry.v2" + first_block_hash + group.to_bytes(2, "little")
+    ).digest()
 
 
 @dataclass(frozen=True)
 class Entry:
     first_block: int
+    group: int
     block_hashes: list[bytes]
-    payload: memoryview  # (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+    payload: memoryview  # (group_layers, 2, num_blocks, block_size, kv_heads, head_dim)
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_hashes)
 
 
-def pack(fmt: EntryFormat, block_hashes: list[bytes], first_block: int, payload) -> bytes:
-    """One entry as bytes, keyed by ``block_hashes[0]``. ``payload``: a C-contiguous buffer."""
+def pack(
+    fmt: EntryFormat, block_hashes: list[bytes], first_block: int, group: int, payload
+) -> bytes:
+    """One layer group of a chunk as bytes, for ``entry_key(block_hashes[0], group)``.
+
+    ``payload``: a C-contiguous buffer ``(group_layers, 2, num_blocks, block_size, ...)``.
+    """
     view = memoryview(payload).cast("B")
     num_blocks = len(block_hashes)
     if not num_blocks or any(len(h) != 32 for h in block_hashes):
         raise ValueError("block_hashes: expected one or more 32-byte hashes")
-    if view.nbytes != num_blocks * fmt.block_bytes:
+    if not 0 <= group < fmt.layer_groups:
+        raise ValueError(f"group: must be in [0, {fmt.layer_groups}), got {group}")
+    if view.nbytes != num_blocks * fmt.group_block_bytes(group):
         raise ValueError(
-            f"payload: {view.nbytes} bytes for {num_blocks} blocks of {fmt.block_bytes}"
+            f"payload: {view.nbytes} bytes for {num_blocks} blocks of layer group {group}"
         )
     hashes = b"".join(block_hashes)
     header = _HEADER.pack(
         MAGIC,
         VERSION,
         HEADER_SIZE,
-        block_hashes[0],
+        entry_key(block_hashes[0], group),
         fmt.model_digest,
         fmt.dtype.encode(),
         fmt.num_layers,
@@ -105,6 +144,8 @@ def pack(fmt: EntryFormat, block_hashes: list[bytes], first_block: int, payload)
         fmt.block_size,
         first_block,
         num_blocks,
+        group,
+        fmt.layer_groups,
         view.nbytes,
         zlib.crc32(view, zlib.crc32(hashes)),
     )
@@ -120,11 +161,36 @@ def unpack(fmt: EntryFormat, key: bytes, value: bytes | bytearray | memoryview) 
     view = memoryview(value).cast("B")
     if view.nbytes < HEADER_SIZE:
         raise CorruptEntry(f"truncated header ({view.nbytes} bytes)")
+    num_blocks = _HEADER.unpack_from(view)[11]
+    head_end = HEADER_SIZE + 32 * num_blocks
+    payload = view[head_end:]
+    entry = check_parts(fmt, key, view[:head_end], [payload])
+    return Entry(entry.first_block, entry.group, entry.block_hashes, payload)
+
+
+def entry_blocks_from_size(fmt: EntryFormat, group: int, num_bytes: int) -> int | None:
+    """How many blocks an entry of ``num_bytes`` holds (None: no whole number of blocks)."""
+    per_block = 32 + fmt.group_block_bytes(group)
+    num_blocks, rest = divmod(num_bytes - HEADER_SIZE, per_block)
+    return num_blocks if num_blocks > 0 and rest == 0 else None
+
+
+def check_parts(fmt: EntryFormat, key: bytes, head, payload_parts) -> Entry:
+    """Check an entry read in pieces: ``head`` (header and block hashes) and its payload as
+    consecutive buffers (e.g. read straight into the device pool). Returns the entry with
+    ``payload`` set to the first part.
+
+    Raises:
+        CorruptEntry: anything does not match (the reason is in the message).
+    """
+    head = memoryview(head).cast("B")
+    if head.nbytes < HEADER_SIZE:
+        raise CorruptEntry(f"truncated header ({head.nbytes} bytes)")
     (
         magic,
         version,
         header_size,
-        entry_key,
+        header_key,
         digest,
         dtype,
         num_layers,
@@ -133,14 +199,16 @@ def unpack(fmt: EntryFormat, key: bytes, value: bytes | bytearray | memoryview) 
         block_size,
         first_block,
         num_blocks,
+        group,
+        layer_groups,
         payload_bytes,
         crc,
-    ) = _HEADER.unpack_from(view)
+    ) = _HEADER.unpack_from(head)
     if magic != MAGIC:
         raise CorruptEntry("bad magic")
     if version != VERSION or header_size != HEADER_SIZE:
         raise CorruptEntry(f"format version {version}, expected {VERSION}")
-    if entry_key != key:
+    if header_key != key:
         raise CorruptEntry("entry stored under another key")
     if digest != fmt.model_digest:
         raise CorruptEntry("entry from another model or KV layout")
@@ -148,15 +216,22 @@ def unpack(fmt: EntryFormat, key: bytes, value: bytes | bytearray | memoryview) 
     expected = (fmt.dtype, fmt.num_layers, fmt.num_kv_heads, fmt.head_dim)
     if layout != expected or block_size != fmt.block_size:
         raise CorruptEntry(f"layout {layout}/B{block_size}, expected {expected}/B{fmt.block_size}")
-    if payload_bytes != num_blocks * fmt.block_bytes or num_blocks == 0:
+    if layer_groups != fmt.layer_groups or group >= layer_groups:
+        raise CorruptEntry(f"layer group {group} of {layer_groups}, expected of {fmt.layer_groups}")
+    if payload_bytes != num_blocks * fmt.group_block_bytes(group) or num_blocks == 0:
         raise CorruptEntry(f"{payload_bytes} payload bytes for {num_blocks} blocks")
-    hashes_end = HEADER_SIZE + 32 * num_blocks
-    if view.nbytes != hashes_end + payload_bytes:
-        raise CorruptEntry(f"{view.nbytes} bytes, expected {hashes_end + payload_bytes}")
-    hashes, payload = view[HEADER_SIZE:hashes_end], view[hashes_end:]
-    if zlib.crc32(payload, zlib.crc32(hashes)) != crc:
+    parts = [memoryview(p).cast("B") for p in payload_parts]
+    head_end = HEADER_SIZE + 32 * num_blocks
+    got = head.nbytes + sum(p.nbytes for p in parts)
+    if head.nbytes != head_end or got != head_end + payload_bytes:
+        raise CorruptEntry(f"{got} bytes, expected {head_end + payload_bytes}")
+    hashes = head[HEADER_SIZE:head_end]
+    running = zlib.crc32(hashes)
+    for part in parts:
+        running = zlib.crc32(part, running)
+    if running != crc:
         raise CorruptEntry("checksum mismatch")
     block_hashes = [bytes(hashes[i : i + 32]) for i in range(0, len(hashes), 32)]
-    if block_hashes[0] != key:
-        raise CorruptEntry("entry's first block is not its key")
-    return Entry(first_block, block_hashes, payload)
+    if entry_key(block_hashes[0], group) != key:
+        raise CorruptEntry("entry's first block and group do not make its key")
+    return Entry(first_block, group, block_hashes, parts[0] if parts else memoryview(b""))

@@ -1,19 +1,28 @@
-"""Ordered tiers below the device pool: longest-prefix lookup, cost-model loads, promotion on
-hit, background writes. Pure Python (payloads are buffers; the worker turns them into
-tensors).
+"""Ordered tiers below the device pool: longest-prefix lookup, cost-model load plans, reads by
+layer group, promotion on hit, background writes. Pure Python (payloads are buffers; the
+worker turns them into tensors).
 
-Entries cover ``chunk_blocks`` consecutive blocks of a sequence, aligned at multiples of
-``chunk_blocks`` and keyed by the chain hash of their first block (``serde``)::
+A *chunk* is ``chunk_blocks`` consecutive blocks of a sequence, aligned at multiples of
+``chunk_blocks``; it is stored as ``layer_groups`` entries, one per run of layers, keyed by
+``serde.entry_key(chain hash of its first block, group)``::
 
     blocks of a prompt:  | 0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 |   (chunk_blocks = 4)
-    entries:             |  key h0 |  key h4 |  key h8   | key h12 (partial: the tail) |
+    chunks:              |  h0     |  h4     |  h8       | h12 (partial: the tail) |
     device prefix hit:   |<- 0..5 ->|
     load from tiers:          skip 4,5 of h4; then h8; then h12 ... while they match
 
-Loads run in the engine thread, synchronously, at admission (the cost model keeps them
-cheaper than recomputing). Writes are queued and run on one background thread: a write
-never blocks a step, and a full queue drops the write (counted). A fault in any tier, or an
-entry that fails its checks, is a miss: counted, logged once, the entry deleted.
+A load happens in two halves. At admission, ``plan_load`` finds (one batched ``contains`` per
+tier) how far the tiers continue the device hit and lets the cost model choose how much of
+that to load; nothing is read yet. While the step runs, the engine reads the plan group by
+group (``read_group``) on a loader thread and copies each group into the device pool as it
+arrives, so the model's first layers run while later layers are still being read. Each entry
+is checked (``serde.unpack``) and matched block by block against the prompt's own hashes; a
+miss, a fault or a mismatch shortens the load, and the scheduler rolls the request back to
+what was verified.
+
+Writes are queued and run on one background thread: a write never blocks a step, and a full
+queue drops the write (counted). A fault in any tier, or an entry that fails its checks, is
+a miss: counted, logged once, the entry deleted.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -34,32 +43,42 @@ from kvwise.store.costmodel import CostModel, LoadDecision
 logger = logging.getLogger("kvwise.store")
 
 _MAX_KNOWN = 200_000  # chunk keys remembered as stored (to skip rewriting them)
-_READ_GROUPS = 4  # a load reads (and checks) its entries in this many parallel groups
+_READ_GROUPS = 4  # a tier's share of one read runs (and is checked) in this many parallel parts
 
 
 @dataclass(frozen=True)
-class ChunkLoad:
-    """Part of one stored entry to copy into fresh device blocks."""
+class PlannedChunk:
+    """Part of one stored chunk to load into fresh device blocks."""
 
-    first_block: int  # sequence index of the entry's first block
-    skip: int  # leading blocks of the entry not to copy (already on the device)
-    num_blocks: int  # blocks to copy after those
-    entry_blocks: int  # blocks in the payload
-    payload: memoryview  # (num_layers, 2, entry_blocks, block_size, kv_heads, head_dim)
-    tier: str
+    first_block: int  # sequence index of the chunk's first block
+    skip: int  # leading blocks of the chunk not to load (already on the device)
+    num_blocks: int  # blocks to load after those
+    block_hashes: tuple[bytes, ...]  # the prompt's hashes of blocks first .. first+skip+n
+    tiers: tuple[str, ...]  # the tier each layer group is read from
 
 
 @dataclass(frozen=True)
-class PrefixLoad:
-    num_blocks: int  # blocks loaded after the device prefix
-    chunks: list[ChunkLoad]
-    seconds: float  # time spent reading and checking
+class LoadPlan:
+    num_blocks: int  # blocks to load after the device prefix
+    chunks: list[PlannedChunk]
+
+
+@dataclass(frozen=True)
+class GroupRead:
+    """One layer group of one planned chunk, as read: ``usable`` leading blocks of the entry
+    (counted from the chunk's first block) are verified and match the prompt."""
+
+    payload: memoryview | None
+    entry_blocks: int
+    usable: int
+    in_place: bool = False  # read straight into the device blocks ``dest`` gave
 
 
 @dataclass(frozen=True)
 class ChunkWrite:
     first_block: int
     block_hashes: tuple[bytes, ...]
+    num_tiers: int | None = None  # write to the first this many tiers (None: all)
 
     @property
     def key(self) -> bytes:
@@ -79,6 +98,7 @@ class TieredStore:
         background: bool = True,
     ) -> None:
         self.tiers = list(tiers)
+        self.by_name = {t.name: t for t in self.tiers}
         self.fmt = fmt
         self.block_size = fmt.block_size
         self.chunk_blocks = chunk_blocks
@@ -86,7 +106,8 @@ class TieredStore:
         self.policy = policy
         self.cost = cost_model or CostModel()
         self.max_pending_bytes = max_pending_bytes
-        self._known: OrderedDict[bytes, bytes] = OrderedDict()  # key -> last block hash
+        # chunk key -> (last block hash, tiers above the one holding it, 0: every tier)
+        self._known: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
         self._faults = {t.name: FaultLog(t.name, t.stats) for t in self.tiers}
         self.decisions: deque[LoadDecision] = deque(maxlen=1000)
         self.counters = {
@@ -107,17 +128,24 @@ class TieredStore:
             self._thread.daemon = True
             self._thread.start()
 
-    # ---- loads (engine thread) ----------------------------------------------------------
+    @property
+    def layer_groups(self) -> int:
+        return self.fmt.layer_groups
 
-    def load_prefix(
+    def _keys(self, first_block_hash: bytes) -> list[bytes]:
+        return [serde.entry_key(first_block_hash, g) for g in range(self.layer_groups)]
+
+    # ---- load plans (engine thread, at admission) ---------------------------------------
+
+    def plan_load(
         self,
         request_id: str,
         block_hashes: Sequence[bytes],
         num_device_blocks: int,
         max_blocks: int,
         num_prompt_tokens: int,
-    ) -> PrefixLoad | None:
-        """Read the stored continuation of a device prefix hit, if loading beats recomputing.
+    ) -> LoadPlan | None:
+        """How much of the stored continuation of a device prefix hit to load (no reads yet).
 
         Args:
             block_hashes: the prompt's full-block chain hashes (at least ``max_blocks``).
@@ -127,17 +155,26 @@ class TieredStore:
         c, start = self.chunk_blocks, num_device_blocks
         if start >= max_blocks or not self.tiers or self.policy == "never":
             return None
-        keys = [block_hashes[j * c] for j in range(start // c, -(-max_blocks // c))]
+        firsts = list(range(start // c * c, max_blocks, c))
+        groups = self.layer_groups
+        keys = [k for first in firsts for k in self._keys(block_hashes[first])]
         located = self._locate(keys)
-        ends, tiers, sizes = [], [], []
-        for j, tier in zip(range(start // c, start // c + len(keys)), located):
-            if tier is None:
+        ends, chunk_tiers, sizes, per_tier = [], [], [], []
+        for i, first in enumerate(firsts):
+            tiers = located[i * groups : (i + 1) * groups]
+            if any(t is None for t in tiers):
                 break
-            end_block = min((j + 1) * c, max_blocks)
-            ends.append(end_block * self.block_size)
-            tiers.append(tier.name)
+            end = min(first + c, max_blocks)
+            ends.append(end * self.block_size)
+            chunk_tiers.append(tuple(t.name for t in tiers))
             # an entry holds at least the blocks this prompt would use from it
-            sizes.append(serde.HEADER_SIZE + (end_block - j * c) * (32 + self.fmt.block_bytes))
+            sizes.append(
+                sum(
+                    serde.HEADER_SIZE + (end - first) * (32 + self.fmt.group_block_bytes(g))
+                    for g in range(groups)
+                )
+            )
+            per_tier.append(tiers[0].name)  # the cost model sees the chunk's first group's tier
         if not ends:
             return None
         bs, per_token = self.block_size, self.fmt.block_bytes / self.block_size
@@ -145,19 +182,27 @@ class TieredStore:
             m, t_load, t_rec = len(ends), 0.0, self.cost.t_recompute(start * bs, ends[-1])
         else:
             m, t_load, t_rec = self.cost.choose(
-                start * bs, ends, tiers, sizes, per_token, num_prompt_tokens
+                start * bs, ends, per_tier, sizes, per_token, num_prompt_tokens, groups
             )
         decision = LoadDecision(
             request_id, start * bs, ends[-1] - start * bs, ends[m - 1] - start * bs if m else 0,
-            tuple(tiers), t_load, t_rec,
+            tuple(per_tier), t_load, t_rec,
         )  # fmt: skip
         self.decisions.append(decision)
-        self.counters[
-            "recompute_decisions" if decision.recomputed_instead else "load_decisions"
-        ] += 1
+        kind = "recompute_decisions" if decision.recomputed_instead else "load_decisions"
+        self.counters[kind] += 1
         if m == 0:
             return None
-        return self._fetch(keys[:m], located[:m], block_hashes, start, max_blocks)
+        chunks = []
+        for i in range(m):
+            first = firsts[i]
+            skip = max(start - first, 0)
+            end = ends[i] // bs
+            chunks.append(
+                PlannedChunk(first, skip, end - first - skip, tuple(block_hashes[first:end]),
+                             chunk_tiers[i])
+            )  # fmt: skip
+        return LoadPlan(ends[m - 1] // bs - start, chunks)
 
     def _locate(self, keys: list[bytes]) -> list[KVStore | None]:
         """The first tier holding each key (None: in no tier)."""
@@ -171,80 +216,106 @@ class TieredStore:
                     located[i] = tier
         return located
 
-    def _fetch(self, keys, located, block_hashes, start: int, max_blocks: int) -> PrefixLoad | None:
-        t0 = time.perf_counter()
-        read: list[tuple[bytes | None, serde.Entry | serde.CorruptEntry | None]]
-        read = [(None, None)] * len(keys)
+    # ---- reads (the engine's loader thread, while the step runs) ------------------------
+
+    def read_group(
+        self,
+        chunks: Sequence[PlannedChunk],
+        group: int,
+        dest: Callable[[int, int], list] | None = None,
+    ) -> list[GroupRead]:
+        """Read and check one layer group of each planned chunk.
+
+        ``dest(i, entry_blocks)``, when given, returns the payload buffers for chunk ``i``
+        (``worker.kv_cache.payload_views``): tiers that can (disk) read straight into them.
+        Never raises for a tier fault or a bad entry: that chunk's ``usable`` is 0 then (or
+        short of ``skip + num_blocks`` when the entry stops matching the prompt).
+        """
+        keys = [serde.entry_key(ch.block_hashes[0], group) for ch in chunks]
+        out = [GroupRead(None, 0, 0)] * len(chunks)
         for tier in self.tiers:
-            idx = [i for i, t in enumerate(located) if t is tier]
+            idx = [i for i, ch in enumerate(chunks) if ch.tiers[group] == tier.name]
             if not idx:
                 continue
-            t1 = time.perf_counter()
-            # NOTE: reads and checksums overlap across groups (file reads, socket reads and
-            # zlib.crc32 all release the GIL): a cold 2,048-token disk read + check went
-            # from ~112 ms in series to the time of the read alone.
-            groups = [idx[g::_READ_GROUPS] for g in range(min(_READ_GROUPS, len(idx)))]
+            t0 = time.perf_counter()
+            into = dest if dest is not None and getattr(tier, "reads_into", False) else None
+            # NOTE: reads and checksums overlap across parts (file reads, socket reads and
+            # zlib.crc32 all release the GIL)
+            parts = [idx[p::_READ_GROUPS] for p in range(min(_READ_GROUPS, len(idx)))]
             results = self._pool.map(
-                lambda g, tier=tier: self._read(tier, [keys[i] for i in g]), groups
+                lambda part, t=tier, d=into: self._read(t, keys, part, group, d), parts
             )
-            nbytes = 0
-            for group, got in zip(groups, results):
-                for i, (value, entry) in zip(group, got):
-                    read[i] = (value, entry)
-                    nbytes += len(value) if value is not None else 0
-            self.cost.observe_load(tier.name, len(idx), nbytes, time.perf_counter() - t1)
-        c, chunks, pos = self.chunk_blocks, [], start
-        promote: list[tuple[int, bytes, bytes]] = []
-        for i, (key, (value, entry), tier) in enumerate(zip(keys, read, located)):
-            if value is None:
-                break
-            if isinstance(entry, serde.CorruptEntry):
-                self._faults[tier.name].fault("corrupt entry", entry)
-                tier.delete([key])
-                break
-            first = (start // c + i) * c
-            if entry.first_block != first:
-                self._faults[tier.name].fault("corrupt entry", "misplaced chunk")
-                tier.delete([key])
-                break
-            skip = pos - first
-            limit = min(entry.num_blocks, max_blocks - first)
-            usable = skip
-            while usable < limit and entry.block_hashes[usable] == block_hashes[first + usable]:
-                usable += 1
-            if usable > skip:
-                chunks.append(
-                    ChunkLoad(
-                        first, skip, usable - skip, entry.num_blocks, entry.payload, tier.name
-                    )
-                )
-                pos = first + usable
-            self._remember(key, entry.block_hashes[-1])
-            if tier is not self.tiers[0]:
-                promote.append((self.tiers.index(tier), key, value))
-            if usable < min(c, max_blocks - first):
-                break  # the entry stops matching (or ends) inside this chunk
-        for tier_index, key, value in promote:
-            self._enqueue(("promote", tier_index, key, value), len(value))
-        seconds = time.perf_counter() - t0
-        num_blocks = pos - start
-        if not num_blocks:
-            return None
-        self.counters["loaded_tokens"] += num_blocks * self.block_size
-        return PrefixLoad(num_blocks, chunks, seconds)
-
-    def _read(self, tier: KVStore, keys: list[bytes]) -> list[tuple]:
-        """Get and check entries: ``(value, Entry | CorruptEntry | None)`` per key."""
-        out: list[tuple] = []
-        for key, value in zip(keys, tier.get(keys)):
-            if value is None:
-                out.append((None, None))
-                continue
-            try:
-                out.append((value, serde.unpack(self.fmt, key, value)))
-            except serde.CorruptEntry as e:
-                out.append((value, e))
+            num_bytes = 0
+            for part, got in zip(parts, results):
+                for i, (nbytes, entry, value) in zip(part, got):
+                    num_bytes += nbytes
+                    out[i] = self._check(tier, keys[i], nbytes, entry, value, chunks[i], into)
+            self.cost.observe_load(tier.name, len(idx), num_bytes, time.perf_counter() - t0)
         return out
+
+    def _read(self, tier: KVStore, keys, part: list[int], group: int, into) -> list[tuple]:
+        """Get and check entries: ``(bytes read, Entry | CorruptEntry | None, value)``."""
+        if into is None:
+            out: list[tuple] = []
+            for i, value in zip(part, tier.get([keys[i] for i in part])):
+                if value is None:
+                    out.append((0, None, None))
+                    continue
+                try:
+                    out.append((len(value), serde.unpack(self.fmt, keys[i], value), value))
+                except serde.CorruptEntry as e:
+                    out.append((len(value), e, value))
+            return out
+
+        def buffers_for(i: int):
+            def make(num_bytes: int):
+                num_blocks = serde.entry_blocks_from_size(self.fmt, group, num_bytes)
+                if num_blocks is None:
+                    return None
+                return [bytearray(serde.HEADER_SIZE + 32 * num_blocks), *into(i, num_blocks)]
+
+            return make
+
+        got = tier.get([keys[i] for i in part], into=[buffers_for(i) for i in part])
+        out = []
+        for i, buffers in zip(part, got):
+            if buffers is None:
+                out.append((0, None, None))
+            elif not isinstance(buffers, list):  # a size that is no whole entry
+                out.append((0, serde.CorruptEntry("entry size"), None))
+            else:
+                nbytes = sum(memoryview(b).nbytes for b in buffers)
+                try:
+                    entry = serde.check_parts(self.fmt, keys[i], buffers[0], buffers[1:])
+                    out.append((nbytes, entry, None))
+                except serde.CorruptEntry as e:
+                    out.append((nbytes, e, None))
+        return out
+
+    def _check(self, tier, key, nbytes, entry, value, chunk: PlannedChunk, into) -> GroupRead:
+        if entry is None:
+            return GroupRead(None, 0, 0)
+        if isinstance(entry, serde.CorruptEntry) or entry.first_block != chunk.first_block:
+            reason = entry if isinstance(entry, serde.CorruptEntry) else "misplaced chunk"
+            self._faults[tier.name].fault("corrupt entry", reason)
+            tier.delete([key])
+            return GroupRead(None, 0, 0)
+        limit = min(entry.num_blocks, len(chunk.block_hashes))
+        usable = 0
+        while usable < limit and entry.block_hashes[usable] == chunk.block_hashes[usable]:
+            usable += 1
+        tier_index = self.tiers.index(tier)
+        if entry.group == 0:
+            # a hit below the top tier is promoted: at once when we hold its bytes, else by
+            # the request's own write when it finishes (to the tiers above this one only)
+            promote_later = tier_index if value is None else 0
+            self._remember(chunk.block_hashes[0], entry.block_hashes[-1], promote_later)
+        if tier_index and value is not None:
+            self._enqueue(("promote", tier_index, key, value), len(value))
+        return GroupRead(entry.payload, entry.num_blocks, usable, in_place=value is None)
+
+    def count_loaded(self, num_blocks: int) -> None:
+        self.counters["loaded_tokens"] += num_blocks * self.block_size
 
     # ---- writes -------------------------------------------------------------------------
 
@@ -255,14 +326,16 @@ class TieredStore:
         c, writes = self.chunk_blocks, []
         for first in range(0, num_full_blocks, c):
             hashes = tuple(block_hashes[first : min(first + c, num_full_blocks)])
-            if self._known.get(hashes[0]) == hashes[-1]:
+            last, missing_above = self._known.get(hashes[0], (None, 0))
+            if last == hashes[-1] and not missing_above:
                 continue
             self._remember(hashes[0], hashes[-1])
-            writes.append(ChunkWrite(first, hashes))
+            writes.append(ChunkWrite(first, hashes, missing_above if last == hashes[-1] else None))
         return writes
 
     def write(self, chunk: ChunkWrite, payload, ttl_s: float | None = None) -> None:
-        """Queue one chunk's payload (a buffer the caller no longer changes) for every tier."""
+        """Queue one chunk's payload, all layers ``(num_layers, 2, num_blocks, ...)``, a buffer
+        the caller no longer changes, for every tier (split into its layer groups)."""
         nbytes = memoryview(payload).nbytes
         if not self._enqueue(("write", chunk, payload, ttl_s), nbytes):
             self._known.pop(chunk.key, None)
@@ -302,17 +375,24 @@ class TieredStore:
     def _run(self, item: tuple) -> None:
         if item[0] == "write":
             _, chunk, payload, ttl_s = item
-            value = serde.pack(self.fmt, list(chunk.block_hashes), chunk.first_block, payload)
-            for tier in self.tiers:
-                tier.put([(chunk.key, value)], ttl_s)
+            view = memoryview(payload).cast("B")
+            per_layer = len(chunk.block_hashes) * self.fmt.layer_block_bytes
+            entries = []
+            for g in range(self.layer_groups):
+                first, count = self.fmt.group_layers(g)
+                part = view[first * per_layer : (first + count) * per_layer]
+                value = serde.pack(self.fmt, list(chunk.block_hashes), chunk.first_block, g, part)
+                entries.append((serde.entry_key(chunk.key, g), value))
+            for tier in self.tiers[: chunk.num_tiers]:
+                tier.put(entries, ttl_s)
             self.counters["chunks_written"] += 1
         else:  # promote a hit from a lower tier into the tiers above it
             _, tier_index, key, value = item
             for tier in self.tiers[:tier_index]:
                 tier.put([(key, bytes(value))])
 
-    def _remember(self, key: bytes, last_hash: bytes) -> None:
-        self._known[key] = last_hash
+    def _remember(self, key: bytes, last_hash: bytes, missing_above: int = 0) -> None:
+        self._known[key] = (last_hash, missing_above)
         self._known.move_to_end(key)
         if len(self._known) > _MAX_KNOWN:
             self._known.popitem(last=False)
@@ -320,13 +400,13 @@ class TieredStore:
     # ---- sessions, lifecycle, stats -----------------------------------------------------
 
     def num_stored_blocks(self, block_hashes: Sequence[bytes], num_full_blocks: int) -> int:
-        """Leading blocks of a sequence that some tier holds (after ``flush``)."""
-        c = self.chunk_blocks
-        keys = [block_hashes[first] for first in range(0, num_full_blocks, c)]
-        located = self._locate(keys)
-        n = 0
-        for first, tier in zip(range(0, num_full_blocks, c), located):
-            if tier is None:
+        """Leading blocks of a sequence that the tiers hold, every layer group (after
+        ``flush``)."""
+        c, groups, n = self.chunk_blocks, self.layer_groups, 0
+        firsts = list(range(0, num_full_blocks, c))
+        located = self._locate([k for f in firsts for k in self._keys(block_hashes[f])])
+        for i, first in enumerate(firsts):
+            if any(t is None for t in located[i * groups : (i + 1) * groups]):
                 break
             n = min(first + c, num_full_blocks)
         return n

@@ -12,6 +12,7 @@ their slots, then attends:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,10 +53,16 @@ class TorchSDPAAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
 
-    def bind(self, meta: AttentionMetadata):
-        """Return the ``attn(layer, q, k, v)`` callable for one step."""
+    def bind(self, meta: AttentionMetadata, layer_ready: Callable[[int], None] | None = None):
+        """Return the ``attn(layer, q, k, v)`` callable for one step.
+
+        ``layer_ready(layer)``, when given, is called before a layer reads the cache: it
+        blocks until K/V still being loaded for that layer are in place.
+        """
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if layer_ready is not None:
+                layer_ready(layer)
             return self.forward(layer, q, k, v, meta)
 
         return attn

@@ -82,19 +82,65 @@ class PagedKVCache:
             return self.kv[:, :, first : first + len(block_ids)].contiguous()
         return self.kv[:, :, torch.tensor(block_ids)]  # advanced indexing copies
 
-    def write_blocks(self, block_ids: list[int], payload, num_entry_blocks: int, skip: int):
-        """Copy blocks ``skip .. skip + len(block_ids)`` of a stored payload (a buffer laid out
-        ``(layers, 2, num_entry_blocks, block_size, kv_heads, D)``) into ``block_ids``."""
+    def write_blocks(
+        self,
+        block_ids: list[int],
+        payload,
+        num_entry_blocks: int,
+        skip: int,
+        layers: tuple[int, int],
+    ) -> None:
+        """Copy blocks ``skip .. skip + len(block_ids)`` of a stored payload into ``block_ids``.
+
+        ``payload`` is a buffer laid out ``(num_layers, 2, num_entry_blocks, block_size,
+        kv_heads, D)`` for the ``num_layers`` layers starting at ``layers[0]``.
+        """
+        first_layer, num_layers = layers
         with warnings.catch_warnings():  # read-only buffers are fine: we only read them
             warnings.simplefilter("ignore", UserWarning)
             src = torch.frombuffer(payload, dtype=self.dtype)
-        shape = (self.num_layers, 2, num_entry_blocks, self.block_size)
-        src = src.view(*shape, self.num_kv_heads, self.head_dim)[:, :, skip : skip + len(block_ids)]
+        shape = (num_layers, 2, num_entry_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        src = src.view(shape)[:, :, skip : skip + len(block_ids)]
+        dst = self.kv[first_layer : first_layer + num_layers]
         first = _consecutive(block_ids)
         if first is not None:
-            self.kv[:, :, first : first + len(block_ids)].copy_(src)
+            dst[:, :, first : first + len(block_ids)].copy_(src)
         else:
-            self.kv[:, :, torch.tensor(block_ids)] = src
+            dst[:, :, torch.tensor(block_ids)] = src
+
+    def payload_views(
+        self, block_ids: list[int], skip: int, num_entry_blocks: int, layers: tuple[int, int]
+    ) -> list[memoryview]:
+        """Writable buffers, in a stored payload's byte order, that put the entry's blocks
+        ``skip .. skip + len(block_ids)`` straight into ``block_ids`` (the entry's other
+        blocks land in a scratch buffer). For reading an entry with no intermediate copy.
+        """
+        first_layer, num_layers = layers
+        n, tail = len(block_ids), num_entry_blocks - skip - len(block_ids)
+        block_bytes = self.block_size * self.num_kv_heads * self.head_dim * self.kv.element_size()
+        scratch = memoryview(bytearray((skip + max(tail, 0)) * block_bytes * 2 * num_layers))
+        runs, j = [], 0  # (first id, count) of consecutive ids
+        while j < n:
+            k = j
+            while k + 1 < n and block_ids[k + 1] == block_ids[k] + 1:
+                k += 1
+            runs.append((block_ids[j], k - j + 1))
+            j = k + 1
+        raw = self.kv.view(torch.uint8)  # any dtype as bytes, same memory
+        views, used = [], 0
+        for layer in range(first_layer, first_layer + num_layers):
+            for kv in (0, 1):
+                if skip:
+                    views.append(scratch[used : used + skip * block_bytes])
+                    used += skip * block_bytes
+                for first, count in runs:
+                    views.append(
+                        memoryview(raw[layer, kv, first : first + count].numpy()).cast("B")
+                    )
+                if tail > 0:
+                    views.append(scratch[used : used + tail * block_bytes])
+                    used += tail * block_bytes
+        return views
 
 
 def _consecutive(block_ids: list[int]) -> int | None:

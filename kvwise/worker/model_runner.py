@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwise.core.outputs import KVLoad, ModelOutput, SchedulerOutput
+from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.worker.attention import TorchSDPAAttention
 from kvwise.worker.input_batch import build_input_batch
 from kvwise.worker.kv_cache import PagedKVCache
@@ -29,16 +29,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def load_kv(self, loads: list[KVLoad]) -> int:
-        """Copy stored blocks into their device blocks. Returns the bytes copied."""
-        num_bytes = 0
-        for load in loads:
-            chunk = load.chunk
-            self.kv_cache.write_blocks(
-                load.block_ids, chunk.payload, chunk.entry_blocks, chunk.skip
-            )
-            num_bytes += len(load.block_ids) * self.block_bytes
-        return num_bytes
+    def write_kv(
+        self, block_ids: list[int], payload, num_entry_blocks: int, skip: int, layers
+    ) -> int:
+        """Copy one stored layer group into device blocks (any thread). Returns bytes copied."""
+        self.kv_cache.write_blocks(block_ids, payload, num_entry_blocks, skip, layers)
+        return len(block_ids) * layers[1] * self.block_bytes // self.arch.num_layers
 
     @torch.inference_mode()
     def save_kv(self, block_ids: list[int]):
@@ -46,11 +42,13 @@ class ModelRunner:
         return self.kv_cache.read_blocks(block_ids).view(torch.uint8).numpy()
 
     @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
+    def execute(self, sched_out: SchedulerOutput, layer_ready=None) -> ModelOutput:
+        """Run one step; ``layer_ready(layer)`` (optional) blocks until loads for that layer
+        are in the cache."""
         if sched_out.is_empty:
             return ModelOutput()
         batch = build_input_batch(sched_out, self.block_size)
-        attn = self.attention.bind(batch.attn_meta)
+        attn = self.attention.bind(batch.attn_meta, layer_ready)
         hidden = self.model(batch.input_ids, batch.positions, attn)  # (T, hidden)
         if not batch.sample_requests:
             return ModelOutput()

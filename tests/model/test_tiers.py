@@ -33,10 +33,14 @@ def tiered(make_engine, tmp_path):
         engine.close()
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
-def test_round_trip_is_token_identical(tiered, tmp_path, reference, tier):
+@pytest.mark.parametrize(
+    "tier,layer_groups", [("host", 1), ("disk", 1), ("host", 5), ("disk", 30)]
+)
+def test_round_trip_is_token_identical(tiered, tmp_path, reference, tier, layer_groups):
+    """Loaded whole, or streamed by layer groups while the step runs (host entries are copied
+    in; disk entries are read straight into the device blocks)."""
     kw = {"kv_host_memory": "256MiB"} if tier == "host" else {"kv_disk_path": str(tmp_path)}
-    engine = tiered(**kw)
+    engine = tiered(kv_layer_groups=layer_groups, **kw)
     first = run(engine)
     assert first.token_ids == reference and first.num_loaded_tokens == 0
     evict_device(engine)
@@ -91,28 +95,35 @@ def test_prefix_continues_from_device_hit_into_tiers(tiered, tmp_path, reference
     assert out.token_ids == reference
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
-def test_damaged_disk_entries_are_misses(tiered, tmp_path, reference, damage):
-    engine = tiered(kv_disk_path=str(tmp_path))
+@pytest.mark.parametrize(
+    "damage,layer_groups", [("flip", 1), ("truncate", 1), ("foreign", 1), ("flip", 3)]
+)
+def test_damaged_disk_entries_are_misses(tiered, tmp_path, reference, damage, layer_groups):
+    """The damage is found after the bytes landed in the device blocks (and, with layer
+    groups, possibly after the model already ran on earlier groups): the request is rolled
+    back to what was verified and the rest recomputed."""
+    engine = tiered(kv_disk_path=str(tmp_path), kv_layer_groups=layer_groups)
     run(engine)
     evict_device(engine)
     files = sorted(tmp_path.rglob("*.kv"))
     assert files
-    victim = files[0]
+    victim = files[len(files) // 2]
     data = bytearray(victim.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0xFF
     elif damage == "truncate":
         data = data[: len(data) // 3]
     else:  # a well-formed entry from another model
-        data[30:46] = bytes(16)  # the model digest field
+        data[40:56] = bytes(16)  # the model digest field
     victim.write_bytes(bytes(data))
     out = run(engine)
     assert out.token_ids == reference
     stats = engine.stats()
     assert stats["kv_tier_disk_faults"] >= 1
+    assert engine.scheduler.num_load_rollbacks == 1
     # the fault stops loading at that chunk; what precedes it is still used
     assert out.num_loaded_tokens < (out.num_prompt_tokens - 1) // 16 * 16
+    assert out.num_cached_tokens == out.num_loaded_tokens
 
 
 def test_full_disk_budget_evicts_and_keeps_serving(tiered, tmp_path, reference):

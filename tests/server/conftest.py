@@ -77,9 +77,9 @@ def slow_down(engine: LLMEngine, seconds_per_step: float) -> None:
     """Make every model step take at least this long (to catch a request mid-stream)."""
     execute = engine.runner.execute
 
-    def slow(sched_out):
+    def slow(sched_out, *args, **kwargs):
         time.sleep(seconds_per_step)
-        return execute(sched_out)
+        return execute(sched_out, *args, **kwargs)
 
     engine.runner.execute = slow
 

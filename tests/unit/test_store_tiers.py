@@ -245,19 +245,20 @@ def test_disk_start_deletes_temporaries_and_trims(tmp_path, clock):
 
 def test_disk_truncated_file_is_returned_and_serde_rejects_it(tmp_path):
     fmt = serde.EntryFormat("m", "float32", num_layers=1, block_size=2, num_kv_heads=1, head_dim=2)
-    entry = serde.pack(fmt, [K["a"]], 0, bytes(fmt.block_bytes))
+    key = serde.entry_key(K["a"], 0)
+    entry = serde.pack(fmt, [K["a"]], 0, 0, bytes(fmt.block_bytes))
     store = DiskStore(tmp_path, 1000)
-    store.put([(K["a"], entry)])
-    assert serde.unpack(fmt, K["a"], store.get([K["a"]])[0]).num_blocks == 1
-    os.truncate(store.file_path(K["a"]), len(entry) - 5)
+    store.put([(key, entry)])
+    assert serde.unpack(fmt, key, store.get([key])[0]).num_blocks == 1
+    os.truncate(store.file_path(key), len(entry) - 5)
 
-    [got] = store.get([K["a"]])
+    [got] = store.get([key])
     assert bytes(got) == entry[:-5]
     with pytest.raises(serde.CorruptEntry):
-        serde.unpack(fmt, K["a"], got)
+        serde.unpack(fmt, key, got)
     assert store.stats.faults == 0
-    store.delete([K["a"]])  # what the tiered layer does with a corrupt entry
-    assert not os.path.exists(store.file_path(K["a"]))
+    store.delete([key])  # what the tiered layer does with a corrupt entry
+    assert not os.path.exists(store.file_path(key))
     store.close()
 
 

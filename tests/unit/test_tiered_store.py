@@ -13,7 +13,7 @@ from kvwise.store.costmodel import CostModel, OnlineFit
 from kvwise.store.host import HostStore
 from kvwise.store.tiered import TieredStore
 
-FMT = serde.EntryFormat("model-x", "float32", 2, 4, 1, 2)  # 128-byte blocks
+FMT = serde.EntryFormat("model-x", "float32", 2, 4, 1, 2, layer_groups=2)  # 128-byte blocks
 
 
 def chain(n: int, tag: str = "a") -> list[bytes]:
@@ -51,6 +51,28 @@ def make_store(*tiers, chunk_blocks=4, min_tokens=4, policy="always") -> TieredS
     )
 
 
+def load(store: TieredStore, hashes, device: int, max_blocks: int, prompt_tokens: int, dest=None):
+    """Plan a load and read every layer group, as the engine's loader does (without torch).
+
+    Returns (plan, blocks loaded, reads per group)."""
+    plan = store.plan_load("r", hashes, device, max_blocks, prompt_tokens)
+    if plan is None:
+        return None, 0, []
+    loaded = [ch.num_blocks for ch in plan.chunks]
+    reads = []
+    for g in range(store.layer_groups):
+        got = store.read_group(plan.chunks, g, dest)
+        reads.append(got)
+        for i, (ch, r) in enumerate(zip(plan.chunks, got)):
+            loaded[i] = min(loaded[i], max(0, r.usable - ch.skip))
+    total = 0
+    for ch, n in zip(plan.chunks, loaded):
+        total += n
+        if n < ch.num_blocks:
+            break
+    return plan, total, reads
+
+
 def write_all(store: TieredStore, hashes: list[bytes], ttl_s=None) -> list:
     writes = store.plan_writes(hashes, len(hashes))
     for w in writes:
@@ -64,6 +86,9 @@ def test_writes_are_aligned_chunks_keyed_by_their_first_block():
     writes = write_all(store, h)
     assert [(w.first_block, len(w.block_hashes)) for w in writes] == [(0, 4), (4, 4), (8, 2)]
     assert [w.key for w in writes] == [h[0], h[4], h[8]]
+    # each chunk is stored as one entry per layer group, under keys derived from its first block
+    assert store.tiers[0].contains([serde.entry_key(h[4], g) for g in (0, 1)]) == [True, True]
+    assert store.tiers[0].contains([h[4]]) == [False]
     # the same sequence again: nothing new to write; grown by a block: only its last chunk
     assert store.plan_writes(h, 10) == []
     grown = chain(11)
@@ -83,14 +108,14 @@ def test_load_continues_a_device_hit_mid_chunk_and_stops_where_entries_stop_matc
     h = chain(10)
     write_all(store, h)
     other = h[:6] + chain(4, "b")  # shares 6 blocks, then diverges
-    load = store.load_prefix("r", other, num_device_blocks=2, max_blocks=10, num_prompt_tokens=41)
-    assert load.num_blocks == 4  # blocks 2..5: the rest of chunk 0, then half of chunk 1
-    assert [(c.first_block, c.skip, c.num_blocks, c.entry_blocks) for c in load.chunks] == [
-        (0, 2, 2, 4),
-        (4, 0, 2, 4),
-    ]
-    first = load.chunks[0]
-    assert bytes(first.payload) == payload(h[0:4])
+    plan, loaded, reads = load(store, other, device=2, max_blocks=10, prompt_tokens=41)
+    # the plan trusts the keys (chunks 0 and 4 exist for this prefix) ...
+    assert [(c.first_block, c.skip, c.num_blocks) for c in plan.chunks] == [(0, 2, 2), (4, 0, 4)]
+    # ... the reads find that chunk 4's entry stops matching after two blocks
+    assert loaded == 4  # blocks 2..5
+    assert [r.usable for r in reads[0]] == [4, 2]
+    first_layer_bytes = 4 * 32  # layer 0 of chunk 0: K of 4 blocks (32 bytes each), then V
+    assert bytes(reads[0][0].payload[:first_layer_bytes]) == payload(h[0:4])[:first_layer_bytes]
 
 
 def test_load_respects_max_blocks_and_a_missing_chunk():
@@ -98,15 +123,46 @@ def test_load_respects_max_blocks_and_a_missing_chunk():
     store = make_store(host)
     h = chain(12)
     write_all(store, h)
-    assert store.load_prefix("r", h, 0, max_blocks=6, num_prompt_tokens=25).num_blocks == 6
-    host.delete([h[4]])
-    assert store.load_prefix("r", h, 0, max_blocks=12, num_prompt_tokens=49).num_blocks == 4
+    assert load(store, h, 0, max_blocks=6, prompt_tokens=25)[1] == 6
+    host.delete([serde.entry_key(h[4], 1)])  # one layer group of the second chunk
+    plan, loaded, _ = load(store, h, 0, max_blocks=12, prompt_tokens=49)
+    assert plan.num_blocks == 4 and loaded == 4
+
+
+def test_disk_reads_land_straight_in_the_destination(tmp_path):
+    from kvwise.store.disk import DiskStore
+
+    disk = DiskStore(tmp_path, 1 << 20)
+    store = make_store(disk)
+    h = chain(8)
+    write_all(store, h)
+    layer_bytes = 32  # one block's K (or V) in one layer
+    targets: dict[tuple[int, int], list[list[bytearray]]] = {}
+
+    def dest(i: int, entry_blocks: int) -> list[bytearray]:
+        views = [bytearray(entry_blocks * layer_bytes) for _ in range(2)]  # K, V of 1 layer
+        targets.setdefault((i, entry_blocks), []).append(views)  # group 0 first, then 1
+        return views
+
+    plan, loaded, reads = load(store, h, 1, 8, 33, dest=dest)
+    assert loaded == 7 and all(r.in_place for group in reads for r in group)
+    # chunk 0, layer group 0 (layer 0): K then V of its 4 blocks
+    k0, v0 = targets[(0, 4)][0]
+    expected = payload(h[0:4])  # 4 blocks × 128 bytes: layer 0 K, layer 0 V, layer 1 K, ...
+    assert bytes(k0) + bytes(v0) == expected[: 2 * 4 * layer_bytes]
+    # a flipped byte on disk is caught where the bytes landed
+    path = disk.file_path(serde.entry_key(h[4], 1))
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 1
+    open(path, "wb").write(bytes(data))
+    _, loaded, _ = load(store, h, 1, 8, 33, dest=dest)
+    assert loaded == 3 and disk.stats.faults == 1
 
 
 def test_tenants_never_share_entries():
     store = make_store(HostStore(1 << 20))
     write_all(store, chain(8, "tenant-a"))
-    assert store.load_prefix("r", chain(8, "tenant-b"), 0, 8, 33) is None
+    assert store.plan_load("r", chain(8, "tenant-b"), 0, 8, 33) is None
 
 
 @pytest.mark.parametrize(
@@ -122,22 +178,24 @@ def test_a_damaged_entry_is_a_fault_and_a_miss(damage):
     store = make_store(host)
     h = chain(8)
     write_all(store, h)
-    (value,) = host.get([h[4]])
-    host.put([(h[4], damage(bytes(value)))])
-    load = store.load_prefix("r", h, 0, 8, 33)
-    assert load.num_blocks == 4  # the first chunk only
+    key = serde.entry_key(h[4], 0)
+    (value,) = host.get([key])
+    host.put([(key, damage(bytes(value)))])
+    assert load(store, h, 0, 8, 33)[1] == 4  # the first chunk only
     assert host.stats.faults == 1
-    assert host.contains([h[4]]) == [False]  # deleted
+    assert host.contains([key]) == [False]  # deleted
 
 
 def test_entry_of_another_model_is_refused():
     host = HostStore(1 << 20)
     h = chain(4)
-    other_fmt = serde.EntryFormat("model-y", "float32", 2, 4, 1, 2)
-    host.put([(h[0], serde.pack(other_fmt, h, 0, payload(h)))])
+    other_fmt = serde.EntryFormat("model-y", "float32", 2, 4, 1, 2, layer_groups=2)
+    for g in range(2):
+        part = payload(h)[g * 256 : (g + 1) * 256]  # one layer of 4 blocks
+        host.put([(serde.entry_key(h[0], g), serde.pack(other_fmt, h, 0, g, part))])
     store = make_store(host)
-    assert store.load_prefix("r", h + chain(1, "z"), 0, 4, 17) is None
-    assert host.stats.faults == 1
+    assert load(store, h + chain(1, "z"), 0, 4, 17)[1] == 0
+    assert host.stats.faults == 2
 
 
 def test_lower_tier_hits_are_promoted_and_dead_tiers_are_misses():
@@ -145,13 +203,14 @@ def test_lower_tier_hits_are_promoted_and_dead_tiers_are_misses():
     store = make_store(upper, lower)
     h = chain(8)
     write_all(store, h)
-    upper.delete(h)
-    load = store.load_prefix("r", h, 0, 8, 33)
-    assert load.num_blocks == 8 and {c.tier for c in load.chunks} == {"disk"}
-    assert upper.contains([h[0], h[4]]) == [True, True]  # promoted
+    keys = [serde.entry_key(h[f], g) for f in (0, 4) for g in (0, 1)]
+    upper.delete(keys)
+    plan, loaded, _ = load(store, h, 0, 8, 33)
+    assert loaded == 8 and {t for c in plan.chunks for t in c.tiers} == {"disk"}
+    assert upper.contains(keys) == [True] * 4  # promoted
     upper.down = True
     lower.down = True
-    assert store.load_prefix("r", h, 0, 8, 33) is None
+    assert load(store, h, 0, 8, 33)[1] == 0  # planned (contains says yes), read fails
     assert upper.stats.faults >= 1
 
 
@@ -159,9 +218,9 @@ def test_policy_never_loads_nothing_and_decisions_are_recorded():
     store = make_store(HostStore(1 << 20), policy="never")
     h = chain(8)
     write_all(store, h)
-    assert store.load_prefix("r", h, 0, 8, 33) is None
+    assert store.plan_load("r", h, 0, 8, 33) is None
     store.policy = "always"
-    store.load_prefix("r", h, 0, 8, 33)
+    store.plan_load("r", h, 0, 8, 33)
     decision = store.decisions[-1]
     assert (decision.available_tokens, decision.chosen_tokens) == (32, 32)
     assert store.counters["load_decisions"] == 1
@@ -172,11 +231,11 @@ def test_auto_policy_follows_the_cost_model():
     h = chain(8)
     write_all(store, h)
     store.cost.tiers["host"].w = [10.0, 0.0, 0.0]  # 10 s per read: never worth it
-    assert store.load_prefix("r", h, 0, 8, 33) is None
+    assert store.plan_load("r", h, 0, 8, 33) is None
     assert store.counters["recompute_decisions"] == 1
     assert store.decisions[-1].recomputed_instead
     store.cost.tiers["host"].w = [0.0, 0.0, 0.0]  # free reads: always worth it
-    assert store.load_prefix("r", h, 0, 8, 33).num_blocks == 8
+    assert store.plan_load("r", h, 0, 8, 33).num_blocks == 8
 
 
 def test_background_writer_flushes_on_close_and_drops_when_full():
@@ -192,7 +251,7 @@ def test_background_writer_flushes_on_close_and_drops_when_full():
     assert store.counters["writes_dropped"] >= 1
     gate.set()
     store.flush()
-    assert host.contains([h[0]]) == [True]
+    assert host.contains([serde.entry_key(h[0], 0), serde.entry_key(h[0], 1)]) == [True, True]
     assert store.counters["chunks_written"] == 1
     store.close()
     store.close()  # idempotent
@@ -204,7 +263,7 @@ def test_num_stored_blocks_counts_the_leading_stored_run():
     h = chain(10)
     write_all(store, h)
     assert store.num_stored_blocks(h, 10) == 10
-    host.delete([h[4]])
+    host.delete([serde.entry_key(h[4], 1)])
     assert store.num_stored_blocks(h, 10) == 4
 
 

@@ -1,0 +1,105 @@
+"""Streams a step's planned loads from the tiers into the device pool, layer group by layer
+group, on a thread of its own while the model runs.
+
+::
+
+    loader thread:  read+check group 0 | copy | read+check group 1 | copy | ... | group G-1
+    model (step):   wait(0) ... layers of group 0 | wait(1) ... layers of group 1 | ...
+
+The model waits at the first layer of each group until that group is in place, so reading
+the later layers overlaps computing the earlier ones. ``finish`` joins the thread and says,
+per request, how many of its planned blocks were really loaded (checked, and matching the
+prompt in every group); the scheduler rolls back any request that got fewer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from kvwise.core.outputs import KVLoad
+
+logger = logging.getLogger("kvwise")
+
+
+class KVLoader:
+    def __init__(self, store, runner, loads: list[KVLoad]) -> None:
+        self.store = store
+        self.runner = runner
+        self.loads = loads
+        fmt = store.fmt
+        self._layer_group = [fmt.group_of_layer(layer) for layer in range(fmt.num_layers)]
+        self._ready = [threading.Event() for _ in range(fmt.layer_groups)]
+        # blocks of each load that every group delivered so far
+        self._loaded = [len(load.block_ids) for load in loads]
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="kvwise-kv-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        fmt = self.store.fmt
+        chunks = [load.chunk for load in self.loads]
+        groups = range(fmt.layer_groups)
+        # NOTE: every group's reads are issued at once (the disk queue never drains between
+        # groups); their results are taken in layer order
+        pool = ThreadPoolExecutor(len(groups), thread_name_prefix="kvwise-kv-load")
+        try:
+            pending = [pool.submit(self.store.read_group, chunks, g, self._dest(g)) for g in groups]
+            for group in groups:
+                reads = pending[group].result()
+                t1, num_bytes = time.perf_counter(), 0
+                for i, (load, read) in enumerate(zip(self.loads, reads)):
+                    skip = load.chunk.skip
+                    n = min(self._loaded[i], max(0, read.usable - skip))
+                    self._loaded[i] = n
+                    if n and not read.in_place:
+                        num_bytes += self.runner.write_kv(
+                            load.block_ids[:n], read.payload, read.entry_blocks, skip,
+                            fmt.group_layers(group),
+                        )  # fmt: skip
+                if num_bytes:
+                    self.store.cost.observe_copy(num_bytes, time.perf_counter() - t1)
+                self._ready[group].set()
+        except Exception:  # a bug here must not hang the step: load nothing instead
+            logger.exception("loading KV from the tiers failed")
+            self._loaded = [0] * len(self.loads)
+        finally:
+            for event in self._ready:
+                event.set()
+            pool.shutdown(wait=True)
+            self.seconds = time.perf_counter() - t0
+
+    def _dest(self, group: int):
+        layers = self.store.fmt.group_layers(group)
+
+        def dest(i: int, entry_blocks: int) -> list:
+            """Where chunk ``i``'s payload lands: straight in its device blocks."""
+            load = self.loads[i]
+            skip = load.chunk.skip
+            n = max(0, min(entry_blocks - skip, len(load.block_ids)))
+            return self.runner.kv_cache.payload_views(
+                load.block_ids[:n], skip, entry_blocks, layers
+            )
+
+        return dest
+
+    def wait_layer(self, layer: int) -> None:
+        self._ready[self._layer_group[layer]].wait()
+
+    def finish(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Join the loader. Returns ``(loaded, short)``: blocks loaded per request, and the
+        requests that got fewer than planned (a load stops at its first short chunk)."""
+        self._thread.join()
+        loaded: dict[str, int] = {}
+        short: dict[str, int] = {}
+        for load, n in zip(self.loads, self._loaded):
+            rid = load.request_id
+            if rid in short:
+                continue
+            loaded[rid] = loaded.get(rid, 0) + n
+            if n < len(load.block_ids):
+                short[rid] = loaded[rid]
+        return loaded, short
