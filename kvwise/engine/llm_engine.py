@@ -241,7 +241,10 @@ class LLMEngine:
         )
         t0 = time.perf_counter()
         try:
-            model_out = self.runner.execute(sched_out, loader.wait_layer if loader else None)
+            if loader is None:
+                model_out = self.runner.execute(sched_out)
+            else:
+                model_out = self.runner.execute(sched_out, layer_ready=loader.wait_layer)
         finally:
             if loader is not None:
                 loaded, short = loader.finish()
