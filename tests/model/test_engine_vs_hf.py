@@ -104,6 +104,24 @@ def test_preemption_and_recompute(make_engine, prompt_ids, reference):
     assert engine.scheduler.num_preemptions > 0
 
 
+def test_preempted_requests_resume_from_the_host_tier(make_engine, prompt_ids, reference):
+    """Preemption writes the victim's blocks to the tiers; when it comes back after others
+    took its device blocks, it loads them instead of recomputing, and the tokens still match
+    transformers."""
+    engine = make_engine(
+        kv_cache_memory="40MiB",
+        block_size=16,
+        kv_host_memory="256MiB",
+        kv_store_min_tokens=16,
+        kv_load_policy="always",
+    )
+    assert run(engine, prompt_ids) == reference
+    stats = engine.stats()
+    assert engine.scheduler.num_preemptions > 0
+    assert stats["kv_store_chunks_written"] > 0 and stats["kv_tier_host_hits"] > 0
+    engine.close()
+
+
 def test_cache_disabled_same_tokens_more_projections(make_engine, prompt_ids, reference):
     short = prompt_ids[:3]
     engine = make_engine(enable_kv_cache=False)
