@@ -125,7 +125,8 @@ def _engines(args, loaded, tiers: list[str], redis_url: str | None, disk_root: s
     kw["kv_cache_memory"] = kw.get("kv_cache_memory") or "1GiB"
     kw["prefill_chunk_size"] = kw.get("prefill_chunk_size") or 512
     off = {"kv_host_memory": "off", "kv_disk_path": "off", "kv_redis_url": None}
-    base = {**kw, **off, "kv_store_min_tokens": 16, "max_model_len": max_len + 64}
+    min_tokens = kw.get("block_size") or 16  # store everything measured
+    base = {**kw, **off, "kv_store_min_tokens": min_tokens, "max_model_len": max(max_len, 300) + 64}
 
     def make(**extra) -> LLMEngine:
         config = EngineConfig.from_kwargs(**{**base, **extra})
@@ -150,8 +151,13 @@ def main(args: argparse.Namespace) -> int:
     lengths = sorted({int(x) for x in args.lengths.split(",")})
     tiers = [t for t in args.tiers.split(",") if t]
     bad = [t for t in tiers if t not in ("host", "disk", "redis")]
-    if bad or args.reps < 1 or not lengths or lengths[0] < 16:
-        raise ValueError("tiers: host, disk, redis; reps >= 1; lengths >= 16")
+    block_size = args.block_size or 16
+    if bad:
+        raise ValueError(f"tiers: expected host, disk and/or redis, got {bad}")
+    if args.reps < 1:
+        raise ValueError("reps: must be at least 1")
+    if not lengths or any(n <= 0 or n % block_size for n in lengths):
+        raise ValueError(f"lengths: must be positive multiples of the block size ({block_size})")
     redis_server = None
     redis_url = args.redis_url
     if "redis" in tiers and redis_url is None:

@@ -23,6 +23,8 @@ from kvwise.core.outputs import KVLoad
 
 logger = logging.getLogger("kvwise")
 
+_READ_AHEAD = 2  # layer groups being read at once
+
 
 class KVLoader:
     def __init__(self, store, runner, loads: list[KVLoad]) -> None:
@@ -34,7 +36,8 @@ class KVLoader:
         self._ready = [threading.Event() for _ in range(fmt.layer_groups)]
         # blocks of each load that every group delivered so far
         self._loaded = [len(load.block_ids) for load in loads]
-        self.seconds = 0.0
+        self.seconds = 0.0  # the loader's own wall time
+        self.waited = 0.0  # time the model spent waiting for layers (called from the step)
         self._thread = threading.Thread(target=self._run, name="kvwise-kv-load", daemon=True)
         self._thread.start()
 
@@ -43,13 +46,20 @@ class KVLoader:
         fmt = self.store.fmt
         chunks = [load.chunk for load in self.loads]
         groups = range(fmt.layer_groups)
-        # NOTE: every group's reads are issued at once (the disk queue never drains between
-        # groups); their results are taken in layer order
-        pool = ThreadPoolExecutor(len(groups), thread_name_prefix="kvwise-kv-load")
+        # NOTE: reads run _READ_AHEAD groups ahead of the group being handed to the model:
+        # enough to keep the disk busy, few enough that the bandwidth goes to the layers the
+        # model needs first (with every group in flight at once, each finished late)
+        pool = ThreadPoolExecutor(_READ_AHEAD, thread_name_prefix="kvwise-kv-load")
+
+        def submit(g: int):
+            return pool.submit(self.store.read_group, chunks, g, self._dest(g))
+
         try:
-            pending = [pool.submit(self.store.read_group, chunks, g, self._dest(g)) for g in groups]
+            pending = {g: submit(g) for g in groups[:_READ_AHEAD]}
             for group in groups:
-                reads = pending[group].result()
+                reads = pending.pop(group).result()
+                if group + _READ_AHEAD < len(groups):
+                    pending[group + _READ_AHEAD] = submit(group + _READ_AHEAD)
                 t1, num_bytes = time.perf_counter(), 0
                 for i, (load, read) in enumerate(zip(self.loads, reads)):
                     skip = load.chunk.skip
@@ -87,7 +97,11 @@ class KVLoader:
         return dest
 
     def wait_layer(self, layer: int) -> None:
-        self._ready[self._layer_group[layer]].wait()
+        event = self._ready[self._layer_group[layer]]
+        if not event.is_set():
+            t0 = time.perf_counter()
+            event.wait()
+            self.waited += time.perf_counter() - t0
 
     def finish(self) -> tuple[dict[str, int], dict[str, int]]:
         """Join the loader. Returns ``(loaded, short)``: blocks loaded per request, and the

@@ -248,13 +248,14 @@ class LLMEngine:
         finally:
             if loader is not None:
                 loaded, short = loader.finish()
+        elapsed = time.perf_counter() - t0
         if loader is not None:
             model_out.short_loads = short
             self.store.count_loaded(sum(loaded.values()))
-        elif self.store is not None and sched_out.scheduled:
-            # NOTE: steps that waited on loads are not the model's own speed: not observed
+            elapsed -= loader.waited  # the model's own time: what recomputing would cost
+        if self.store is not None and sched_out.scheduled:
             chunks = [(s.start_pos, s.num_tokens) for s in sched_out.scheduled]
-            self.store.cost.observe_step(chunks, time.perf_counter() - t0)
+            self.store.cost.observe_step(chunks, elapsed)
         updates = self.scheduler.update(sched_out, model_out)
         now = time.perf_counter()
         outputs = []
