@@ -189,6 +189,7 @@ class TieredStore:
             tuple(per_tier), t_load, t_rec,
         )  # fmt: skip
         self.decisions.append(decision)
+        logger.debug("load decision: %s", decision)
         kind = "recompute_decisions" if decision.recomputed_instead else "load_decisions"
         self.counters[kind] += 1
         if m == 0:

@@ -208,3 +208,40 @@ def test_retained_prefix_is_kept_on_disk(tiered, tmp_path):
     engine.flush()
     mtimes = [f.stat().st_mtime for f in tmp_path.rglob("*.kv")]
     assert mtimes and min(mtimes) > time.time() + 23 * 3600
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys, time
+from kvwise import LLM, SamplingParams
+from kvwise.store import disk
+from tests.tiers_util import PROMPT
+
+put = disk.DiskStore.put
+def slow_put(self, *args, **kwargs):  # still queued when the interpreter starts to exit
+    time.sleep(1.0)
+    return put(self, *args, **kwargs)
+disk.DiskStore.put = slow_put
+llm = LLM(kv_cache_memory="256MiB", kv_host_memory="off", kv_disk_path=sys.argv[1],
+          kv_store_min_tokens=16, progress=False)
+if sys.argv[2] == "with":
+    with llm:
+        llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0))
+    assert llm.engine.store.stats()["pending_write_bytes"] == 0
+else:
+    llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0))
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "with"])
+def test_pending_writes_are_flushed_at_exit(tmp_path, how):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tmp_path), how],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(list(tmp_path.rglob("*.kv"))) >= 2

@@ -15,6 +15,7 @@ op = st.one_of(
     st.tuples(st.just("step"), st.integers(1, 3), st.just(0), st.just(0)),
     st.tuples(st.just("abort"), st.integers(0, 30), st.just(0), st.just(0)),
     st.tuples(st.just("tick"), st.integers(1, 100), st.just(0), st.just(0)),
+    st.tuples(st.just("drop"), st.integers(0, 7), st.just(0), st.just(0)),  # park: drop cached
 )
 
 
@@ -69,6 +70,14 @@ def test_invariants_after_every_operation(ops, num_blocks, block_size, caching, 
                 scheduler.update(out, runner.execute(out))
         elif kind == "tick":
             clock.now += a
+        elif kind == "drop":
+            hashes = list(manager.pool.cached)[a::3]
+            free_before = manager.pool.num_free_blocks
+            manager.pool.drop_cached(hashes)
+            assert manager.pool.num_free_blocks == free_before  # only free blocks are dropped
+            assert all(
+                manager.pool.cached.get(h) is None or manager.pool.cached[h].ref_cnt for h in hashes
+            )
         else:
             scheduler.finish_requests([str(a)], FinishReason.ABORT)
         manager.check_integrity()
