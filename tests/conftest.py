@@ -35,3 +35,20 @@ def make_engine(smollm2):
         return LLMEngine(EngineConfig.from_kwargs(**kwargs), progress=False, loaded=smollm2)
 
     return make
+
+
+@pytest.fixture
+def tier_engine(make_engine):
+    """Engines with KV tiers (``tier_engine(kv_disk_path=...)``), storing sequences from 16
+    tokens on; closed (their writes flushed) after the test."""
+    engines = []
+
+    def make(**kwargs):
+        kwargs.setdefault("kv_store_min_tokens", 16)
+        engine = make_engine(**kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()

@@ -3,33 +3,17 @@ faults (server killed, server hung) served as fast misses."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import pytest
 
 from kvwise.store.base import KVStore
 from kvwise.store.redis import RedisStore
+from tests.store_util import FakeClock, key, value
 
 from .conftest import free_port
 
 PREFIX = "kvwise:kv:"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def key(i: int) -> bytes:
-    return hashlib.sha256(str(i).encode()).digest()
-
-
-def value(i: int, size: int = 100) -> bytes:
-    return (key(i) * (size // 32 + 1))[:size]
 
 
 def timed(fn, *args, **kwargs):

@@ -40,19 +40,8 @@ def reference(make_engine):
 
 
 @pytest.fixture
-def redis_engine(make_engine, redis_db):
-    engines = []
-
-    def make(**kw):
-        kw.setdefault("kv_store_min_tokens", 16)
-        kw.setdefault("kv_redis_url", redis_db.url)
-        engine = make_engine(**kw)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
+def redis_engine(tier_engine, redis_db):
+    return lambda **kw: tier_engine(**{"kv_redis_url": redis_db.url, **kw})
 
 
 def test_round_trip_through_redis(redis_engine, reference, redis_db):

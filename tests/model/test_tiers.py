@@ -19,23 +19,11 @@ def reference(make_engine):
 
 
 @pytest.fixture
-def tiered(make_engine, tmp_path):
-    engines = []
-
-    def make(**kw):
-        kw.setdefault("kv_store_min_tokens", 16)
-        engine = make_engine(**kw)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
+def tiered(tier_engine):
+    return tier_engine
 
 
-@pytest.mark.parametrize(
-    "tier,layer_groups", [("host", 1), ("disk", 1), ("host", 5), ("disk", 30)]
-)
+@pytest.mark.parametrize("tier,layer_groups", [("host", 1), ("disk", 1), ("host", 5), ("disk", 30)])
 def test_round_trip_is_token_identical(tiered, tmp_path, reference, tier, layer_groups):
     """Loaded whole, or streamed by layer groups while the step runs (host entries are copied
     in; disk entries are read straight into the device blocks)."""

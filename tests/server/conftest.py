@@ -73,6 +73,23 @@ def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
     return predicate()
 
 
+def wait_until_serving(proc, base: str, timeout: float = 120.0) -> None:
+    """Wait for a ``kvwise serve`` subprocess to answer ``/health`` (failing with its output
+    if it exits first)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "kvwise serve did not come up"
+        time.sleep(0.2)
+
+
 def slow_down(engine: LLMEngine, seconds_per_step: float) -> None:
     """Make every model step take at least this long (to catch a request mid-stream)."""
     execute = engine.runner.execute

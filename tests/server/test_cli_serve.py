@@ -8,13 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from kvwise.cli import build_parser
 from kvwise.server import parse_api_keys
+
+from .conftest import wait_until_serving
 
 
 def test_parse_api_keys():
@@ -56,16 +57,7 @@ def test_serve_subprocess_sigterm():
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvwise serve did not come up"
-            time.sleep(0.2)
+        wait_until_serving(proc, base)
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
         assert httpx.post(base + "/v1/chat/completions", json=body).status_code == 401
         r = httpx.post(

@@ -24,7 +24,7 @@ from kvwise.engine.async_engine import AsyncEngine
 from kvwise.server import create_app
 from kvwise.types import SamplingParams
 
-from .conftest import KEYS, TINY_NAME, LiveServer, slow_down, wait_for
+from .conftest import KEYS, TINY_NAME, LiveServer, slow_down, wait_for, wait_until_serving
 
 ALICE = {"Authorization": "Bearer key-alice"}
 BOB = {"Authorization": "Bearer key-bob"}
@@ -341,16 +341,7 @@ def test_serve_subprocess_flushes_to_disk_on_sigterm(tmp_path):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvwise serve did not come up"
-            time.sleep(0.2)
+        wait_until_serving(proc, base)
         body = {
             "messages": [{"role": "user", "content": document("subprocess")}],
             "max_tokens": 2,

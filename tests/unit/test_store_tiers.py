@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import threading
 from pathlib import Path
@@ -15,23 +14,7 @@ from kvwise.store import serde
 from kvwise.store.base import KVStore
 from kvwise.store.disk import DiskStore
 from kvwise.store.host import HostStore
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def key(i: int) -> bytes:
-    return hashlib.sha256(str(i).encode()).digest()
-
-
-def value(i: int, size: int = 100) -> bytes:
-    return (key(i) * (size // 32 + 1))[:size]
-
+from tests.store_util import FakeClock, key, value
 
 K = {name: key(i) for i, name in enumerate("abcdefgh")}
 

@@ -92,9 +92,7 @@ def test_writes_are_aligned_chunks_keyed_by_their_first_block():
     # the same sequence again: nothing new to write; grown by a block: only its last chunk
     assert store.plan_writes(h, 10) == []
     grown = chain(11)
-    assert [(w.first_block, len(w.block_hashes)) for w in store.plan_writes(grown, 11)] == [
-        (8, 3)
-    ]
+    assert [(w.first_block, len(w.block_hashes)) for w in store.plan_writes(grown, 11)] == [(8, 3)]
 
 
 def test_short_sequences_are_not_written():
