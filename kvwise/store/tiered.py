@@ -242,7 +242,10 @@ class TieredStore:
             into = dest if dest is not None and getattr(tier, "reads_into", False) else None
             # NOTE: reads and checksums overlap across parts (file reads, socket reads and
             # zlib.crc32 all release the GIL)
-            parts = [idx[p::_READ_GROUPS] for p in range(min(_READ_GROUPS, len(idx)))]
+            # a tier that reads in place gets one key per task, so that checking one entry
+            # overlaps reading the next; others get a few batches (one round trip each)
+            num_parts = len(idx) if into is not None else min(_READ_GROUPS, len(idx))
+            parts = [idx[p::num_parts] for p in range(num_parts)]
             results = self._pool.map(
                 lambda part, t=tier, d=into: self._read(t, keys, part, group, d), parts
             )
