@@ -290,8 +290,9 @@ class Scheduler:
         planned = request.num_planned_load_blocks
         missing_tokens = (planned - num_loaded) * self.kv.block_size
         request.num_computed_tokens = item.start_pos - missing_tokens
-        request.num_loaded_tokens -= missing_tokens
-        request.num_cached_tokens -= missing_tokens
+        # NOTE: clamped: after a preemption these counts may predate this admission
+        request.num_loaded_tokens = max(0, request.num_loaded_tokens - missing_tokens)
+        request.num_cached_tokens = max(0, request.num_cached_tokens - missing_tokens)
         self.kv.cache_full_blocks(request)
         self.num_load_rollbacks += 1
 
