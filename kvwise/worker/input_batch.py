@@ -13,6 +13,7 @@ import torch
 
 from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
 from kvwise.worker.attention import AttentionMetadata, PrefillChunk
+from kvwise.worker.kv_cache import first_if_consecutive
 
 
 @dataclass
@@ -51,7 +52,7 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
                     token_end=row + n,
                     start_pos=item.start_pos,
                     block_table=torch.tensor([table[:num_blocks]], dtype=torch.long),
-                    first_block=_first_if_consecutive(table[:num_blocks]),
+                    first_block=first_if_consecutive(table[:num_blocks]),
                 )
             )
         if item.sample:
@@ -79,7 +80,7 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
 
     decode_first_block = None
     if len(decodes) == 1:
-        decode_first_block = _first_if_consecutive(decodes[0].block_ids[: len(decode_table[0])])
+        decode_first_block = first_if_consecutive(decodes[0].block_ids[: len(decode_table[0])])
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         decode_rows=decode_rows,
@@ -96,15 +97,4 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
         attn_meta=meta,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long),
         sample_requests=sample_requests,
-    )
-
-
-def _first_if_consecutive(block_ids: list[int]) -> int | None:
-    """The first id when ``block_ids`` are consecutive (the cache can be sliced, not gathered)."""
-    first = block_ids[0]
-    return (
-        first
-        if block_ids[-1] - first == len(block_ids) - 1
-        and block_ids == list(range(first, first + len(block_ids)))
-        else None
     )

@@ -77,7 +77,7 @@ class PagedKVCache:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of blocks ``(layers, 2, len(block_ids), block_size, kv_heads, D)``."""
-        first = _consecutive(block_ids)
+        first = first_if_consecutive(block_ids)
         if first is not None:
             return self.kv[:, :, first : first + len(block_ids)].contiguous()
         return self.kv[:, :, torch.tensor(block_ids)]  # advanced indexing copies
@@ -102,7 +102,7 @@ class PagedKVCache:
         shape = (num_layers, 2, num_entry_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         src = src.view(shape)[:, :, skip : skip + len(block_ids)]
         dst = self.kv[first_layer : first_layer + num_layers]
-        first = _consecutive(block_ids)
+        first = first_if_consecutive(block_ids)
         if first is not None:
             dst[:, :, first : first + len(block_ids)].copy_(src)
         else:
@@ -143,8 +143,9 @@ class PagedKVCache:
         return views
 
 
-def _consecutive(block_ids: list[int]) -> int | None:
-    """The first id when ``block_ids`` is a run of consecutive ids, else None."""
+def first_if_consecutive(block_ids: list[int]) -> int | None:
+    """The first id when ``block_ids`` are consecutive ascending ids (the cache can then be
+    sliced instead of gathered), else None."""
     if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1:
         if all(b == block_ids[0] + i for i, b in enumerate(block_ids)):
             return block_ids[0]
