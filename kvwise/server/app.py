@@ -27,7 +27,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -184,6 +184,39 @@ def create_app(
         reason = last.finish_reason.value if last and last.finished else "abort"
         metrics.observe_request(stream.request_id, tenant, last, reason)
 
+    def sse(
+        stream: RequestStream,
+        tenant: str,
+        include_usage: bool,
+        on_output: Callable[[RequestOutput], str],
+        on_usage: Callable[[Usage], str],
+        first: str | None = None,
+    ) -> SSEResponse:
+        """Stream a request as server-sent events: ``first``, one event per output with new
+        text (or the end), the usage when asked, then ``[DONE]``."""
+
+        async def events() -> AsyncIterator[str]:
+            if first is not None:
+                yield first
+            async for out in _outputs_or_error(stream):
+                if isinstance(out, str):  # an error event: the stream ends with it
+                    yield out
+                    return
+                if out.delta_text or out.finished:
+                    yield on_output(out)
+            if include_usage and stream.last is not None:
+                yield on_usage(_usage(stream.last))
+            yield "data: [DONE]\n\n"
+
+        return SSEResponse(events(), on_close=lambda: ended(stream, tenant))
+
+    async def collect(stream: RequestStream, request: Request, tenant: str):
+        """The final output, or None when the client went away first."""
+        try:
+            return await collect_or_disconnect(stream, request)
+        finally:
+            ended(stream, tenant)
+
     @app.post(
         "/v1/completions",
         response_model=CompletionResponse,
@@ -204,23 +237,14 @@ def create_app(
             return f"data: {c.model_dump_json()}\n\n"
 
         if body.stream:
-
-            async def events() -> AsyncIterator[str]:
-                async for out in _outputs_or_error(stream):
-                    if isinstance(out, str):
-                        yield out
-                        return
-                    if out.delta_text or out.finished:
-                        yield chunk(out.delta_text, _finish(out))
-                if body.include_usage and stream.last is not None:
-                    yield chunk("", usage=_usage(stream.last))
-                yield "data: [DONE]\n\n"
-
-            return SSEResponse(events(), on_close=lambda: ended(stream, tenant))
-        try:
-            out = await collect_or_disconnect(stream, request)
-        finally:
-            ended(stream, tenant)
+            return sse(
+                stream,
+                tenant,
+                body.include_usage,
+                on_output=lambda out: chunk(out.delta_text, _finish(out)),
+                on_usage=lambda usage: chunk("", usage=usage),
+            )
+        out = await collect(stream, request, tenant)
         if out is None:
             return Response(status_code=499)
         choice = CompletionChoice(text=out.text, finish_reason=_finish(out))
@@ -248,25 +272,17 @@ def create_app(
             return f"data: {c.model_dump_json()}\n\n"
 
         if body.stream:
-
-            async def events() -> AsyncIterator[str]:
-                yield chunk(DeltaMessage(role="assistant", content=""))
-                async for out in _outputs_or_error(stream):
-                    if isinstance(out, str):
-                        yield out
-                        return
-                    if out.delta_text or out.finished:
-                        delta = DeltaMessage(content=out.delta_text or None)
-                        yield chunk(delta, _finish(out))
-                if body.include_usage and stream.last is not None:
-                    yield chunk(None, usage=_usage(stream.last))
-                yield "data: [DONE]\n\n"
-
-            return SSEResponse(events(), on_close=lambda: ended(stream, tenant))
-        try:
-            out = await collect_or_disconnect(stream, request)
-        finally:
-            ended(stream, tenant)
+            return sse(
+                stream,
+                tenant,
+                body.include_usage,
+                on_output=lambda out: chunk(
+                    DeltaMessage(content=out.delta_text or None), _finish(out)
+                ),
+                on_usage=lambda usage: chunk(None, usage=usage),
+                first=chunk(DeltaMessage(role="assistant", content="")),
+            )
+        out = await collect(stream, request, tenant)
         if out is None:
             return Response(status_code=499)
         choice = ChatChoice(message=AssistantMessage(content=out.text), finish_reason=_finish(out))

@@ -90,6 +90,20 @@ def wait_until_serving(proc, base: str, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
+def stop_serving(proc, timeout: float = 60.0) -> str:
+    """SIGTERM a ``kvwise serve`` subprocess (killing it if it hangs); return its output."""
+    import signal
+
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return out.decode()
+
+
 def slow_down(engine: LLMEngine, seconds_per_step: float) -> None:
     """Make every model step take at least this long (to catch a request mid-stream)."""
     execute = engine.runner.execute

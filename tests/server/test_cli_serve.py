@@ -4,7 +4,6 @@ serves, reads keys from KVWISE_API_KEYS, and shuts down cleanly on SIGTERM."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 from kvwise.cli import build_parser
 from kvwise.server import parse_api_keys
 
-from .conftest import wait_until_serving
+from .conftest import stop_serving, wait_until_serving
 
 
 def test_parse_api_keys():
@@ -67,12 +66,10 @@ def test_serve_subprocess_sigterm():
             timeout=60,
         )
         assert r.status_code == 200 and r.json()["model"] == "SmolLM2-135M-Instruct"
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log = out.decode()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    log = stop_serving(proc, timeout=30)
     assert proc.returncode == 0, log
     assert "tenant=carol" in log and "Shutting down" in log

@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,15 @@ from kvwise.engine.async_engine import AsyncEngine
 from kvwise.server import create_app
 from kvwise.types import SamplingParams
 
-from .conftest import KEYS, TINY_NAME, LiveServer, slow_down, wait_for, wait_until_serving
+from .conftest import (
+    KEYS,
+    TINY_NAME,
+    LiveServer,
+    slow_down,
+    stop_serving,
+    wait_for,
+    wait_until_serving,
+)
 
 ALICE = {"Authorization": "Bearer key-alice"}
 BOB = {"Authorization": "Bearer key-bob"}
@@ -349,13 +356,11 @@ def test_serve_subprocess_flushes_to_disk_on_sigterm(tmp_path):
         }
         r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 32, r.text
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log = out.decode()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    log = stop_serving(proc, timeout=60)
     assert proc.returncode == 0, log
     assert "KV tiers flushed on shutdown" in log, log
     assert list(kv_dir.rglob("*.kv")), log
