@@ -43,7 +43,7 @@ from kvwise.store.costmodel import CostModel, LoadDecision
 logger = logging.getLogger("kvwise.store")
 
 _MAX_KNOWN = 200_000  # chunk keys remembered as stored (to skip rewriting them)
-_READ_GROUPS = 4  # a tier's share of one read runs (and is checked) in this many parallel parts
+_READ_PARTS = 4  # a tier's share of one read runs (and is checked) in this many parallel parts
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,6 @@ class TieredStore:
         background: bool = True,
     ) -> None:
         self.tiers = list(tiers)
-        self.by_name = {t.name: t for t in self.tiers}
         self.fmt = fmt
         self.block_size = fmt.block_size
         self.chunk_blocks = chunk_blocks
@@ -121,7 +120,7 @@ class TieredStore:
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
-        self._pool = ThreadPoolExecutor(_READ_GROUPS, thread_name_prefix="kvwise-kv-read")
+        self._pool = ThreadPoolExecutor(_READ_PARTS, thread_name_prefix="kvwise-kv-read")
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self._writer, name="kvwise-kv-writer")
@@ -244,7 +243,7 @@ class TieredStore:
             # zlib.crc32 all release the GIL)
             # a tier that reads in place gets one key per task, so that checking one entry
             # overlaps reading the next; others get a few batches (one round trip each)
-            num_parts = len(idx) if into is not None else min(_READ_GROUPS, len(idx))
+            num_parts = len(idx) if into is not None else min(_READ_PARTS, len(idx))
             parts = [idx[p::num_parts] for p in range(num_parts)]
             results = self._pool.map(
                 lambda part, t=tier, d=into: self._read(t, keys, part, group, d), parts
