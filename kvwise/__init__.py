@@ -1,8 +1,8 @@
 """kvwise: an LLM inference engine built around its KV cache."""
 
-from kvwise.types import FinishReason, RequestOutput, SamplingParams
+from kvwise.types import FinishReason, RequestOptions, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "FinishReason"]
+__all__ = ["LLM", "SamplingParams", "RequestOptions", "RequestOutput", "FinishReason"]
 __version__ = "0.1.0"
 
 

@@ -134,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvwise.config import EngineConfig
-    from kvwise.engine.llm_engine import LLMEngine
+    from kvwise.engine.builder import build_engine
     from kvwise.models.default import DEFAULT_MODEL_NAME
     from kvwise.server import create_app, parse_api_keys
 
@@ -146,7 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = Path(args.model).stem if args.model.endswith(".gguf") else Path(args.model).name
     else:
         name = DEFAULT_MODEL_NAME
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     app = create_app(engine, api_keys=keys, model_name=name)
     logging.getLogger("kvwise").info(
         "serving %s on http://%s:%d/v1 (%s)",

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvwise.core.kv_spec import STORAGE_DTYPES
 from kvwise.utils import parse_bytes, parse_duration
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -19,7 +20,7 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
-    dtype: str = "float32"
+    dtype: str = "float32"  # the compute dtype of weights and activations
     max_model_len: int | None = None  # None: the model's own context length
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
 
@@ -39,6 +40,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # how the KV pool stores K/V; "auto": the model's dtype
     kv_cache_memory: int | str | None = None  # bytes or "2GiB"; None: a fraction of free RAM
     kv_cache_memory_fraction: float = 0.2
     enable_kv_cache: bool = True  # False: recompute the whole prefix at every step
@@ -50,6 +52,11 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
+        if self.kv_cache_dtype not in ("auto", *STORAGE_DTYPES):
+            raise ValueError(
+                f"kv_cache_dtype: expected 'auto' or one of {STORAGE_DTYPES}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.kv_cache_memory is not None:
             object.__setattr__(
                 self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory")

@@ -1,4 +1,5 @@
-"""KV-cache arithmetic for ``kvwise size``. No torch.
+"""KV-cache arithmetic for ``kvwise size``. No torch. The byte counts are ``KVSpec``'s (the
+one owner of the KV layout), for hypothetical head counts and dtypes too.
 
 KV bytes per token = 2 (K and V) × layers × kv_heads × head_dim × bytes per element. With
 multi-head attention kv_heads = heads; grouped-query attention shares each K/V head among
@@ -10,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+from kvwise.core.kv_spec import KV_DTYPE_BYTES as DTYPE_BYTES
+from kvwise.core.kv_spec import KVSpec
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,12 @@ class KVShape:
             raise ValueError(f"dtype: expected one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
     @property
+    def spec(self) -> KVSpec:
+        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, 1, self.dtype)
+
+    @property
     def bytes_per_token(self) -> float:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        return self.spec.bytes_per_token
 
     @property
     def attention_kind(self) -> str:

@@ -6,6 +6,9 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from kvwise.errors import InvalidRequest
+from kvwise.utils import parse_duration
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
@@ -39,28 +42,30 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens: must be at least 1, got {self.max_tokens}")
+            raise InvalidRequest("max_tokens", f"must be at least 1, got {self.max_tokens}")
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+            raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature}")
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k: must be -1, 0 (off) or positive, got {self.top_k}")
+            raise InvalidRequest("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
         _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
         _check_number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+            raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed)
         for stop in self.stop:
             if not isinstance(stop, str) or not stop:
-                raise ValueError(f"stop: each stop string must be a non-empty string, got {stop!r}")
+                raise InvalidRequest(
+                    "stop", f"each stop string must be a non-empty string, got {stop!r}"
+                )
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id)
             if token_id < 0:
-                raise ValueError(f"stop_token_ids: ids must be >= 0, got {token_id}")
+                raise InvalidRequest("stop_token_ids", f"ids must be >= 0, got {token_id}")
 
     @property
     def greedy(self) -> bool:
@@ -69,12 +74,12 @@ class SamplingParams:
 
 def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an integer, got {value!r}")
+        raise InvalidRequest(name, f"expected an integer, got {value!r}")
 
 
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name}: expected a number, got {value!r}")
+        raise InvalidRequest(name, f"expected a number, got {value!r}")
 
 
 @dataclass
@@ -118,3 +123,37 @@ class RequestOutput:
     delta_text: str = ""
     num_loaded_tokens: int = 0  # of the cached tokens, those loaded from the slower tiers
     delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """How one request uses the cache, passed unchanged through every layer (server, async
+    engine, engine, scheduler).
+
+    Args:
+        tenant: the cache namespace; requests of different tenants never share KV.
+        cache_salt: a further split within one tenant.
+        retention: keep this request's cached prefix ("1h", seconds, or None / "default" for
+            plain LRU): kept blocks are evicted after all others, and kept that long in the
+            disk and Redis tiers.
+        session_id: names the conversation, so that ``park(session_id)`` can move its KV
+            down to the tiers between turns.
+    """
+
+    tenant: str = "default"
+    cache_salt: str | None = None
+    retention: str | float | None = None
+    session_id: str | None = None
+    retention_s: float | None = field(init=False, default=None)  # parsed ``retention``
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise InvalidRequest("tenant", "must be a non-empty string")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidRequest("cache_salt", "must be a string")
+        if self.session_id is not None and (
+            not isinstance(self.session_id, str) or not self.session_id
+        ):
+            raise InvalidRequest("session_id", "must be a non-empty string")
+        if self.retention not in (None, "default"):
+            object.__setattr__(self, "retention_s", parse_duration(self.retention, "retention"))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from kvwise.errors import InvalidRequest
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -29,16 +31,16 @@ def parse_bytes(value: int | float | str, field: str) -> int:
         ValueError: naming ``field`` when the value is not a positive size.
     """
     if isinstance(value, bool):
-        raise ValueError(f"{field}: expected a size such as '2GiB', got {value!r}")
+        raise InvalidRequest(field, f"expected a size such as '2GiB', got {value!r}")
     if isinstance(value, (int, float)):
         num_bytes = int(value)
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"{field}: expected a size such as '2GiB' or '512MB', got {value!r}")
+            raise InvalidRequest(field, f"expected a size such as '2GiB' or '512MB', got {value!r}")
         num_bytes = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if num_bytes <= 0:
-        raise ValueError(f"{field}: must be positive, got {value!r}")
+        raise InvalidRequest(field, f"must be positive, got {value!r}")
     return num_bytes
 
 
@@ -61,16 +63,16 @@ def parse_duration(value: int | float | str, field: str) -> float:
         ValueError: naming ``field`` when the value is not a positive duration.
     """
     if isinstance(value, bool):
-        raise ValueError(f"{field}: expected a duration such as '1h', got {value!r}")
+        raise InvalidRequest(field, f"expected a duration such as '1h', got {value!r}")
     if isinstance(value, (int, float)):
         seconds = float(value)
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", str(value))
         if not match:
-            raise ValueError(
-                f"{field}: expected a duration such as '30s', '5m' or '1h', got {value!r}"
+            raise InvalidRequest(
+                field, f"expected a duration such as '30s', '5m' or '1h', got {value!r}"
             )
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
     if not seconds > 0:
-        raise ValueError(f"{field}: must be positive, got {value!r}")
+        raise InvalidRequest(field, f"must be positive, got {value!r}")
     return seconds

@@ -17,7 +17,7 @@ import torch
 from kvwise.bench.breakeven import _cold, _ttft
 from kvwise.config import EngineConfig
 from kvwise.engine import kv_loader
-from kvwise.engine.llm_engine import LLMEngine
+from kvwise.engine.builder import build_engine
 from kvwise.models.loader import load_model
 from kvwise.types import SamplingParams
 
@@ -37,7 +37,7 @@ def main() -> None:
         kv_load_policy="always",
         kv_layer_groups=args.layer_groups,
     )
-    engine = LLMEngine(config, progress=False, loaded=loaded)
+    engine = build_engine(config, progress=False, loaded=loaded)
     rng = random.Random(0)
     prompt = [rng.randrange(100, 49000) for _ in range(args.tokens + 1)]
     print(f"first run, computed (includes warm-up): {_ttft(engine, prompt)[0] * 1e3:.0f} ms")

@@ -25,6 +25,7 @@ def smollm2():
 def make_engine(smollm2):
     """Build an engine over the shared weights: ``make_engine(block_size=4, ...)``."""
     from kvwise.config import EngineConfig
+    from kvwise.engine.builder import build_engine
     from kvwise.engine.llm_engine import LLMEngine
 
     def make(**kwargs) -> LLMEngine:
@@ -32,7 +33,7 @@ def make_engine(smollm2):
         # the slower KV tiers only where a test asks for them (none leak between tests)
         kwargs.setdefault("kv_host_memory", "off")
         kwargs.setdefault("kv_disk_path", "off")
-        return LLMEngine(EngineConfig.from_kwargs(**kwargs), progress=False, loaded=smollm2)
+        return build_engine(EngineConfig.from_kwargs(**kwargs), progress=False, loaded=smollm2)
 
     return make
 

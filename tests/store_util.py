@@ -23,3 +23,24 @@ def key(i: int) -> bytes:
 def value(i: int, size: int = 100) -> bytes:
     """``size`` recognisable bytes for entry ``i``."""
     return (key(i) * (size // 32 + 1))[:size]
+
+
+def entry_format(model: str = "model-x", layer_groups: int = 2):
+    """2 layers, 1 KV head, head_dim 2, 4-token blocks, float32: 128-byte blocks, 32 bytes
+    per block of K (or V) of one layer."""
+    from kvwise.core.kv_spec import KVSpec
+    from kvwise.store.serde import EntryFormat
+
+    spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, block_size=4, dtype="float32")
+    return EntryFormat(spec, model, layer_groups=layer_groups)
+
+
+def chain(n: int, tag: str = "a") -> list[bytes]:
+    """``n`` 32-byte block hashes (a stand-in for a prompt's hash chain)."""
+    return [hashlib.sha256(f"{tag}{i}".encode()).digest() for i in range(n)]
+
+
+def payload(hashes: list[bytes]) -> bytes:
+    """A recognisable chunk payload for ``entry_format()``: each block's 128 bytes derive
+    from its hash."""
+    return b"".join(h * 4 for h in hashes)

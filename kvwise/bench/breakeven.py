@@ -100,8 +100,9 @@ def _cold(engine) -> None:
     engine.flush()
     engine.kv_manager.pool.reset_prefix_cache()
     for tier in engine.store.tiers if engine.store else ():
-        if tier.name == "disk":
-            tier.drop_page_cache()
+        drop_page_cache = getattr(tier, "drop_page_cache", None)  # tiers backed by files
+        if drop_page_cache is not None:
+            drop_page_cache()
 
 
 def _break_even(lengths: list[int], recompute: list[float], load: list[float]) -> float | None:
@@ -118,6 +119,7 @@ def _break_even(lengths: list[int], recompute: list[float], load: list[float]) -
 
 def _engines(args, loaded, tiers: list[str], redis_url: str | None, disk_root: str, max_len: int):
     from kvwise.config import EngineConfig
+    from kvwise.engine.builder import build_engine
     from kvwise.engine.llm_engine import LLMEngine
     from kvwise.engine_args import engine_kwargs
 
@@ -130,7 +132,7 @@ def _engines(args, loaded, tiers: list[str], redis_url: str | None, disk_root: s
 
     def make(**extra) -> LLMEngine:
         config = EngineConfig.from_kwargs(**{**base, **extra})
-        return LLMEngine(config, progress=False, loaded=loaded)
+        return build_engine(config, progress=False, loaded=loaded)
 
     engines = {"recompute": make()}
     for tier in tiers:
@@ -329,7 +331,7 @@ def _plot(path: str, lengths, med, tiers, break_even) -> None:
 def _compare_chunks(args, loaded, lengths: list[int], disk_root: str) -> dict:
     """Disk-tier TTFT (cold page cache) for each entry size, at each length."""
     from kvwise.config import EngineConfig
-    from kvwise.engine.llm_engine import LLMEngine
+    from kvwise.engine.builder import build_engine
     from kvwise.engine_args import engine_kwargs
 
     sizes = [int(x) for x in args.chunk_blocks.split(",")]
@@ -349,7 +351,7 @@ def _compare_chunks(args, loaded, lengths: list[int], disk_root: str) -> dict:
                 "max_model_len": lengths[-1] + 64,
             }
         )
-        engines[c] = LLMEngine(config, progress=False, loaded=loaded)
+        engines[c] = build_engine(config, progress=False, loaded=loaded)
     rng = random.Random(1)
     vocab = loaded.arch.vocab_size
     prompts = {n: _prompt(rng, vocab, n + 1) for n in lengths}

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from kvwise.bench.common import median, run_to_completion
 from kvwise.config import EngineConfig
-from kvwise.engine.llm_engine import LLMEngine
+from kvwise.engine.builder import build_engine, load_for
 from kvwise.types import SamplingParams
 
 
@@ -55,10 +55,11 @@ def main(args: argparse.Namespace) -> int:
     kw.setdefault("kv_cache_memory", None)
     kw["kv_cache_memory"] = kw["kv_cache_memory"] or "1GiB"
     kw.update(kv_host_memory="off", kv_disk_path="off", kv_redis_url=None)  # the device pool only
-    on = LLMEngine(EngineConfig.from_kwargs(**kw))
-    off = LLMEngine(
+    loaded = load_for(EngineConfig.from_kwargs(**kw))
+    on = build_engine(EngineConfig.from_kwargs(**kw), loaded=loaded)
+    off = build_engine(
         EngineConfig.from_kwargs(**{**kw, "enable_prefix_caching": False}),
-        loaded=on.loaded,
+        loaded=loaded,
         progress=False,
     )
     rng = random.Random(0)
@@ -105,9 +106,9 @@ def main(args: argparse.Namespace) -> int:
                 bookkeeping.append(sum(t.seconds for t in timers) / wall)
             else:
                 rate_off.append(rate)
-    util_engine = LLMEngine(
+    util_engine = build_engine(
         EngineConfig.from_kwargs(**{**kw, "kv_cache_memory": "128MiB"}),
-        loaded=on.loaded,
+        loaded=loaded,
         progress=False,
     )
     for p, sp in zip(mixed, mixed_params, strict=True):
@@ -116,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
     while util_engine.has_unfinished():
         util_engine.step()
         if util_engine.scheduler.running:
-            utilization.append(util_engine.stats()["kv_utilization"])
+            utilization.append(util_engine.stats().kv.utilization)
     result = {
         "reps": args.reps,
         "prefix_len": args.prefix_len,

@@ -29,7 +29,7 @@ from kvwise.bench.common import (
     run_to_completion,
 )
 from kvwise.config import EngineConfig
-from kvwise.engine.llm_engine import LLMEngine
+from kvwise.engine.builder import build_engine, load_for
 from kvwise.types import SamplingParams
 
 
@@ -58,9 +58,11 @@ class Bench:
         )
         engine_kwargs["enable_prefix_caching"] = False  # measure compute, not cache hits
         engine_kwargs.update(kv_host_memory="off", kv_disk_path="off", kv_redis_url=None)
-        self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
-        self.hf = None if args.no_peer else load_hf_reference(self.engine.loaded.source)
-        self.vocab = self.engine.arch.vocab_size
+        config = EngineConfig.from_kwargs(**engine_kwargs)
+        loaded = load_for(config)
+        self.engine = build_engine(config, loaded=loaded)
+        self.hf = None if args.no_peer else load_hf_reference(loaded.source)
+        self.vocab = loaded.arch.vocab_size
         rng = random.Random(0)
         self.decode_prompt = _random_prompt(rng, 32, self.vocab)
         self.batch_prompts = [
@@ -143,9 +145,7 @@ class Bench:
             if name != "embed"  # the lookup reads one row; lm_head streams the whole matrix
         )
         ctx = len(self.decode_prompt) + self.args.decode_tokens // 2  # mean context length
-        kv_bytes = ctx * self.engine.arch.kv_bytes_per_token(
-            self.engine.runner.kv_cache.kv.element_size()
-        )
+        kv_bytes = ctx * self.engine.runner.spec.bytes_per_token
         return {
             "weight_bytes": weight_bytes,
             "kv_bytes": kv_bytes,

@@ -15,14 +15,12 @@ Contract:
   that is evicted only when the main queue is empty, and returns to the main queue (at its
   head: it is old) when its time runs out. A per-tenant cap bounds how many blocks one tenant
   may keep, so no tenant can hold the whole pool.
-- Pool events (``BlockStored``, ``BlockEvicted``) are the hook for the slower tiers.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from kvwise.core.hashing import BlockHash
 
@@ -110,20 +108,8 @@ class FreeBlockQueue:
         return [block.block_id for block in self]
 
 
-@dataclass(frozen=True)
-class BlockStored:
-    block_hashes: tuple[BlockHash, ...]
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BlockEvicted:
-    block_hash: BlockHash
-    block_id: int
-
-
 class BlockPool:
-    """Owns every ``KVBlock``: allocation, reference counts, the hash → block index, events."""
+    """Owns every ``KVBlock``: allocation, reference counts, the hash → block index."""
 
     def __init__(
         self,
@@ -131,7 +117,6 @@ class BlockPool:
         enable_caching: bool = True,
         max_retained_blocks_per_tenant: int | None = None,
         clock: Callable[[], float] = time.monotonic,
-        record_events: bool = True,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
@@ -148,9 +133,6 @@ class BlockPool:
         self.retained_queue = FreeBlockQueue(())  # free blocks still kept, in free order
         self.num_retained: dict[str, int] = {}  # tenant -> blocks it keeps (used or free)
         self.cached: dict[BlockHash, KVBlock] = {}
-        # NOTE: events pile up until taken; an engine that takes none turns them off.
-        self.record_events = record_events
-        self.events: list[BlockStored | BlockEvicted] = []
         self.num_evictions = 0
 
     @property
@@ -265,7 +247,6 @@ class BlockPool:
         """Record that ``blocks[i]`` holds the full block hashed ``block_hashes[i]``."""
         if not self.enable_caching:
             return
-        stored_hashes, stored_ids = [], []
         for block, block_hash in zip(blocks, block_hashes):
             if block.block_hash is not None:
                 continue  # already cached (a prefix hit or an earlier step)
@@ -273,18 +254,12 @@ class BlockPool:
                 continue  # computed twice by two requests at once: keep the first copy
             block.block_hash = block_hash
             self.cached[block_hash] = block
-            stored_hashes.append(block_hash)
-            stored_ids.append(block.block_id)
-        if stored_hashes and self.record_events:
-            self.events.append(BlockStored(tuple(stored_hashes), tuple(stored_ids)))
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-        if self.record_events:
-            self.events.append(BlockEvicted(block.block_hash, block.block_id))
         self.num_evictions += 1
         block.block_hash = None
 
@@ -317,10 +292,6 @@ class BlockPool:
             self.free_queue.appendleft(block)
             dropped += 1
         return dropped
-
-    def take_events(self) -> list[BlockStored | BlockEvicted]:
-        events, self.events = self.events, []
-        return events
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the pool's invariants do not hold."""

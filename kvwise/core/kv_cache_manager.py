@@ -20,11 +20,32 @@ cached", never another tenant's prompt token by token.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from kvwise.core.block_pool import BlockPool, KVBlock
 from kvwise.core.hashing import PUBLIC_TENANT, BlockHash, hash_block, junction_hash, root_hash
 from kvwise.core.request import Request
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """The device pool at one moment; token counts are totals since start."""
+
+    blocks_total: int
+    blocks_used: int
+    blocks_cached_free: int  # free, still holding a reusable cached prefix
+    blocks_free: int
+    blocks_kept: int  # blocks kept by retention (used or free)
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    utilization: float  # tokens held by running sequences / capacity of their blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return (
+            self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        )
 
 
 class KVCacheManager:
@@ -56,7 +77,6 @@ class KVCacheManager:
             num_blocks,
             enable_caching,
             max_retained_blocks_per_tenant,
-            record_events=False,
             **kwargs,
         )
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
@@ -68,6 +88,29 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    def add_public_prefix(self, token_ids: Sequence[int]) -> None:
+        """Declare a prefix every tenant may share (in whole chunks of ``public_min_tokens``)."""
+        self.public_prefixes.append(list(token_ids))
+
+    def drop_cached(self, block_hashes: Iterable[BlockHash]) -> int:
+        """Forget the cached blocks with these hashes where they are free (their KV is safe in
+        a slower tier); blocks in use stay. Returns how many were dropped."""
+        return self.pool.drop_cached(block_hashes)
+
+    def stats(self, running: Sequence[Request] = ()) -> KVCacheStats:
+        """The pool now; ``running``: the live sequences whose utilisation to report."""
+        pool = self.pool
+        return KVCacheStats(
+            blocks_total=pool.num_blocks,
+            blocks_used=pool.num_used_blocks,
+            blocks_cached_free=pool.num_cached_free_blocks,
+            blocks_free=pool.num_free_blocks,
+            blocks_kept=sum(pool.num_retained.values()),
+            prefix_query_tokens=self.num_prefix_query_tokens,
+            prefix_hit_tokens=self.num_prefix_hit_tokens,
+            utilization=self.kv_utilization(running),
+        )
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -187,10 +230,6 @@ class KVCacheManager:
                 counts[block_id] += 1
         for block in self.pool.blocks:
             assert block.ref_cnt == counts[block.block_id], f"{block}: ref_cnt != tables holding it"
-
-    @property
-    def usage(self) -> float:
-        return self.pool.num_used_blocks / self.pool.num_blocks
 
     def kv_utilization(self, requests: Sequence[Request]) -> float:
         """Tokens held by live sequences / token capacity of the blocks they hold."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvwise.store.tiered import ChunkWrite, PlannedChunk
+from kvwise.core.kv_tiers import ChunkWrite, PlannedChunk
 from kvwise.types import SamplingParams
 
 
@@ -58,10 +58,6 @@ class SchedulerOutput:
     kv_loads: list[KVLoad] = field(default_factory=list)  # copy in before the step runs
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -71,5 +67,3 @@ class ModelOutput:
     """Sampled token id and its logprob for each request whose chunk asked to sample."""
 
     sampled: dict[str, tuple[int, float]] = field(default_factory=dict)
-    # requests whose planned loads came up short: the number of blocks actually loaded
-    short_loads: dict[str, int] = field(default_factory=dict)

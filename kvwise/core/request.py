@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from kvwise.core.hashing import BlockHash
-from kvwise.types import FinishReason, SamplingParams
+from kvwise.types import FinishReason, RequestOptions, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -31,10 +31,8 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
         max_model_len: int | None = None,
-        tenant: str = "default",
-        cache_salt: str | None = None,
+        options: RequestOptions | None = None,
         arrival_time: float = 0.0,
-        retention_s: float | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
@@ -44,9 +42,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.tenant = tenant
-        self.cache_salt = cache_salt
-        self.retention_s = retention_s  # keep this request's cached blocks this long
+        self.options = options or RequestOptions()
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -58,8 +54,6 @@ class Request:
         self.block_hashes: list[BlockHash] = []  # hashes of the full blocks of token_ids
         self.num_public_blocks: int | None = None  # leading blocks hashed as a public prefix
         self.num_loaded_tokens = 0  # prefix tokens loaded from the slower tiers
-        self.pending_load = None  # (device blocks, LoadPlan | None) planned while waiting
-        self.num_planned_load_blocks = 0  # blocks the last admission planned to load
 
     @property
     def num_tokens(self) -> int:
@@ -70,8 +64,17 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+    def tenant(self) -> str:
+        return self.options.tenant
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.options.cache_salt
+
+    @property
+    def retention_s(self) -> float | None:
+        """Keep this request's cached blocks this long (None: plain LRU)."""
+        return self.options.retention_s
 
     @property
     def is_finished(self) -> bool:

@@ -6,10 +6,13 @@ allow. A long prompt is cut into chunks of at most ``prefill_chunk_size`` tokens
 stalls the others' decoding. When blocks run out, the newest running request is preempted:
 its blocks are freed and it goes back to the head of the queue to be recomputed.
 
-With a ``TieredStore``, admission continues a device prefix hit from the slower tiers when
-the store's cost model says loading beats recomputing (``SchedulerOutput.kv_loads``), and the
-full blocks of every finished or preempted request are handed out as ``KVSave`` items
-(``take_saves``), which the engine copies out before the next step can reuse the blocks.
+With tiers below the pool (a ``KVTierPlanner``, see ``core/kv_tiers.py``), admission continues
+a device prefix hit from the slower tiers when the tiers' plan says loading beats recomputing
+(``SchedulerOutput.kv_loads``); a load that comes up short is rolled back (``update``); and
+the full blocks of every finished or preempted request are handed out as ``KVSave`` items
+(``take_saves``), which the engine copies out before the next step can reuse the blocks. The
+scheduler owns the load plans: one per waiting request (kept while it waits for blocks) and
+one per request admitted with a load in the current step.
 
 With ``enable_kv_cache=False`` every step recomputes each request's whole sequence (the seed
 article's "no cache" baseline): after each step the computed count is reset to zero.
@@ -17,12 +20,12 @@ article's "no cache" baseline): after each step the computed count is reset to z
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
 from kvwise.config import SchedulerConfig
 from kvwise.core.kv_cache_manager import KVCacheManager
+from kvwise.core.kv_tiers import KVTierPlanner, LoadPlan
 from kvwise.core.outputs import (
     KVLoad,
     KVSave,
@@ -31,7 +34,7 @@ from kvwise.core.outputs import (
     SchedulerOutput,
 )
 from kvwise.core.request import Request, RequestStatus
-from kvwise.store.tiered import LoadPlan, TieredStore
+from kvwise.errors import ContextLengthExceeded, InvalidRequest, QueueFullError
 from kvwise.types import FinishReason
 
 
@@ -51,11 +54,14 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         enable_kv_cache: bool = True,
-        store: TieredStore | None = None,
+        tiers: KVTierPlanner | None = None,
     ) -> None:
         self.config = config
-        self.store = store if kv_manager.enable_caching else None
+        self.tiers = tiers if kv_manager.enable_caching else None
         self._pending_saves: list[KVSave] = []
+        # request id -> (device blocks it was planned for, plan): kept while the request waits
+        self._waiting_loads: dict[str, tuple[int, LoadPlan | None]] = {}
+        self._step_loads: dict[str, LoadPlan] = {}  # admitted with a load in this step
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.enable_kv_cache = enable_kv_cache
@@ -69,22 +75,29 @@ class Scheduler:
     # ---- admission ----------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request. A prompt that could never run is rejected with ValueError."""
+        """Queue a request.
+
+        Raises:
+            InvalidRequest: the id is in use; ContextLengthExceeded: the prompt could never
+                run; QueueFull: the bounded waiting queue is full.
+        """
         if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+            raise InvalidRequest("request_id", f"{request.request_id!r} is already in use")
         if request.num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {request.num_tokens} tokens do not fit the model's context of "
-                f"{self.max_model_len} tokens (at least one must be left to generate)"
+            raise ContextLengthExceeded(
+                "prompt",
+                f"{request.num_tokens} tokens do not fit the model's context of "
+                f"{self.max_model_len} tokens (at least one must be left to generate)",
             )
         pool_tokens = self.kv.num_blocks * self.kv.block_size
         if request.num_tokens >= pool_tokens:
-            raise ValueError(
-                f"prompt: {request.num_tokens} tokens do not fit the KV cache of {pool_tokens} "
-                "tokens; raise kv_cache_memory"
+            raise ContextLengthExceeded(
+                "prompt",
+                f"{request.num_tokens} tokens do not fit the KV cache of {pool_tokens} "
+                "tokens; raise kv_cache_memory",
             )
         if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
-            raise OverflowError("the waiting queue is full")
+            raise QueueFullError()
         request.max_model_len = self.max_model_len
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -106,6 +119,7 @@ class Scheduler:
         request.finish_reason = reason
         self._plan_saves(request)
         self.kv.free(request)
+        self._waiting_loads.pop(request.request_id, None)
         del self.requests[request.request_id]
 
     @property
@@ -122,9 +136,38 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._step_loads = {}
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[int]]] = []
+        budget = self._schedule_running(out, scheduled, budget)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if out.preempted_ids:
+                break  # the pool is full: do not admit while evicting
+            admitted = self._admit(self.waiting[0], out, budget)
+            if admitted is None:
+                break
+            if admitted:
+                scheduled.append(admitted)
+                budget -= admitted[1]
+        for request, num_new, block_ids in scheduled:
+            start = request.num_computed_tokens
+            end = start + num_new
+            out.scheduled.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=request.token_ids[start:end],
+                    start_pos=start,
+                    block_ids=block_ids,
+                    sample=end == request.num_tokens,
+                    sampling_params=request.sampling_params,
+                    output_index=request.num_output_tokens,
+                )
+            )
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, scheduled: list, budget: int) -> int:
+        """Give every running request its next tokens, preempting the newest on a block
+        shortage. Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -149,82 +192,67 @@ class Scheduler:
             scheduled.append((request, num_new, block_ids))
             budget -= num_new
             i += 1
+        return budget
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if out.preempted_ids:
-                break  # the pool is full: do not admit while evicting
-            request = self.waiting[0]
-            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            load = self._load_from_store(request, len(computed_blocks))
-            num_loaded = load.num_blocks * self.kv.block_size if load else 0
-            request.num_computed_tokens = num_cached + num_loaded
-            num_new = self._num_new_tokens(request, budget)
-            request.num_computed_tokens = 0
-            block_ids = self.kv.allocate_slots(request, num_loaded + num_new, computed_blocks)
-            if block_ids is None:
-                if not self.running:
-                    # alone and still too big: it grew past the pool while generating
-                    self.waiting.popleft()
-                    self._finish(request, FinishReason.LENGTH)
-                    self._finished_while_scheduling.append(request)
-                    continue
-                break
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int):
+        """Admit the head of the waiting queue: its cached prefix, any load from the tiers,
+        and blocks for its first chunk. Returns ``(request, num_new, block_ids)``, ``()`` when
+        it finished instead (it can never fit), or None when it must wait for blocks."""
+        computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+        load = self._plan_load(request, len(computed_blocks))
+        num_loaded = load.num_blocks * self.kv.block_size if load else 0
+        request.num_computed_tokens = num_cached + num_loaded
+        num_new = self._num_new_tokens(request, budget)
+        request.num_computed_tokens = 0
+        block_ids = self.kv.allocate_slots(request, num_loaded + num_new, computed_blocks)
+        if block_ids is None:
+            if self.running:
+                return None
+            # alone and still too big: it grew past the pool while generating
             self.waiting.popleft()
-            request.pending_load = None
-            request.num_planned_load_blocks = load.num_blocks if load else 0
-            if load is not None:
-                first = len(computed_blocks)
-                for chunk in load.chunks:
-                    ids = block_ids[first : first + chunk.num_blocks]
-                    out.kv_loads.append(KVLoad(request.request_id, ids, chunk))
-                    first += chunk.num_blocks
-                request.num_loaded_tokens += num_loaded
-            num_cached += num_loaded
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append((request, num_new, block_ids))
-            budget -= num_new
+            self._finish(request, FinishReason.LENGTH)
+            self._finished_while_scheduling.append(request)
+            return ()
+        self.waiting.popleft()
+        self._waiting_loads.pop(request.request_id, None)
+        if load is not None:
+            self._step_loads[request.request_id] = load
+            first = len(computed_blocks)
+            for chunk in load.chunks:
+                ids = block_ids[first : first + chunk.num_blocks]
+                out.kv_loads.append(KVLoad(request.request_id, ids, chunk))
+                first += chunk.num_blocks
+            request.num_loaded_tokens += num_loaded
+        num_cached += num_loaded
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request, num_new, block_ids
 
-        for request, num_new, block_ids in scheduled:
-            start = request.num_computed_tokens
-            end = start + num_new
-            out.scheduled.append(
-                ScheduledRequest(
-                    request_id=request.request_id,
-                    token_ids=request.token_ids[start:end],
-                    start_pos=start,
-                    block_ids=block_ids,
-                    sample=end == request.num_tokens,
-                    sampling_params=request.sampling_params,
-                    output_index=request.num_output_tokens,
-                )
-            )
-        return out
-
-    def _load_from_store(self, request: Request, num_device_blocks: int) -> LoadPlan | None:
+    def _plan_load(self, request: Request, num_device_blocks: int) -> LoadPlan | None:
         """The stored continuation of a device prefix hit that is worth loading, if any.
 
         NOTE: a request that waits for blocks keeps its plan, so that the tiers are not asked
         again at every step while it waits.
         """
-        if self.store is None:
+        if self.tiers is None:
             return None
-        if request.pending_load is not None and request.pending_load[0] == num_device_blocks:
-            return request.pending_load[1]
+        kept = self._waiting_loads.get(request.request_id)
+        if kept is not None and kept[0] == num_device_blocks:
+            return kept[1]
         max_blocks = (request.num_tokens - 1) // self.kv.block_size
-        load = self.store.plan_load(
+        load = self.tiers.plan_load(
             request.request_id, request.block_hashes, num_device_blocks, max_blocks,
             request.num_tokens,
         )  # fmt: skip
-        request.pending_load = (num_device_blocks, load)
+        self._waiting_loads[request.request_id] = (num_device_blocks, load)
         return load
 
     def _plan_saves(self, request: Request) -> None:
         """Queue the full computed blocks of a request leaving the pool for the tiers."""
-        if self.store is None:
+        if self.tiers is None:
             return
         block_ids = self.kv.block_ids(request.request_id)
         num_full = min(
@@ -232,7 +260,7 @@ class Scheduler:
             len(request.block_hashes),
             len(block_ids),
         )
-        for chunk in self.store.plan_writes(request.block_hashes, num_full):
+        for chunk in self.tiers.plan_writes(request.block_hashes, num_full):
             ids = block_ids[chunk.first_block : chunk.first_block + len(chunk.block_hashes)]
             self._pending_saves.append(KVSave(ids, chunk, request.retention_s))
 
@@ -251,8 +279,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[RequestUpdate]:
-        """Advance every scheduled request by what the worker computed and sampled."""
+    def update(
+        self,
+        sched_out: SchedulerOutput,
+        model_out: ModelOutput,
+        short_loads: dict[str, int] | None = None,
+    ) -> list[RequestUpdate]:
+        """Advance every scheduled request by what the worker computed and sampled.
+
+        ``short_loads``: requests whose planned loads came up short, with the number of
+        blocks that did arrive (verified); they are rolled back instead of advanced.
+        """
+        short_loads = short_loads or {}
         updates = [RequestUpdate(r, [], True) for r in self._finished_while_scheduling]
         self._finished_while_scheduling = []
         for item in sched_out.scheduled:
@@ -260,8 +298,8 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_tokens_projected += item.num_tokens
-            if item.request_id in model_out.short_loads:
-                self._roll_back_load(request, item, model_out.short_loads[item.request_id])
+            if item.request_id in short_loads:
+                self._roll_back_load(request, item, short_loads[item.request_id])
                 continue
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_full_blocks(request)
@@ -287,14 +325,13 @@ class Scheduler:
             | device hit | loaded ok | missing ... | this step's tokens |   (before)
             | device hit | loaded ok |<- recomputed from here, next steps ->|
         """
-        planned = request.num_planned_load_blocks
-        missing_tokens = (planned - num_loaded) * self.kv.block_size
+        plan = self._step_loads.pop(request.request_id)
+        missing_tokens = (plan.num_blocks - num_loaded) * self.kv.block_size
         request.num_computed_tokens = item.start_pos - missing_tokens
         # NOTE: clamped: after a preemption these counts may predate this admission
         request.num_loaded_tokens = max(0, request.num_loaded_tokens - missing_tokens)
         request.num_cached_tokens = max(0, request.num_cached_tokens - missing_tokens)
         self.kv.cache_full_blocks(request)
         self.num_load_rollbacks += 1
-
-    def now(self) -> float:
-        return time.perf_counter()
+        if self.tiers is not None:
+            self.tiers.roll_back(plan, num_loaded)

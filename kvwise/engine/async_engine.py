@@ -6,8 +6,9 @@ Contract:
   thread. Other threads never touch the engine: they post commands (`submit`) that the thread
   runs between two steps, in the order they were posted.
 - `add_request` returns a `RequestStream` only once the request is admitted, so admission errors
-  surface before any output: `ValueError` naming the field (bad prompt, prompt over the
-  context) and `QueueFullError` when the scheduler's bounded waiting queue is full.
+  surface before any output: `InvalidRequest` (a `ValueError`) naming the field (bad prompt,
+  prompt over the context) and `QueueFullError` when the scheduler's bounded waiting queue is
+  full. Every error raised here is a `kvwise.errors.KVWiseError` carrying its HTTP status.
 - A stream closed before its request finished (the caller was cancelled, the client went away)
   aborts the request; the abort runs before the next step, so its blocks are free at once.
 - A step that raises fails the requests in flight (their streams raise `EngineStepError`), which
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -35,7 +37,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvwise.engine.llm_engine import LLMEngine, Prompt
-from kvwise.types import RequestOutput, SamplingParams
+from kvwise.engine.stats import EngineStats
+from kvwise.errors import EngineDeadError, EngineStepError, QueueFullError
+from kvwise.types import RequestOptions, RequestOutput, SamplingParams
 from kvwise.utils import format_bytes
 
 logger = logging.getLogger("kvwise")
@@ -43,20 +47,7 @@ logger = logging.getLogger("kvwise")
 _T = TypeVar("_T")
 
 
-class QueueFullError(Exception):
-    """The waiting queue is full: retry after ``retry_after_s`` seconds (HTTP 429)."""
-
-    def __init__(self, retry_after_s: int) -> None:
-        super().__init__(f"the server is busy (waiting queue full); retry after {retry_after_s} s")
-        self.retry_after_s = retry_after_s
-
-
-class EngineStepError(RuntimeError):
-    """A step failed while this request was in flight; the request was aborted."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running (shut down, or broken by a failed step)."""
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "QueueFullError", "RequestStream"]
 
 
 @dataclass
@@ -129,7 +120,6 @@ class AsyncEngine:
         self._loop_done = threading.Event()  # the loop has stopped (the close may still run)
         self._engine_closed = False
         self._integrity_checks = 0  # idle-time pool audits passed
-        self._stats: dict[str, float | int] = {}
         self._refresh_stats()
         self._lock = threading.Lock()  # guards start/shutdown and the dead flag
 
@@ -205,9 +195,10 @@ class AsyncEngine:
         """Blocking form of `submit`, for threads that are not the engine's (tests, tools)."""
         return self.submit(fn).result(timeout)
 
-    def stats(self) -> dict[str, float | int]:
-        """`LLMEngine.stats()` as of the last step or command (never waits for a step)."""
-        return dict(self._stats)
+    def stats(self) -> EngineStats:
+        """`LLMEngine.stats()` as of the last step or command (never waits for a step), with
+        the idle-time integrity checks counted. Immutable: safe to read from any thread."""
+        return self._stats
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -215,18 +206,15 @@ class AsyncEngine:
         self,
         prompt: Prompt,
         params: SamplingParams,
+        options: RequestOptions | None = None,
         *,
         request_id: str | None = None,
-        tenant: str = "default",
-        cache_salt: str | None = None,
-        retention: str | float | None = None,
-        session_id: str | None = None,
     ) -> RequestStream:
-        """Admit a request and return its output stream (``session_id``: see
-        `LLMEngine.add_request`; `park` takes the same id and tenant).
+        """Admit a request and return its output stream (``options.session_id`` names the
+        session that `park` takes, with the same tenant).
 
         Raises:
-            ValueError: bad input, naming the field (``"prompt: ..."``).
+            InvalidRequest: bad input, naming the field (``"prompt: ..."``).
             QueueFullError: the waiting queue is full.
             EngineDeadError: the engine loop is not running.
         """
@@ -237,16 +225,8 @@ class AsyncEngine:
 
         def add(engine: LLMEngine) -> None:
             try:
-                engine.add_request(
-                    prompt,
-                    params,
-                    request_id=request_id,
-                    tenant=tenant,
-                    cache_salt=cache_salt,
-                    retention=retention,
-                    session_id=session_id,
-                )
-            except OverflowError:
+                engine.add_request(prompt, params, options, request_id=request_id)
+            except QueueFullError:
                 raise QueueFullError(retry_after_s) from None
             self._sinks[request_id] = _Sink(loop, queue)
 
@@ -273,8 +253,8 @@ class AsyncEngine:
         to the tiers. Returns the tokens parked.
 
         Raises:
-            ValueError: ``"session_id: ..."``: no finished turn of that session in this
-                tenant, or a request of it is in flight.
+            SessionNotFound: no finished turn of that session in this tenant.
+            SessionBusy: a request of that session is in flight.
             EngineDeadError: the engine loop is not running.
         """
         return await self.call(lambda engine: engine.park(session_id, tenant))
@@ -324,24 +304,26 @@ class AsyncEngine:
             if not self.close_engine or self._engine_closed:
                 return
             self._engine_closed = True
-        engine = self.engine
+        store = self.engine.store
         try:
-            before = engine.store_stats()
+            before = store.stats() if store is not None else None
             t0 = time.perf_counter()
-            engine.close()
-            if before:
-                after = engine.store_stats()
+            self.engine.close()
+            if store is not None:
+                after = store.stats()
                 logger.info(
                     "KV tiers flushed on shutdown in %.2f s: %s pending, entries written: %d",
                     time.perf_counter() - t0,
-                    format_bytes(before["kv_store_pending_write_bytes"]),
-                    after["kv_store_chunks_written"] - before["kv_store_chunks_written"],
+                    format_bytes(before.pending_write_bytes),
+                    after.chunks_written - before.chunks_written,
                 )
         except Exception:  # noqa: BLE001 - best effort on the way out
             logger.exception("closing the engine (flushing the KV tiers) failed")
 
     def _refresh_stats(self) -> None:
-        self._stats = {**self.engine.stats(), "kv_integrity_checks": self._integrity_checks}
+        self._stats = dataclasses.replace(
+            self.engine.stats(), kv_integrity_checks=self._integrity_checks
+        )
 
     def _run_commands(self) -> None:
         while self._commands:

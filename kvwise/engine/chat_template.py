@@ -18,6 +18,8 @@ import jinja2.ext
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kvwise.errors import InvalidRequest
+
 
 def pick_template(template: Any) -> str | None:
     """tokenizer_config.json's chat_template: a string, or ``[{"name", "template"}, ...]``."""
@@ -29,13 +31,13 @@ def pick_template(template: Any) -> str | None:
 
 def check_messages(messages: Any) -> None:
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise ValueError("messages: expected a non-empty list of {role, content} dicts")
+        raise InvalidRequest("messages", "expected a non-empty list of {role, content} dicts")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"messages: item {i} is {type(message).__name__}, not a dict")
+            raise InvalidRequest("messages", f"item {i} is {type(message).__name__}, not a dict")
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
-                raise ValueError(f"messages: item {i} needs a str {key!r}")
+                raise InvalidRequest("messages", f"item {i} needs a str {key!r}")
 
 
 def _raise_exception(message: str) -> None:

@@ -18,12 +18,19 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from kvwise.core.outputs import KVLoad
 
 logger = logging.getLogger("kvwise")
 
 _READ_AHEAD = 2  # layer groups being read at once
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    num_loaded_blocks: int  # blocks loaded, over every request
+    short: dict[str, int]  # requests that got fewer blocks than planned -> blocks they got
 
 
 class KVLoader:
@@ -36,13 +43,11 @@ class KVLoader:
         self._ready = [threading.Event() for _ in range(fmt.layer_groups)]
         # blocks of each load that every group delivered so far
         self._loaded = [len(load.block_ids) for load in loads]
-        self.seconds = 0.0  # the loader's own wall time
         self.waited = 0.0  # time the model spent waiting for layers (called from the step)
         self._thread = threading.Thread(target=self._run, name="kvwise-kv-load", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        t0 = time.perf_counter()
         fmt = self.store.fmt
         chunks = [load.chunk for load in self.loads]
         groups = range(fmt.layer_groups)
@@ -71,7 +76,7 @@ class KVLoader:
                             fmt.group_layers(group),
                         )  # fmt: skip
                 if num_bytes:
-                    self.store.cost.observe_copy(num_bytes, time.perf_counter() - t1)
+                    self.store.observe_copy(num_bytes, time.perf_counter() - t1)
                 self._ready[group].set()
         except Exception:  # a bug here must not hang the step: load nothing instead
             logger.exception("loading KV from the tiers failed")
@@ -80,7 +85,6 @@ class KVLoader:
             for event in self._ready:
                 event.set()
             pool.shutdown(wait=True)
-            self.seconds = time.perf_counter() - t0
 
     def _dest(self, group: int):
         layers = self.store.fmt.group_layers(group)
@@ -90,9 +94,7 @@ class KVLoader:
             load = self.loads[i]
             skip = load.chunk.skip
             n = max(0, min(entry_blocks - skip, len(load.block_ids)))
-            return self.runner.kv_cache.payload_views(
-                load.block_ids[:n], skip, entry_blocks, layers
-            )
+            return self.runner.payload_views(load.block_ids[:n], skip, entry_blocks, layers)
 
         return dest
 
@@ -103,9 +105,9 @@ class KVLoader:
             event.wait()
             self.waited += time.perf_counter() - t0
 
-    def finish(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Join the loader. Returns ``(loaded, short)``: blocks loaded per request, and the
-        requests that got fewer than planned (a load stops at its first short chunk)."""
+    def finish(self) -> LoadResult:
+        """Join the loader and say what arrived: a request that got fewer blocks than planned
+        is short by everything from its first short chunk on."""
         self._thread.join()
         loaded: dict[str, int] = {}
         short: dict[str, int] = {}
@@ -116,4 +118,4 @@ class KVLoader:
             loaded[rid] = loaded.get(rid, 0) + n
             if n < len(load.block_ids):
                 short[rid] = loaded[rid]
-        return loaded, short
+        return LoadResult(sum(loaded.values()), short)

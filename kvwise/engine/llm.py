@@ -11,20 +11,32 @@ Example::
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
 
 from kvwise.config import EngineConfig
+from kvwise.engine.builder import build_engine
 from kvwise.engine.llm_engine import LLMEngine, Prompt
-from kvwise.types import RequestOutput, SamplingParams
+from kvwise.engine.stats import EngineStats
+from kvwise.errors import InvalidRequest
+from kvwise.types import RequestOptions, RequestOutput, SamplingParams
+
+_OPTION_FIELDS = {f.name for f in dataclasses.fields(RequestOptions) if f.init}
 
 
 class LLM:
     """Use as ``with LLM(...) as llm:`` (or call ``close()``) so that KV still being written to
-    the disk or Redis tier is flushed; normal interpreter exit flushes too."""
+    the disk or Redis tier is flushed; normal interpreter exit flushes too.
+
+    ``generate``, ``chat`` and ``stream`` take the same request options: a `RequestOptions`,
+    or its fields as keywords (``tenant="alice", cache_salt=..., retention="1h",
+    session_id=...``)."""
 
     def __init__(self, model: str | None = None, progress: bool = True, **config: object) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config), progress=progress)
+        self.engine: LLMEngine = build_engine(
+            EngineConfig.from_kwargs(model=model, **config), progress=progress
+        )
         self.tokenizer = self.engine.tokenizer
         atexit.register(_close_at_exit, weakref.ref(self.engine))
 
@@ -48,39 +60,29 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        tenant: str = "default",
-        cache_salt: str | None = None,
-        retention: str | float | None = None,
-        session_id: str | None = None,
+        options: RequestOptions | None = None,
+        **option_fields: object,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; results come back in prompt order.
 
         ``prompts``: a string, a chat message list, a token-id list, or a list of those.
         """
+        options = _options(options, option_fields)
         prompt_list = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompt_list)
         else:
             params_list = list(params)
             if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"params: {len(params_list)} sampling params for {len(prompt_list)} prompts"
+                raise InvalidRequest(
+                    "params", f"{len(params_list)} sampling params for {len(prompt_list)} prompts"
                 )
         engine = self.engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:
             for prompt, p in zip(prompt_list, params_list, strict=True):
-                ids.append(
-                    engine.add_request(
-                        prompt,
-                        p,
-                        tenant=tenant,
-                        cache_salt=cache_salt,
-                        retention=retention,
-                        session_id=session_id,
-                    )
-                )
+                ids.append(engine.add_request(prompt, p, options))
             while len(results) < len(ids):
                 for output in engine.step():
                     if output.finished:
@@ -94,37 +96,29 @@ class LLM:
         self,
         conversations: list[dict] | Sequence[list[dict]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        tenant: str = "default",
-        cache_salt: str | None = None,
-        retention: str | float | None = None,
-        session_id: str | None = None,
+        options: RequestOptions | None = None,
+        **option_fields: object,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several."""
+        options = _options(options, option_fields)
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if not conversations or not all(isinstance(c, list) for c in conversations):
-            raise ValueError("conversations: expected a list of messages or a list of those")
-        if session_id is not None and len(conversations) != 1:
-            raise ValueError("session_id: names one conversation, got several")
-        return self.generate(
-            list(conversations),
-            params,
-            tenant=tenant,
-            cache_salt=cache_salt,
-            retention=retention,
-            session_id=session_id,
-        )
+            raise InvalidRequest("conversations", "expected a list of messages or a list of those")
+        if options.session_id is not None and len(conversations) != 1:
+            raise InvalidRequest("session_id", "names one conversation, got several")
+        return self.generate(list(conversations), params, options)
 
     def stream(
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
-        tenant: str = "default",
-        cache_salt: str | None = None,
+        options: RequestOptions | None = None,
+        **option_fields: object,
     ) -> Iterator[RequestOutput]:
         """Generate one prompt, yielding an output with ``delta_text`` after every step."""
         engine = self.engine
-        request_id = engine.add_request(prompt, params, tenant=tenant, cache_salt=cache_salt)
+        request_id = engine.add_request(prompt, params, _options(options, option_fields))
         finished = False
         try:
             while not finished:
@@ -136,8 +130,18 @@ class LLM:
             if not finished:
                 engine.abort([request_id])
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
+
+
+def _options(options: RequestOptions | None, fields: dict[str, object]) -> RequestOptions:
+    """``options``, or one built from keyword fields (not both)."""
+    unknown = sorted(set(fields) - _OPTION_FIELDS)
+    if unknown:
+        raise InvalidRequest(unknown[0], f"unknown request option; known: {sorted(_OPTION_FIELDS)}")
+    if options is not None and fields:
+        raise InvalidRequest(sorted(fields)[0], "give either options= or its fields, not both")
+    return options if options is not None else RequestOptions(**fields)  # type: ignore[arg-type]
 
 
 def _close_at_exit(engine_ref: weakref.ref) -> None:
@@ -154,4 +158,4 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(first, dict) or (isinstance(first, int) and not isinstance(first, bool)):
             return [prompts]  # one chat or one token-id prompt
         return list(prompts)
-    raise ValueError("prompts: expected a string, a list of prompts, messages or token ids")
+    raise InvalidRequest("prompts", "expected a string, a list of prompts, messages or token ids")

@@ -29,6 +29,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from kvwise.engine.chat_template import check_messages, compile_template, pick_template
+from kvwise.errors import InvalidRequest
 
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # values of tokenizer.ggml.token_type
 
@@ -238,7 +239,7 @@ class Tokenizer:
         the model asks for it (and is not there already).
         """
         if not isinstance(text, str):
-            raise ValueError(f"text: expected str, got {type(text).__name__}")
+            raise InvalidRequest("text", f"expected str, got {type(text).__name__}")
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._add_bos_token and ids[:1] != [self._bos_token_id]:
             ids.insert(0, self._bos_token_id)
@@ -269,7 +270,7 @@ class Tokenizer:
         """
         check_messages(messages)
         if self._chat_template is None:
-            raise ValueError("messages: this model has no chat template")
+            raise InvalidRequest("messages", "this model has no chat template")
         if self._compiled_template is None:
             self._compiled_template = compile_template(self._chat_template)
         try:
@@ -281,7 +282,7 @@ class Tokenizer:
                 **self._template_tokens(),
             )
         except jinja2.TemplateError as exc:
-            raise ValueError(f"messages: rendering the chat template failed: {exc}") from exc
+            raise InvalidRequest("messages", f"rendering the chat template failed: {exc}") from exc
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True

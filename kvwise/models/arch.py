@@ -172,10 +172,6 @@ class ModelArchConfig:
                     f"rope_scaling.freq_factors must have head_dim/2 = {self.head_dim // 2} entries"
                 )
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V cache one token takes across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
     def replace(self, **changes: Any) -> ModelArchConfig:
         return dataclasses.replace(self, **changes)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -34,14 +33,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvwise.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineStepError,
-    QueueFullError,
-    RequestStream,
-)
+from kvwise.engine.async_engine import AsyncEngine, RequestStream
 from kvwise.engine.llm_engine import LLMEngine
+from kvwise.errors import InvalidRequest, KVWiseError
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.protocol import (
     APIError,
@@ -75,7 +69,6 @@ from kvwise.types import RequestOutput
 logger = logging.getLogger("kvwise.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_FIELD_MESSAGE = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 _ERRORS = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in (
@@ -157,26 +150,11 @@ def create_app(
         )
         try:
             params = body.sampling_params(default_max)
-            return await async_engine.add_request(
-                prompt,
-                params,
-                request_id=request_id,
-                tenant=tenant,
-                cache_salt=body.cache_salt,
-                retention=body.retention,
-                session_id=body.session_id,
-            )
-        except ValueError as exc:
-            raise _bad_input(exc, prompt_param) from None
-        except QueueFullError as exc:
-            raise APIError(
-                429,
-                str(exc),
-                code="queue_full",
-                headers={"Retry-After": str(exc.retry_after_s)},
-            ) from None
-        except EngineDeadError as exc:
-            raise APIError(503, f"the engine is not running: {exc}", code="engine_down") from None
+            options = body.request_options(tenant)
+            return await async_engine.add_request(prompt, params, options, request_id=request_id)
+        except InvalidRequest as exc:
+            # the chat prompt is the rendered messages: name the field the client sent
+            raise (exc.renamed(prompt_param) if exc.param == "prompt" else exc) from None
 
     def ended(stream: RequestStream, tenant: str) -> None:
         stream.close()
@@ -296,10 +274,8 @@ def create_app(
         key = body.prompt_cache_key
         try:
             parked_tokens = await async_engine.park(key, request.state.tenant)
-        except ValueError as exc:
-            raise _park_error(exc) from None
-        except EngineDeadError as exc:
-            raise APIError(503, f"the engine is not running: {exc}", code="engine_down") from None
+        except InvalidRequest as exc:  # SessionNotFound (404), SessionBusy (409)
+            raise (exc.renamed("prompt_cache_key") if exc.param == "session_id" else exc) from None
         return ParkResponse(prompt_cache_key=key, parked_tokens=parked_tokens)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
@@ -342,38 +318,11 @@ def _finish(out: RequestOutput) -> str | None:
     return out.finish_reason.value if out.finished and out.finish_reason else None
 
 
-def _bad_input(exc: ValueError, prompt_param: str) -> APIError:
-    """``ValueError("field: message")`` from the engine → 400 naming the field."""
-    message = str(exc)
-    match = _FIELD_MESSAGE.match(message)
-    param = match.group(1) if match else None
-    code = None
-    if param == "prompt":
-        # the chat prompt is the rendered messages: name the field the client sent
-        param, message = prompt_param, prompt_param + message[len("prompt") :]
-        if "do not fit" in message:
-            code = "context_length_exceeded"
-    return APIError(400, message, param=param, code=code)
-
-
-def _park_error(exc: ValueError) -> APIError:
-    """The engine's ``ValueError("session_id: ...")`` → 404 (unknown) or 409 (busy), naming
-    the field the client sent."""
-    message = str(exc)
-    if message.startswith("session_id"):
-        message = "prompt_cache_key" + message[len("session_id") :]
-    if "in flight" in message:
-        return APIError(409, message, param="prompt_cache_key", code="session_busy")
-    if "no finished turn" in message:
-        return APIError(404, message, param="prompt_cache_key", code="session_not_found")
-    return APIError(400, message, param="prompt_cache_key", code="invalid_value")
-
-
 async def _outputs_or_error(stream: RequestStream) -> AsyncIterator[RequestOutput | str]:
     """The stream's outputs; an engine failure becomes one SSE error event (a string)."""
     try:
         async for out in stream:
             yield out
-    except (EngineStepError, EngineDeadError) as exc:
-        error = APIError(503 if isinstance(exc, EngineDeadError) else 500, str(exc))
+    except KVWiseError as exc:  # the engine died or the step failed mid-stream
+        error = APIError.from_error(exc)
         yield f"data: {ErrorResponse.model_validate(error.body()).model_dump_json()}\n\n"

@@ -4,14 +4,16 @@ Per request (recorded when it ends): requests by route and status, prompt / cach
 tokens, TTFT, every inter-token latency, end-to-end latency. From the engine (read at scrape time
 from the async engine's last stats): waiting queue depth, running requests, KV blocks used /
 cached-free / free, KV utilisation, prefix-cache query and hit tokens, preemptions; with KV
-tiers, per tier (label ``tier``: host, disk, redis) hits, misses, bytes read and written, load
-time, evictions, faults, entries and bytes held, and the store's load / recompute decisions,
+tiers, one series per tier (label ``tier``) for every ``TierStats`` counter and gauge (hits,
+misses, bytes read and written, load time, evictions, faults, entries and bytes held), and
+the store's load / recompute decisions,
 loaded tokens, chunks written, writes dropped and bytes waiting to be written.
 Each finished request also writes one log line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -19,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvwise.engine.async_engine import AsyncEngine
+from kvwise.store.base import TierStats
+from kvwise.store.tiered import StoreStats
 from kvwise.types import RequestOutput
 
 logger = logging.getLogger("kvwise.server")
@@ -27,45 +31,29 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-_TIERS = ("host", "disk", "redis")  # the engine's ``kv_tier_<tier>_<counter>`` stats
-# metric name -> (engine counter, help); counters get ``_total`` appended on exposition
-_TIER_COUNTERS = {
-    "kvwise_kv_tier_hits": ("hits", "KV entries found in the tier"),
-    "kvwise_kv_tier_misses": ("misses", "KV entries looked for and not found in the tier"),
-    "kvwise_kv_tier_read_bytes": ("bytes_read", "bytes read from the tier"),
-    "kvwise_kv_tier_written_bytes": ("bytes_written", "bytes written to the tier"),
-    "kvwise_kv_tier_loads": ("loads", "reads from the tier that returned entries"),
-    "kvwise_kv_tier_load_seconds": ("load_seconds", "seconds spent reading from the tier"),
-    "kvwise_kv_tier_evictions": ("evictions", "entries the tier dropped (budget or expiry)"),
-    "kvwise_kv_tier_faults": ("faults", "I/O errors, timeouts and corrupt entries (as misses)"),
-}
-_TIER_GAUGES = {
-    "kvwise_kv_tier_entries": ("num_entries", "KV entries held by the tier"),
-    "kvwise_kv_tier_bytes": ("num_bytes", "bytes held by the tier"),
-}
-
 
 class _EngineCollector:
-    """Gauges and counters read from the engine's stats at scrape time."""
+    """Gauges and counters read from the engine's typed stats at scrape time."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
     def collect(self):
         s = self.engine.stats()
+        kv = s.kv
         gauges = {
-            "kvwise_requests_waiting": ("requests in the waiting queue", s["num_waiting"]),
-            "kvwise_requests_running": ("requests running", s["num_running"]),
-            "kvwise_kv_blocks_total": ("KV blocks in the pool", s["kv_blocks_total"]),
-            "kvwise_kv_blocks_used": ("KV blocks held by requests", s["kv_blocks_used"]),
+            "kvwise_requests_waiting": ("requests in the waiting queue", s.num_waiting),
+            "kvwise_requests_running": ("requests running", s.num_running),
+            "kvwise_kv_blocks_total": ("KV blocks in the pool", kv.blocks_total),
+            "kvwise_kv_blocks_used": ("KV blocks held by requests", kv.blocks_used),
             "kvwise_kv_blocks_cached": (
                 "free KV blocks still holding a cached prefix",
-                s["kv_blocks_cached_free"],
+                kv.blocks_cached_free,
             ),
-            "kvwise_kv_blocks_free": ("free KV blocks", s["kv_blocks_free"]),
+            "kvwise_kv_blocks_free": ("free KV blocks", kv.blocks_free),
             "kvwise_kv_utilization": (
                 "share of allocated KV slots holding computed tokens",
-                s["kv_utilization"],
+                kv.utilization,
             ),
             "kvwise_engine_up": ("1 while the engine loop runs", int(self.engine.is_running)),
         }
@@ -74,44 +62,46 @@ class _EngineCollector:
         counters = {
             "kvwise_prefix_cache_queries_tokens": (
                 "prompt tokens looked up in the prefix cache",
-                s["prefix_query_tokens"],
+                kv.prefix_query_tokens,
             ),
             "kvwise_prefix_cache_hits_tokens": (
                 "prompt tokens found in the prefix cache",
-                s["prefix_hit_tokens"],
+                kv.prefix_hit_tokens,
             ),
-            "kvwise_preemptions": (
-                "requests preempted for lack of KV blocks",
-                s["num_preemptions"],
-            ),
+            "kvwise_preemptions": ("requests preempted for lack of KV blocks", s.num_preemptions),
             "kvwise_kv_integrity_checks": (
                 "KV pool integrity checks passed while idle (a failure stops the engine)",
-                s["kv_integrity_checks"],
+                s.kv_integrity_checks,
             ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
-        yield from _store_families(s)
+        if s.store is not None:
+            yield from _tier_families(s.store)
+            yield from _store_families(s.store)
 
 
-def _store_families(s: dict[str, float | int]):
-    """The KV tiers' series; none when the engine has no tier store."""
-    if "kv_store_load_decisions" not in s:
-        return
-    tiers = [t for t in _TIERS if f"kv_tier_{t}_hits" in s]
-    for family, table in ((CounterMetricFamily, _TIER_COUNTERS), (GaugeMetricFamily, _TIER_GAUGES)):
-        for name, (key, doc) in table.items():
-            metric = family(name, doc, labels=["tier"])
-            for tier in tiers:
-                metric.add_metric([tier], s[f"kv_tier_{tier}_{key}"])
-            yield metric
+def _tier_families(store: StoreStats):
+    """One series per tier for every ``TierStats`` field: the metric name, help and kind are
+    the field's metadata, and the tiers are whatever the store has (a new tier or counter
+    needs no edit here)."""
+    for f in dataclasses.fields(TierStats):
+        family = CounterMetricFamily if f.metadata["kind"] == "counter" else GaugeMetricFamily
+        metric = family(f.metadata["metric"], f.metadata["help"], labels=["tier"])
+        for tier, stats in store.tiers.items():
+            metric.add_metric([tier], getattr(stats, f.name))
+        yield metric
+
+
+def _store_families(store: StoreStats):
+    """The store's own series: load / recompute decisions, loaded tokens, writes."""
     decisions = CounterMetricFamily(
         "kvwise_kv_store_decisions",
         "stored-prefix hits by what the cost model chose: load from a tier or recompute",
         labels=["decision"],
     )
-    decisions.add_metric(["load"], s["kv_store_load_decisions"])
-    decisions.add_metric(["recompute"], s["kv_store_recompute_decisions"])
+    decisions.add_metric(["load"], store.load_decisions)
+    decisions.add_metric(["recompute"], store.recompute_decisions)
     yield decisions
     counters = {
         "kvwise_kv_store_loaded_tokens": ("prompt tokens loaded from the tiers", "loaded_tokens"),
@@ -121,12 +111,12 @@ def _store_families(s: dict[str, float | int]):
             "writes_dropped",
         ),
     }
-    for name, (doc, key) in counters.items():
-        yield CounterMetricFamily(name, doc, value=s[f"kv_store_{key}"])
+    for name, (doc, attr) in counters.items():
+        yield CounterMetricFamily(name, doc, value=getattr(store, attr))
     yield GaugeMetricFamily(
         "kvwise_kv_store_pending_write_bytes",
         "bytes queued for the tiers, not yet written",
-        value=s["kv_store_pending_write_bytes"],
+        value=store.pending_write_bytes,
     )
 
 

@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from kvwise.types import SamplingParams
+from kvwise.errors import KVWiseError
+from kvwise.types import RequestOptions, SamplingParams
 
 # Below this a temperature is treated as greedy: dividing logits by a tinier one overflows.
 _GREEDY_TEMPERATURE = 1e-5
@@ -48,6 +49,13 @@ class APIError(Exception):
         self.code = code
         self.error_type = error_type or _ERROR_TYPES.get(status_code, "invalid_request_error")
         self.headers = headers or {}
+
+    @classmethod
+    def from_error(cls, exc: KVWiseError) -> APIError:
+        """An engine error, by its type's status and code (and Retry-After when it has one)."""
+        retry_after = getattr(exc, "retry_after_s", None)
+        headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+        return cls(exc.status, str(exc), param=exc.param, code=exc.code, headers=headers)
 
     def body(self) -> dict[str, Any]:
         error = ErrorInfo(
@@ -124,10 +132,6 @@ class _SamplingRequest(BaseModel):
         None, description="in_memory: default LRU; 24h: keep the cached prefix for a day"
     )
 
-    @property
-    def session_id(self) -> str | None:
-        return self.prompt_cache_key or None  # "" names no conversation
-
     def check_supported(self) -> None:
         if self.n != 1:
             raise unsupported("n", f"n={self.n} (only n=1)")
@@ -138,7 +142,7 @@ class _SamplingRequest(BaseModel):
             raise unsupported("logit_bias", "logit_bias")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's sampling parameters (ValueError naming the field on a bad value)."""
+        """The engine's sampling parameters (InvalidRequest naming the field on a bad value)."""
         temperature = 1.0 if self.temperature is None else self.temperature
         if temperature < _GREEDY_TEMPERATURE:
             temperature = 0.0
@@ -159,9 +163,14 @@ class _SamplingRequest(BaseModel):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
-    @property
-    def retention(self) -> str | None:
-        return "24h" if self.prompt_cache_retention == "24h" else None
+    def request_options(self, tenant: str) -> RequestOptions:
+        """How the request uses the cache; the tenant comes from the API key, never the body."""
+        return RequestOptions(
+            tenant=tenant,
+            cache_salt=self.cache_salt,
+            retention="24h" if self.prompt_cache_retention == "24h" else None,
+            session_id=self.prompt_cache_key or None,  # "" names no conversation
+        )
 
     @property
     def include_usage(self) -> bool:

@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvwise.engine.async_engine import EngineDeadError, EngineStepError, RequestStream
+from kvwise.engine.async_engine import RequestStream
+from kvwise.errors import KVWiseError
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.protocol import APIError
 from kvwise.types import RequestOutput
@@ -61,12 +62,7 @@ async def collect_or_disconnect(stream: RequestStream, request: Request) -> Requ
                 t.cancel()
     if not task.done() or task.cancelled():
         return None
-    try:
-        return task.result()
-    except EngineDeadError as exc:
-        raise APIError(503, f"the engine is not running: {exc}", code="engine_down") from None
-    except EngineStepError as exc:
-        raise APIError(500, str(exc), code="engine_error") from None
+    return task.result()  # an engine error propagates: its type carries its status
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -175,6 +171,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(KVWiseError)
+    async def engine_error(request: Request, exc: KVWiseError) -> JSONResponse:
+        return await api_error(request, APIError.from_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

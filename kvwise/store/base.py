@@ -1,4 +1,4 @@
-"""The contract every KV tier implements: five batched methods and a stats record.
+"""The contract every KV tier implements: a handful of batched methods and a stats record.
 
 - Keys are 32-byte block-chain hashes (they already carry model, KV layout, tenant and salt,
   so isolation holds in every tier). Values are opaque bytes: a versioned header and the
@@ -12,40 +12,61 @@
   at least that; disk and host: evicted after every entry without one, until it expires).
 - Thread safety: a tier may be called from the engine thread and the background writer at
   once; implementations lock what they share.
+- A tier that can read an entry straight into the caller's buffers (no intermediate copy)
+  also implements ``ReadsInPlace``; the tiered store checks with ``isinstance``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 logger = logging.getLogger("kvwise.store")
 
 
+def _metric(name: str, help_text: str, kind: str = "counter", default: float = 0):
+    """A stats field and the Prometheus series it is exposed as (counters get ``_total``
+    appended on exposition, so ``name`` has none)."""
+    return field(default=default, metadata={"metric": name, "help": help_text, "kind": kind})
+
+
 @dataclass
 class TierStats:
-    """Counters of one tier (monotonic, except the two gauges at the end)."""
+    """Counters of one tier (monotonic, except the two gauges at the end). Each field's
+    ``metadata`` names its metric: ``metric``, ``help`` and ``kind`` ("counter" | "gauge")."""
 
-    hits: int = 0  # keys found by get
-    misses: int = 0  # keys get did not find (faults excluded)
-    bytes_read: int = 0
-    bytes_written: int = 0
-    load_seconds: float = 0.0  # wall time inside get
-    loads: int = 0  # get calls that read something
-    evictions: int = 0  # entries dropped to stay under the budget (or expired)
-    faults: int = 0  # I/O errors, timeouts, corrupt entries: all served as misses
-    num_entries: int = 0  # gauge
-    num_bytes: int = 0  # gauge
+    hits: int = _metric("kvwise_kv_tier_hits", "KV entries found in the tier")
+    misses: int = _metric(  # faults excluded
+        "kvwise_kv_tier_misses", "KV entries looked for and not found in the tier"
+    )
+    bytes_read: int = _metric("kvwise_kv_tier_read_bytes", "bytes read from the tier")
+    bytes_written: int = _metric("kvwise_kv_tier_written_bytes", "bytes written to the tier")
+    load_seconds: float = _metric(  # wall time inside get
+        "kvwise_kv_tier_load_seconds", "seconds spent reading from the tier", default=0.0
+    )
+    loads: int = _metric(  # get calls that read something
+        "kvwise_kv_tier_loads", "reads from the tier that returned entries"
+    )
+    evictions: int = _metric(
+        "kvwise_kv_tier_evictions", "entries the tier dropped (budget or expiry)"
+    )
+    faults: int = _metric(
+        "kvwise_kv_tier_faults", "I/O errors, timeouts and corrupt entries (as misses)"
+    )
+    num_entries: int = _metric("kvwise_kv_tier_entries", "KV entries held by the tier", "gauge")
+    num_bytes: int = _metric("kvwise_kv_tier_bytes", "bytes held by the tier", "gauge")
 
-    def as_dict(self) -> dict[str, float | int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def snapshot(self) -> TierStats:
+        """A copy, unaffected by later updates."""
+        return dataclasses.replace(self)
 
 
 @runtime_checkable
 class KVStore(Protocol):
-    """One tier. ``name`` is "host", "disk" or "redis" (used in stats and metrics)."""
+    """One tier. ``name`` says which kind (e.g. "host"); it keys stats, metrics and plans."""
 
     name: str
     stats: TierStats
@@ -68,6 +89,37 @@ class KVStore(Protocol):
 
     def close(self) -> None:
         """Release files, connections and threads. Idempotent."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the start-up log, e.g. "host 2.0 GiB"."""
+        ...
+
+
+# given an entry's size in bytes, the buffers to read it into (None: no such entry size)
+BuffersFor = Callable[[int], list | None]
+
+
+@runtime_checkable
+class ReadsInPlace(KVStore, Protocol):
+    """A tier that reads entries straight into buffers the caller provides (disk: ``preadv``
+    into the device pool), so a load needs no intermediate copy and the caller checks the
+    bytes where they landed."""
+
+    def get_into(self, keys: Sequence[bytes], buffers_for: Sequence[BuffersFor]) -> list:
+        """Read each present key's entry into the buffers ``buffers_for[i]`` gives.
+
+        ``buffers_for[i](num_bytes)`` is called at most once, possibly on another thread,
+        with the stored entry's size, and only for a key that is present. It returns a list
+        of writable buffers whose sizes add up to ``num_bytes`` (filled in order: the first
+        bytes of the entry go into the first buffer), or ``None`` when no entry can have
+        that size.
+
+        Returns, per key: that list of buffers, filled (an entry that shrank while read
+        leaves the rest as it was, for the caller's checksum to catch); ``None`` for a
+        miss or a fault; ``[]`` when ``buffers_for`` returned ``None`` (nothing was read; a
+        hit in the stats, with 0 bytes read).
+        """
         ...
 
 

@@ -24,11 +24,9 @@ from dataclasses import dataclass
 # priors (seconds, in the scaled units below) for SmolLM2-135M-class models on a 2-core CPU;
 # live measurements take over within a few dozen observations
 _STEP_PRIOR = (0.03, 1.6, 0.25)  # γ, α per 1e3 tokens, β per 1e6 token·context
-_TIER_PRIORS = {
-    "host": (2e-5, 2e-5, 0.4),  # λ, μ per entry, seconds per GB
-    "disk": (1e-4, 2e-4, 1.2),
-    "redis": (5e-4, 1e-4, 2.0),
-}
+# a tier's read time: λ + μ per entry + seconds per GB; each tier class states its own prior
+# (``load_prior``); one that states none is assumed slow until measured
+DEFAULT_TIER_PRIOR = (5e-4, 2e-4, 2.0)
 _COPY_PRIOR = (1e-4, 0.4)
 
 
@@ -75,11 +73,30 @@ class LoadDecision:
 
 
 class CostModel:
-    def __init__(self, prefill_chunk_size: int | None = 512) -> None:
+    """Args:
+    prefill_chunk_size: the scheduler's, for recompute estimates.
+    tier_priors: ``{tier name: (λ, μ, seconds per GB)}`` to start each tier's read fit from
+        (a tier not named starts from ``DEFAULT_TIER_PRIOR``).
+    """
+
+    def __init__(
+        self,
+        prefill_chunk_size: int | None = 512,
+        tier_priors: dict[str, Sequence[float]] | None = None,
+    ) -> None:
         self.prefill_chunk_size = prefill_chunk_size
         self.step = OnlineFit(_STEP_PRIOR, prior_var=0.5, forget=0.995)
-        self.tiers = {name: OnlineFit(p, prior_var=1.0) for name, p in _TIER_PRIORS.items()}
+        self.tier_priors = dict(tier_priors or {})
+        self.tiers: dict[str, OnlineFit] = {}  # a tier's fit, made when first used
         self.copy = OnlineFit(_COPY_PRIOR, prior_var=1.0)
+
+    def tier_fit(self, tier: str) -> OnlineFit:
+        """The read-time fit of one tier (made from its prior when first asked for)."""
+        fit = self.tiers.get(tier)
+        if fit is None:
+            prior = self.tier_priors.get(tier, DEFAULT_TIER_PRIOR)
+            fit = self.tiers[tier] = OnlineFit(prior, prior_var=1.0)
+        return fit
 
     # ---- observations -------------------------------------------------------------------
 
@@ -91,7 +108,7 @@ class CostModel:
             self.step.update(_step_features(chunks), seconds)
 
     def observe_load(self, tier: str, num_entries: int, num_bytes: int, seconds: float) -> None:
-        self.tiers[tier].update((1.0, num_entries, num_bytes / 1e9), seconds)
+        self.tier_fit(tier).update((1.0, num_entries, num_bytes / 1e9), seconds)
 
     def observe_copy(self, num_bytes: int, seconds: float) -> None:
         self.copy.update((1.0, num_bytes / 1e9), seconds)
@@ -111,7 +128,7 @@ class CostModel:
     def t_load(self, reads: dict[str, tuple[int, int]], copy_bytes: int) -> float:
         """Seconds to read ``{tier: (num_entries, num_bytes)}`` and copy ``copy_bytes`` in."""
         total = sum(
-            self.tiers[tier].predict((1.0, n, b / 1e9)) for tier, (n, b) in reads.items() if n
+            self.tier_fit(tier).predict((1.0, n, b / 1e9)) for tier, (n, b) in reads.items() if n
         )
         return total + (self.copy.predict((1.0, copy_bytes / 1e9)) if copy_bytes else 0.0)
 

@@ -1,22 +1,25 @@
 """The disk tier: one file per entry under a directory, a byte budget, LRU, restart-safe.
 
-Layout: ``<path>/<first 2 hex chars of key>/<64-hex key>.kv`` holds the entry bytes as given.
+Layout: ``<path>/<first 2 hex chars of key>/<64-hex key>.kv`` holds the entry bytes as given
+(file names, reads and the start-up scan are ``disk_files``).
 
 Contract (on top of ``base.KVStore``):
 - Writes go to ``.<hex>.<pid>.<random>.tmp`` in the same directory, then ``os.replace``: a
   reader sees the old file, the new file or none, never a half-written one under the final
   name. No fsync: a crash can still leave a torn file, which the header crc in ``serde``
-  rejects (the tiered layer then ``delete``s it).
-- Eviction as in ``host.LruIndex``: least recently used first; entries put with ``ttl_s``
+  rejects (the tiered store's reader then ``delete``s it).
+- Eviction as in ``index.LruIndex``: least recently used first; entries put with ``ttl_s``
   only after all others, until their time runs out. The budget counts file sizes.
 - Restart: the index is rebuilt from the files. LRU order is the files' atime (set
   explicitly on every put and get hit, so it does not depend on mount options) and the keep
   time is the mtime (an mtime in the future means kept until then). Leftover ``*.tmp``
   files are deleted and a directory over budget is trimmed at start. One process owns a
   directory at a time.
-- ``contains`` answers from the in-memory index (no syscalls). ``get`` reads the files in
-  parallel on ``num_io_threads`` threads. A file gone behind the store's back is a miss;
-  any other ``OSError`` (read or write, ENOSPC included) is a fault.
+- ``contains`` answers from the in-memory index (no syscalls). ``get`` and ``get_into`` read
+  the files in parallel on ``num_io_threads`` threads. A file gone behind the store's back is
+  a miss; any other ``OSError`` (read or write, ENOSPC included) is a fault.
+- ``get_into`` (``base.ReadsInPlace``) reads each file straight into the caller's buffers
+  with ``preadv``: a load lands in the device pool with no intermediate copy.
 - Thread safety: the index is under a lock; file data moves outside it. NOTE: the renames
   and unlinks that change which files exist are done under the lock, together with the
   index update, so the index and the directory agree whenever the lock is free.
@@ -24,7 +27,6 @@ Contract (on top of ``base.KVStore``):
 
 from __future__ import annotations
 
-import errno
 import itertools
 import os
 import secrets
@@ -33,45 +35,15 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvwise.store.base import FaultLog, TierStats
+from kvwise.store import disk_files
+from kvwise.store.base import BuffersFor, FaultLog, TierStats
 from kvwise.store.index import LruIndex, check_key, check_value
+from kvwise.utils import format_bytes
 
-_SUFFIX = ".kv"
-_UTIME_FD = os.utime in os.supports_fd
-
-
-def _ns(seconds: float) -> int:
-    return int(seconds * 1e9)
-
-
-def _preadv_all(fd: int, buffers: list) -> None:
-    """Fill ``buffers`` in order from the start of the file (short reads continued; a file
-    that ends early leaves the rest as it was, for the caller's checksum to catch)."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    offset = 0
-    i = 0
-    while i < len(views):
-        batch = views[i : i + 1024]  # IOV_MAX
-        want = sum(v.nbytes for v in batch)
-        got = os.preadv(fd, batch, offset)
-        offset += got
-        if got == want:
-            i += len(batch)
-            continue
-        if got == 0:
-            return
-        # a short read: skip the buffers filled, resume inside the next one
-        for j, v in enumerate(batch):
-            if got < v.nbytes:
-                views[i + j] = v[got:]
-                i += j
-                break
-            got -= v.nbytes
-
-
-def _kind(op: str, exc: OSError) -> str:
-    return f"{op} {errno.errorcode.get(exc.errno or 0, type(exc).__name__)}"
+if TYPE_CHECKING:
+    from kvwise.config import StoreConfig
 
 
 class DiskStore:
@@ -85,7 +57,7 @@ class DiskStore:
     """
 
     name = "disk"
-    reads_into = True  # get(keys, into=...) reads straight into the caller's buffers
+    load_prior = (1e-4, 2e-4, 1.2)  # the cost model's start: λ s, μ s per entry, s per GB
 
     def __init__(
         self,
@@ -113,26 +85,31 @@ class DiskStore:
 
     def file_path(self, key: bytes) -> str:
         """Where ``key``'s entry lives (whether or not it is stored)."""
-        name = check_key(key).hex()
-        return os.path.join(self._root, name[:2], name + _SUFFIX)
+        return disk_files.entry_path(self._root, check_key(key))
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         keys = [check_key(k) for k in keys]
         with self._lock:
             return [k in self._index for k in keys]
 
-    def get(self, keys: Sequence[bytes], into: Sequence[Callable] | None = None) -> list:
-        """The entries (``bytearray``), or, with ``into``, read each file straight into the
-        buffers ``into[i](file_size)`` returns (a list whose sizes add up to the file's; None
-        when the size makes no sense: then nothing is read and an empty bytearray comes back,
-        which the caller's checks reject). Returns those buffer lists then.
+    def get(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        return self._get(keys, [None] * len(keys))
 
-        NOTE: ``into`` lets a load land in the device pool with no intermediate copy (and no
+    def get_into(self, keys: Sequence[bytes], buffers_for: Sequence[BuffersFor]) -> list:
+        """``base.ReadsInPlace.get_into``: each file read straight into the buffers
+        ``buffers_for[i](file_size)`` returns.
+
+        NOTE: this lets a load land in the device pool with no intermediate copy (and no
         fresh pages to fault in); the caller checks the bytes where they landed.
         """
+        if len(buffers_for) != len(keys):
+            raise ValueError(f"buffers_for: {len(buffers_for)} for {len(keys)} keys")
+        return self._get(keys, list(buffers_for))
+
+    def _get(self, keys: Sequence[bytes], readers: list[BuffersFor | None]) -> list:
+        """Read the present keys in parallel (into ``readers[i]``'s buffers where given)."""
         keys = [check_key(k) for k in keys]
-        readers = list(into) if into is not None else [None] * len(keys)
-        out: list[bytes | bytearray | None] = [None] * len(keys)
+        out: list = [None] * len(keys)
         start = time.perf_counter()
         with self._lock:
             if self._closed:
@@ -143,9 +120,11 @@ class DiskStore:
         targets = [readers[i] for i in present]
         try:
             if len(paths) <= 1:
-                results = [self._read(p, now, t) for p, t in zip(paths, targets)]
+                results = [disk_files.read(p, now, t) for p, t in zip(paths, targets)]
             else:
-                results = list(self._pool.map(self._read, paths, itertools.repeat(now), targets))
+                results = list(
+                    self._pool.map(disk_files.read, paths, itertools.repeat(now), targets)
+                )
         except RuntimeError:  # closed meanwhile: the pool takes no more work
             return out
         with self._lock:
@@ -157,7 +136,7 @@ class DiskStore:
                     if not os.path.exists(path):
                         self._index.remove(keys[i])
                 elif isinstance(result, OSError):
-                    self._faults.fault(_kind("read", result), path)
+                    self._faults.fault(disk_files.error_kind("read", result), path)
                 else:
                     out[i] = result
                     self.stats.hits += 1
@@ -194,7 +173,7 @@ class DiskStore:
                 try:
                     os.replace(tmp, path)
                 except OSError as exc:
-                    self._faults.fault(_kind("write", exc), path)
+                    self._faults.fault(disk_files.error_kind("write", exc), path)
                     self._unlink(tmp)
                     continue
                 self._index.remove(key)
@@ -224,6 +203,12 @@ class DiskStore:
             self._update_gauges()
         self._pool.shutdown(wait=True)
 
+    def describe(self) -> str:
+        with self._lock:
+            num_entries = len(self._index)
+        size = format_bytes(self.capacity_bytes)
+        return f"disk {size} at {self._root} ({num_entries} entries found)"
+
     def eviction_order(self) -> list[bytes]:
         """Keys, first to be evicted first (for tests and debugging)."""
         with self._lock:
@@ -252,34 +237,6 @@ class DiskStore:
                 os.close(fd)
         return num_files
 
-    def _read(self, path: str, now: float, into: Callable | None = None):
-        """The file's bytes (fewer if it shrank while read), or the buffers ``into`` gave
-        (filled), or the error; refreshes atime."""
-        try:
-            with open(path, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
-                if into is not None:
-                    buffers = into(st.st_size)
-                    if buffers is None:
-                        return bytearray()
-                    _preadv_all(f.fileno(), buffers)
-                    result = buffers
-                else:
-                    buf = bytearray(st.st_size)
-                    num_read = 0
-                    with memoryview(buf) as view:
-                        while num_read < len(buf):
-                            n = f.readinto(view[num_read:])
-                            if not n:
-                                break
-                            num_read += n
-                    result = buf if num_read == len(buf) else buf[:num_read]
-                target = f.fileno() if _UTIME_FD else path
-                os.utime(target, ns=(_ns(now), st.st_mtime_ns))
-        except OSError as exc:
-            return exc
-        return result
-
     def _write_tmp(self, path: str, value, now: float, keep_until: float) -> str | None:
         """Write ``value`` next to ``path`` under a temporary name; None on a fault."""
         directory, name = os.path.split(path)
@@ -292,10 +249,10 @@ class DiskStore:
                 f = open(tmp, "xb")
             with f:
                 f.write(value)
-            os.utime(tmp, ns=(_ns(now), _ns(keep_until or now)))
+            os.utime(tmp, ns=(disk_files.ns(now), disk_files.ns(keep_until or now)))
         except OSError as exc:
             with self._lock:
-                self._faults.fault(_kind("write", exc), path)
+                self._faults.fault(disk_files.error_kind("write", exc), path)
                 self._unlink(tmp)
             return None
         return tmp
@@ -307,48 +264,28 @@ class DiskStore:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            self._faults.fault(_kind("unlink", exc), path)
+            self._faults.fault(disk_files.error_kind("unlink", exc), path)
 
     def _load_index(self) -> None:
         """Rebuild the index from the directory; drop temporaries; trim to the budget."""
-        found = []  # (atime_ns, key, size, mtime)
-        with os.scandir(self._root) as subs:
-            subdirs = [s.path for s in subs if len(s.name) == 2 and s.is_dir(follow_symlinks=False)]
-        for subdir in subdirs:
-            with os.scandir(subdir) as entries:
-                for entry in entries:
-                    if entry.name.endswith(".tmp"):
-                        self._unlink(entry.path)
-                        continue
-                    key = self._key_of(entry.name, os.path.basename(subdir))
-                    if key is None:
-                        continue
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    found.append((st.st_atime_ns, key, st.st_size, st.st_mtime_ns / 1e9))
-        found.sort()
+        found, temporaries = disk_files.scan(self._root)
+        for path in temporaries:
+            self._unlink(path)
         now = self._clock()
-        for _, key, size, mtime in found:
-            self._index.add(key, size, mtime if mtime > now else 0.0, now)
+        for f in found:
+            self._index.add(f.key, f.num_bytes, f.mtime if f.mtime > now else 0.0, now)
         for victim in self._index.evict_for(0, self.capacity_bytes, now):
             self._unlink(self.file_path(victim))
             self.stats.evictions += 1
         self._update_gauges()
 
-    @staticmethod
-    def _key_of(name: str, subdir: str) -> bytes | None:
-        """The key of a file this store wrote, from its name; None for any other file."""
-        hex_key = name[:64]
-        if len(name) != 64 + len(_SUFFIX) or not name.endswith(_SUFFIX):
-            return None
-        try:
-            key = bytes.fromhex(hex_key)
-        except ValueError:
-            return None
-        return key if key.hex() == hex_key and hex_key[:2] == subdir else None
-
     def _update_gauges(self) -> None:
         self.stats.num_entries = len(self._index)
         self.stats.num_bytes = self._index.num_bytes
+
+
+def from_config(config: StoreConfig) -> DiskStore | None:
+    """The disk tier ``kv_disk_path`` / ``kv_disk_size`` ask for; None when the path is off."""
+    if not config.kv_disk_path:
+        return None
+    return DiskStore(config.kv_disk_path, config.kv_disk_size)

@@ -19,9 +19,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvwise.store.base import TierStats
 from kvwise.store.index import LruIndex, check_key, check_value
+from kvwise.utils import format_bytes
+
+if TYPE_CHECKING:
+    from kvwise.config import StoreConfig
 
 
 class HostStore:
@@ -33,6 +38,7 @@ class HostStore:
     """
 
     name = "host"
+    load_prior = (2e-5, 2e-5, 0.4)  # the cost model's start: λ s, μ s per entry, s per GB
 
     def __init__(self, capacity_bytes: int, clock: Callable[[], float] = time.time) -> None:
         if capacity_bytes < 0:
@@ -103,6 +109,9 @@ class HostStore:
             self._values.clear()
             self._update_gauges()
 
+    def describe(self) -> str:
+        return f"host {format_bytes(self.capacity_bytes)}"
+
     def eviction_order(self) -> list[bytes]:
         """Keys, first to be evicted first (for tests and debugging)."""
         with self._lock:
@@ -111,3 +120,8 @@ class HostStore:
     def _update_gauges(self) -> None:
         self.stats.num_entries = len(self._values)
         self.stats.num_bytes = self._index.num_bytes
+
+
+def from_config(config: StoreConfig) -> HostStore | None:
+    """The host tier ``kv_host_memory`` asks for; None when it is off (0)."""
+    return HostStore(config.kv_host_memory) if config.kv_host_memory else None

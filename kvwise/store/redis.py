@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import redis
@@ -36,6 +36,9 @@ from redis.retry import Retry
 
 from kvwise.store.base import FaultLog, TierStats
 from kvwise.store.index import check_key, check_value
+
+if TYPE_CHECKING:
+    from kvwise.config import StoreConfig
 
 _SCHEMES = ("redis", "rediss", "unix")
 _SKIPPED = object()  # the call did not reach the server (closed, down, or a fault)
@@ -54,6 +57,7 @@ class RedisStore:
     """
 
     name = "redis"
+    load_prior = (5e-4, 1e-4, 2.0)  # the cost model's start: λ s, μ s per entry, s per GB
 
     def __init__(
         self,
@@ -164,6 +168,10 @@ class RedisStore:
         except (redis.exceptions.RedisError, OSError):
             pass
 
+    def describe(self) -> str:
+        # NOTE: never the URL: it may hold a password
+        return "redis"
+
     def _names(self, keys: Sequence[bytes]) -> list[str]:
         return [self.prefix + check_key(k).hex() for k in keys]
 
@@ -180,3 +188,12 @@ class RedisStore:
                     self._down_until = self._clock() + self.retry_after_s
                 self._faults.fault(type(exc).__name__, f"in {op}: {exc}")
             return _SKIPPED
+
+
+def from_config(config: StoreConfig) -> RedisStore | None:
+    """The Redis tier ``kv_redis_url`` asks for; None when there is no URL."""
+    if not config.kv_redis_url:
+        return None
+    return RedisStore(
+        config.kv_redis_url, ttl_s=config.kv_redis_ttl, timeout_s=config.kv_redis_timeout
+    )

@@ -31,12 +31,12 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from kvwise.core.kv_spec import KVSpec
+
 MAGIC = b"KVWS"
 VERSION = 2
 _HEADER = struct.Struct("<4sHH32s16s8sHHHIIIHHQI")
 HEADER_SIZE = _HEADER.size
-
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class CorruptEntry(ValueError):
@@ -45,19 +45,14 @@ class CorruptEntry(ValueError):
 
 @dataclass(frozen=True)
 class EntryFormat:
-    """What this engine's entries look like; entries that differ are rejected."""
+    """What this engine's entries look like (its KV layout, model and layer groups); entries
+    that differ are rejected."""
 
+    spec: KVSpec
     model_fingerprint: str
-    dtype: str
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
     layer_groups: int = 1  # entries per chunk, each a run of consecutive layers
 
     def __post_init__(self) -> None:
-        if self.dtype not in _ITEMSIZE:
-            raise ValueError(f"dtype: expected one of {sorted(_ITEMSIZE)}, got {self.dtype!r}")
         if not 1 <= self.layer_groups <= self.num_layers:
             raise ValueError(
                 f"layer_groups: must be in [1, {self.num_layers}], got {self.layer_groups}"
@@ -81,17 +76,33 @@ class EntryFormat:
         return hashlib.sha256(self.model_fingerprint.encode()).digest()[:16]
 
     @property
-    def layer_block_bytes(self) -> int:
-        """Bytes of one block's K and V in one layer."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * _ITEMSIZE[self.dtype]
+    def dtype(self) -> str:
+        return self.spec.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block (K and V, every layer)."""
-        return self.num_layers * self.layer_block_bytes
+        return self.spec.block_bytes
 
     def group_block_bytes(self, group: int) -> int:
-        return self.group_layers(group)[1] * self.layer_block_bytes
+        """Payload bytes of one block in one layer group."""
+        return self.group_layers(group)[1] * self.spec.layer_block_bytes
+
+    def head_bytes(self, num_blocks: int) -> int:
+        """Bytes before the payload: the fixed header and the block hashes."""
+        return HEADER_SIZE + 32 * num_blocks
+
+    def entry_bytes(self, group: int, num_blocks: int) -> int:
+        """Bytes of a whole entry of ``num_blocks`` blocks of a layer group."""
+        return self.head_bytes(num_blocks) + num_blocks * self.group_block_bytes(group)
 
 
 def entry_key(first_block_hash: bytes, group: int) -> bytes:
@@ -137,11 +148,11 @@ def pack(
         HEADER_SIZE,
         entry_key(block_hashes[0], group),
         fmt.model_digest,
-        fmt.dtype.encode(),
-        fmt.num_layers,
-        fmt.num_kv_heads,
-        fmt.head_dim,
-        fmt.block_size,
+        fmt.spec.dtype.encode(),
+        fmt.spec.num_layers,
+        fmt.spec.num_kv_heads,
+        fmt.spec.head_dim,
+        fmt.spec.block_size,
         first_block,
         num_blocks,
         group,
@@ -162,7 +173,7 @@ def unpack(fmt: EntryFormat, key: bytes, value: bytes | bytearray | memoryview) 
     if view.nbytes < HEADER_SIZE:
         raise CorruptEntry(f"truncated header ({view.nbytes} bytes)")
     num_blocks = _HEADER.unpack_from(view)[11]
-    head_end = HEADER_SIZE + 32 * num_blocks
+    head_end = fmt.head_bytes(num_blocks)
     payload = view[head_end:]
     entry = check_parts(fmt, key, view[:head_end], [payload])
     return Entry(entry.first_block, entry.group, entry.block_hashes, payload)
@@ -213,7 +224,8 @@ def check_parts(fmt: EntryFormat, key: bytes, head, payload_parts) -> Entry:
     if digest != fmt.model_digest:
         raise CorruptEntry("entry from another model or KV layout")
     layout = (dtype.rstrip(b"\0").decode(errors="replace"), num_layers, num_kv_heads, head_dim)
-    expected = (fmt.dtype, fmt.num_layers, fmt.num_kv_heads, fmt.head_dim)
+    spec = fmt.spec
+    expected = (spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim)
     if layout != expected or block_size != fmt.block_size:
         raise CorruptEntry(f"layout {layout}/B{block_size}, expected {expected}/B{fmt.block_size}")
     if layer_groups != fmt.layer_groups or group >= layer_groups:
@@ -221,7 +233,7 @@ def check_parts(fmt: EntryFormat, key: bytes, head, payload_parts) -> Entry:
     if payload_bytes != num_blocks * fmt.group_block_bytes(group) or num_blocks == 0:
         raise CorruptEntry(f"{payload_bytes} payload bytes for {num_blocks} blocks")
     parts = [memoryview(p).cast("B") for p in payload_parts]
-    head_end = HEADER_SIZE + 32 * num_blocks
+    head_end = fmt.head_bytes(num_blocks)
     got = head.nbytes + sum(p.nbytes for p in parts)
     if head.nbytes != head_end or got != head_end + payload_bytes:
         raise CorruptEntry(f"{got} bytes, expected {head_end + payload_bytes}")

@@ -1,7 +1,9 @@
 """Paged KV tensors: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
 
 Block ``b`` of the core's pool is ``kv[:, :, b]`` here. Slot ``s`` (a token's place in the
-pool) is block ``s // block_size``, offset ``s % block_size``.
+pool) is block ``s // block_size``, offset ``s % block_size``. The layout and the storage dtype
+come from a ``KVSpec``; when the storage dtype differs from the model's compute dtype, K/V are
+cast on the way in (``write``) and back on the way out (``gather``).
 """
 
 from __future__ import annotations
@@ -10,37 +12,33 @@ import warnings
 
 import torch
 
+from kvwise.core.kv_spec import KVSpec
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 class PagedKVCache:
     def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
+        self, spec: KVSpec, num_blocks: int, compute_dtype: torch.dtype | None = None
     ) -> None:
-        self.num_layers = num_layers
+        if spec.dtype not in TORCH_DTYPES or spec.side_bytes:
+            raise ValueError(
+                f"kv_cache_dtype: the paged cache holds {sorted(TORCH_DTYPES)}, got {spec.layout}"
+            )
+        self.spec = spec
+        self.num_layers = spec.num_layers
         self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
+        self.block_size = spec.block_size
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.dtype = TORCH_DTYPES[spec.dtype]
+        self.compute_dtype = compute_dtype or self.dtype
         # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
-        self.kv = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype
-        )
+        self.kv = torch.zeros(spec.cache_shape(num_blocks), dtype=self.dtype)
         # per-layer views with slots flattened: (num_blocks * block_size, kv_heads, head_dim)
-        self.k_slots = [self.kv[i, 0].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
-        self.v_slots = [self.kv[i, 1].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
-
-    @staticmethod
-    def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        heads, dim = spec.num_kv_heads, spec.head_dim
+        self.k_slots = [self.kv[i, 0].view(-1, heads, dim) for i in range(spec.num_layers)]
+        self.v_slots = [self.kv[i, 1].view(-1, heads, dim) for i in range(spec.num_layers)]
 
     @property
     def num_bytes(self) -> int:
@@ -48,8 +46,8 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store new K/V rows ``(T, kv_heads, head_dim)`` at their slots ``(T,)``."""
-        self.k_slots[layer].index_copy_(0, slot_mapping, k)
-        self.v_slots[layer].index_copy_(0, slot_mapping, v)
+        self.k_slots[layer].index_copy_(0, slot_mapping, k.to(self.dtype))
+        self.v_slots[layer].index_copy_(0, slot_mapping, v.to(self.dtype))
 
     def gather(
         self, layer: int, block_table: torch.Tensor, first_block: int | None = None
@@ -65,13 +63,14 @@ class PagedKVCache:
             shape = (1, nb * self.block_size, self.num_kv_heads, self.head_dim)
             k = self.kv[layer, 0, first_block : first_block + nb]
             v = self.kv[layer, 1, first_block : first_block + nb]
-            return k.view(shape), v.view(shape)
-        # NOTE: index_select on a flat id list is ~2.5x faster than advanced indexing here.
-        ids = block_table.reshape(-1)
-        k = self.kv[layer, 0].index_select(0, ids)  # (B * max_blocks, block_size, kv_heads, D)
-        v = self.kv[layer, 1].index_select(0, ids)
-        shape = (b, nb * self.block_size, self.num_kv_heads, self.head_dim)
-        return k.view(shape), v.view(shape)
+        else:
+            # NOTE: index_select on a flat id list is ~2.5x faster than advanced indexing here.
+            ids = block_table.reshape(-1)
+            k = self.kv[layer, 0].index_select(0, ids)  # (B * max_blocks, block_size, kv_heads, D)
+            v = self.kv[layer, 1].index_select(0, ids)
+            shape = (b, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        # a no-op when the cache holds the compute dtype
+        return k.view(shape).to(self.compute_dtype), v.view(shape).to(self.compute_dtype)
 
     # ---- block copies for the slower tiers ----------------------------------------------
 
@@ -117,7 +116,7 @@ class PagedKVCache:
         """
         first_layer, num_layers = layers
         n, tail = len(block_ids), num_entry_blocks - skip - len(block_ids)
-        block_bytes = self.block_size * self.num_kv_heads * self.head_dim * self.kv.element_size()
+        block_bytes = self.spec.half_block_bytes
         scratch = memoryview(bytearray((skip + max(tail, 0)) * block_bytes * 2 * num_layers))
         runs, j = [], 0  # (first id, count) of consecutive ids
         while j < n:

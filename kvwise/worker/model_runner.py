@@ -1,13 +1,22 @@
 """Runs one step on the model: ``execute(SchedulerOutput) -> ModelOutput``.
 
 ``ModelRunner`` owns the model weights, the paged KV tensors and the attention backend.
-``FakeModelRunner`` (fake_runner.py, no torch) stands in for it in tests of the layers above.
+``FakeModelRunner`` (fake_runner.py, no torch) stands in for it in tests of the layers above;
+both implement the runner contract the engine relies on:
+
+- ``execute(sched_out, layer_ready=None) -> ModelOutput``: one step; ``layer_ready(layer)``,
+  when given, is called before a layer reads the cache and blocks until loads for it landed;
+- ``save_kv(block_ids)``: a host copy of device blocks, laid out like a stored payload;
+- ``write_kv(block_ids, payload, num_entry_blocks, skip, layers)``: copy one stored layer
+  group into device blocks (any thread); ``payload_views(...)``: buffers to read one into;
+- ``spec`` (the ``KVSpec``), ``num_layers`` and ``vocab_size``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvwise.core.kv_spec import KVSpec
 from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.worker.attention import TorchSDPAAttention
 from kvwise.worker.input_batch import build_input_batch
@@ -16,17 +25,16 @@ from kvwise.worker.sampler import sample
 
 
 class ModelRunner:
-    def __init__(self, model, arch, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, model, arch, spec: KVSpec, num_blocks: int, compute_dtype: torch.dtype):
         self.model = model
         self.arch = arch
-        self.block_size = block_size
-        self.kv_cache = PagedKVCache(
-            arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype
-        )
+        self.spec = spec
+        self.num_layers = arch.num_layers
+        self.vocab_size = arch.vocab_size
+        self.block_size = spec.block_size
+        self.num_blocks = num_blocks
+        self.kv_cache = PagedKVCache(spec, num_blocks, compute_dtype)
         self.attention = TorchSDPAAttention(self.kv_cache, arch.num_heads, arch.head_dim)
-        self.block_bytes = PagedKVCache.bytes_per_block(
-            arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype
-        )
 
     @torch.inference_mode()
     def write_kv(
@@ -34,7 +42,13 @@ class ModelRunner:
     ) -> int:
         """Copy one stored layer group into device blocks (any thread). Returns bytes copied."""
         self.kv_cache.write_blocks(block_ids, payload, num_entry_blocks, skip, layers)
-        return len(block_ids) * layers[1] * self.block_bytes // self.arch.num_layers
+        return len(block_ids) * layers[1] * self.spec.layer_block_bytes
+
+    def payload_views(
+        self, block_ids: list[int], skip: int, num_entry_blocks: int, layers: tuple[int, int]
+    ) -> list[memoryview]:
+        """Buffers that read a stored layer group straight into device blocks."""
+        return self.kv_cache.payload_views(block_ids, skip, num_entry_blocks, layers)
 
     @torch.inference_mode()
     def save_kv(self, block_ids: list[int]):

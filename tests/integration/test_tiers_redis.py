@@ -20,10 +20,11 @@ pytestmark = pytest.mark.slow
 SECOND_ENGINE = """
 import json, sys
 from kvwise.config import EngineConfig
+from kvwise.engine.builder import build_engine
 from kvwise.engine.llm_engine import LLMEngine
 from tests.tiers_util import run
 url, tenants = sys.argv[1], sys.argv[2].split(",")
-engine = LLMEngine(EngineConfig.from_kwargs(
+engine = build_engine(EngineConfig.from_kwargs(
     kv_cache_memory="256MiB", kv_host_memory="off", kv_disk_path="off", kv_redis_url=url,
     kv_store_min_tokens=16), progress=False)
 for tenant in tenants:
@@ -52,7 +53,7 @@ def test_round_trip_through_redis(redis_engine, reference, redis_db):
     assert out.num_loaded_tokens == (out.num_prompt_tokens - 1) // 16 * 16
     assert out.token_ids == reference
     stats = engine.stats()
-    assert stats["kv_tier_redis_hits"] > 0 and stats["kv_tier_redis_faults"] == 0
+    assert stats.store.tiers["redis"].hits > 0 and stats.store.tiers["redis"].faults == 0
     keys = redis_db.client().keys("kvwise:kv:*")
     assert keys and all(0 < redis_db.client().ttl(k) <= 3600 for k in keys)
 
@@ -83,7 +84,7 @@ def test_killed_redis_is_a_miss(redis_engine, reference, redis_db):
     assert out.token_ids == reference and out.num_loaded_tokens == 0
     assert time.perf_counter() - t0 < 20
     engine.flush()  # the writes of this run fail too: counted, not raised
-    assert engine.stats()["kv_tier_redis_faults"] >= 1
+    assert engine.stats().store.tiers["redis"].faults >= 1
     redis_db.start()
 
 
@@ -97,7 +98,7 @@ def test_hung_redis_times_out_into_a_miss(redis_engine, reference, redis_db):
     paused.join()
     out = run(engine)
     assert out.token_ids == reference and out.num_loaded_tokens == 0
-    assert engine.stats()["kv_tier_redis_faults"] >= 1
+    assert engine.stats().store.tiers["redis"].faults >= 1
     time.sleep(1.6)  # let the pause end before the next test flushes the server
 
 

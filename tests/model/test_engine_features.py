@@ -120,9 +120,9 @@ def test_sampler_filters():
 def test_offline_api_shapes(smollm2):
     llm = LLM.__new__(LLM)  # reuse loaded weights
     from kvwise.config import EngineConfig
-    from kvwise.engine.llm_engine import LLMEngine
+    from kvwise.engine.builder import build_engine
 
-    llm.engine = LLMEngine(
+    llm.engine = build_engine(
         EngineConfig.from_kwargs(kv_cache_memory="64MiB", kv_host_memory="off", kv_disk_path="off"),
         progress=False,
         loaded=smollm2,

@@ -99,7 +99,7 @@ def test_batch_of_16_with_chunked_prefill(make_engine, prompt_ids, reference):
 def test_preemption_and_recompute(make_engine, prompt_ids, reference):
     # a pool too small for all requests at once forces preemption
     engine = make_engine(enable_prefix_caching=False, kv_cache_memory="40MiB", block_size=16)
-    assert engine.num_blocks * 16 < sum(len(i) + NUM_NEW for i in prompt_ids)
+    assert engine.kv_manager.num_blocks * 16 < sum(len(i) + NUM_NEW for i in prompt_ids)
     assert run(engine, prompt_ids) == reference
     assert engine.scheduler.num_preemptions > 0
 
@@ -118,7 +118,7 @@ def test_preempted_requests_resume_from_the_host_tier(make_engine, prompt_ids, r
     assert run(engine, prompt_ids) == reference
     stats = engine.stats()
     assert engine.scheduler.num_preemptions > 0
-    assert stats["kv_store_chunks_written"] > 0 and stats["kv_tier_host_hits"] > 0
+    assert stats.store.chunks_written > 0 and stats.store.tiers["host"].hits > 0
     engine.close()
 
 
@@ -136,7 +136,7 @@ def test_cache_disabled_same_tokens_more_projections(make_engine, prompt_ids, re
         out = outs[r]
         assert out.token_ids == expected[:16]
         n = len(ids)
-        layers = engine.arch.num_layers
+        layers = engine.runner.num_layers
         # without a cache, step i recomputes all n + i tokens of the sequence
         assert out.num_kv_rows_projected == layers * sum(n + i for i in range(16))
     cached = make_engine()

@@ -14,6 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from kvwise.core.kv_spec import KVSpec  # noqa: E402
 from kvwise.models.arch import ModelArchConfig, RopeScaling  # noqa: E402
 from kvwise.models.layers import dense_causal_attention  # noqa: E402
 from kvwise.models.loader import load_model  # noqa: E402
@@ -241,7 +242,8 @@ def test_arch_from_hf_config_defaults_and_kv_bytes():
     assert arch.architecture == "LlamaForCausalLM"
     assert arch.head_dim == 16 and arch.rope_theta == 1e6 and arch.rope_scaling is None
     assert arch.eos_token_ids == (2, 3)
-    assert arch.kv_bytes_per_token(4) == 2 * 2 * 2 * 16 * 4
+    spec = KVSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, 16, "float32")
+    assert spec.bytes_per_token == 2 * 2 * 2 * 16 * 4
 
 
 def test_arch_old_style_rope_scaling():

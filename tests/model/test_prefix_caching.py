@@ -3,7 +3,7 @@ share; multi-turn chat reuses the previous turn."""
 
 import pytest
 
-from kvwise.types import SamplingParams
+from kvwise.types import RequestOptions, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 DOC = " ".join(
@@ -12,7 +12,7 @@ DOC = " ".join(
 
 
 def run(engine, prompt, params=GREEDY, **kw):
-    rid = engine.add_request(prompt, params, **kw)
+    rid = engine.add_request(prompt, params, RequestOptions(**kw))
     result = None
     while engine.has_unfinished():
         for out in engine.step():
@@ -45,7 +45,7 @@ def test_hits_do_not_change_greedy_output(make_engine, cold):
     part = run(engine, DOC[:200])
     assert part.num_cached_tokens > 0 and part.token_ids == cold[DOC[:200]]
     stats = engine.stats()
-    assert stats["prefix_hit_tokens"] > 0 and 0 < stats["prefix_hit_rate"] < 1
+    assert stats.kv.prefix_hit_tokens > 0 and 0 < stats.kv.prefix_hit_rate < 1
 
 
 def test_revived_free_blocks_give_same_output(make_engine, cold):
@@ -106,7 +106,7 @@ def test_multi_turn_chat_reuses_previous_turn(make_engine):
 def test_retention_keeps_prefix_through_pressure(make_engine):
     engine = make_engine(kv_cache_memory="32MiB")  # 45 blocks; one tenant may keep 22
     kept = run(engine, DOC, retention="1h")
-    assert engine.stats()["kv_blocks_kept"] > 0
+    assert engine.stats().kv.blocks_kept > 0
     for i in range(6):  # unrelated traffic (17 blocks each) that evicts plain LRU blocks
         run(engine, f"Unrelated prompt number {i}: " + "lorem ipsum " * 20)
     again = run(engine, DOC)

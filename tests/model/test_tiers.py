@@ -38,8 +38,8 @@ def test_round_trip_is_token_identical(tiered, tmp_path, reference, tier, layer_
     assert again.num_cached_tokens == again.num_loaded_tokens
     assert again.token_ids == reference
     stats = engine.stats()
-    assert stats[f"kv_tier_{tier}_hits"] > 0 and stats[f"kv_tier_{tier}_faults"] == 0
-    assert stats["kv_store_load_decisions"] == 1
+    assert stats.store.tiers[tier].hits > 0 and stats.store.tiers[tier].faults == 0
+    assert stats.store.load_decisions == 1
 
 
 def test_disk_tier_survives_a_restart(tiered, tmp_path, reference):
@@ -47,7 +47,7 @@ def test_disk_tier_survives_a_restart(tiered, tmp_path, reference):
     run(engine)
     engine.close()  # flushes
     restarted = tiered(kv_disk_path=str(tmp_path))
-    assert restarted.stats()["kv_tier_disk_num_entries"] > 0
+    assert restarted.stats().store.tiers["disk"].num_entries > 0
     out = run(restarted)
     assert out.num_loaded_tokens > 0 and out.token_ids == reference
 
@@ -107,7 +107,7 @@ def test_damaged_disk_entries_are_misses(tiered, tmp_path, reference, damage, la
     out = run(engine)
     assert out.token_ids == reference
     stats = engine.stats()
-    assert stats["kv_tier_disk_faults"] >= 1
+    assert stats.store.tiers["disk"].faults >= 1
     assert engine.scheduler.num_load_rollbacks == 1
     # the fault stops loading at that chunk; what precedes it is still used
     assert out.num_loaded_tokens < (out.num_prompt_tokens - 1) // 16 * 16
@@ -120,8 +120,8 @@ def test_full_disk_budget_evicts_and_keeps_serving(tiered, tmp_path, reference):
     run(engine)
     engine.flush()
     stats = engine.stats()
-    assert stats["kv_tier_disk_evictions"] >= 1
-    assert stats["kv_tier_disk_num_bytes"] <= 12 * 2**20
+    assert stats.store.tiers["disk"].evictions >= 1
+    assert stats.store.tiers["disk"].num_bytes <= 12 * 2**20
     assert sum(f.stat().st_size for f in tmp_path.rglob("*.kv")) <= 12 * 2**20
     evict_device(engine)
     out = run(engine)
@@ -142,7 +142,7 @@ def test_disk_full_is_a_fault_not_an_error(tiered, tmp_path, reference, monkeypa
     out = run(engine)
     engine.flush()
     assert out.token_ids == reference
-    assert engine.stats()["kv_tier_disk_faults"] >= 1
+    assert engine.stats().store.tiers["disk"].faults >= 1
     assert not list(tmp_path.rglob("*.kv")) and not list(tmp_path.rglob("*.tmp"))
     monkeypatch.undo()
     evict_device(engine)
@@ -180,12 +180,12 @@ def test_cost_model_recomputes_when_loading_is_slower(tiered, tmp_path, referenc
     run(engine)
     evict_device(engine)
     # pretend the disk reads at 1 MB/s: recomputing ~330 tokens is far cheaper
-    engine.store.cost.tiers["disk"].w = [0.0, 0.0, 1000.0]
+    engine.store.cost.tier_fit("disk").w = [0.0, 0.0, 1000.0]
     out = run(engine)
     assert out.num_loaded_tokens == 0 and out.token_ids == reference
     decision = engine.store.decisions[-1]
     assert decision.available_tokens > 0 and decision.chosen_tokens == 0
-    assert engine.stats()["kv_store_recompute_decisions"] == 1
+    assert engine.stats().store.recompute_decisions == 1
 
 
 def test_retained_prefix_is_kept_on_disk(tiered, tmp_path):
@@ -214,7 +214,7 @@ llm = LLM(kv_cache_memory="256MiB", kv_host_memory="off", kv_disk_path=sys.argv[
 if sys.argv[2] == "with":
     with llm:
         llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0))
-    assert llm.engine.store.stats()["pending_write_bytes"] == 0
+    assert llm.engine.store.stats().pending_write_bytes == 0
 else:
     llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0))
 """

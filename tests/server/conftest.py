@@ -17,6 +17,7 @@ import uvicorn
 
 from kvwise.config import EngineConfig
 from kvwise.engine.async_engine import AsyncEngine
+from kvwise.engine.builder import build_engine
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.engine.tokenizer import Tokenizer
 from kvwise.models.arch import ModelArchConfig
@@ -149,7 +150,7 @@ def make_tiny_engine(tiny_loaded):
         kwargs.setdefault("kv_cache_memory", "4MiB")
         kwargs.setdefault("kv_host_memory", "off")
         kwargs.setdefault("kv_disk_path", "off")
-        return LLMEngine(EngineConfig.from_kwargs(**kwargs), progress=False, loaded=tiny_loaded)
+        return build_engine(EngineConfig.from_kwargs(**kwargs), progress=False, loaded=tiny_loaded)
 
     return make
 

@@ -78,7 +78,7 @@ def test_cancel_aborts_and_frees_blocks(async_engine, engine):
         return await async_engine.call(lambda e: (e.kv_manager.pool.num_used_blocks, e.stats()))
 
     used, stats = asyncio.run(main())
-    assert used == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert used == 0 and stats.num_running == 0 and stats.num_waiting == 0
 
 
 def test_admission_errors_surface_before_output(async_engine, engine):
@@ -92,7 +92,7 @@ def test_admission_errors_surface_before_output(async_engine, engine):
             await async_engine.add_request(list(range(300)), GREEDY)
         # max_num_seqs=2 running + max_waiting=4 waiting, then the queue is full
         streams = [await async_engine.add_request(f"prompt {i}", long) for i in range(2)]
-        while async_engine.stats()["num_running"] < 2:
+        while async_engine.stats().num_running < 2:
             await asyncio.sleep(0.01)
         streams += [await async_engine.add_request(f"waiting {i}", long) for i in range(4)]
         with pytest.raises(QueueFullError) as info:

@@ -32,7 +32,7 @@ def used_blocks(server) -> int:
 def assert_all_freed(server) -> None:
     assert wait_for(lambda: used_blocks(server) == 0, timeout=2.0), "blocks not freed"
     stats = server.engine.call_sync(lambda e: e.stats())
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats.num_running == 0 and stats.num_waiting == 0
     server.engine.call_sync(lambda e: e.check_integrity())
 
 
@@ -62,7 +62,7 @@ def test_full_queue_is_429_with_retry_after(slow_server):
     with httpx.Client(base_url=slow_server.base_url, timeout=30) as c1:
         with c1.stream("POST", "/v1/completions", json=body) as running:
             assert running.status_code == 200
-            assert wait_for(lambda: engine.stats()["num_running"] == 1)
+            assert wait_for(lambda: engine.stats().num_running == 1)
             with httpx.Client(base_url=slow_server.base_url, timeout=30) as c2:
                 with c2.stream(
                     "POST",
@@ -70,7 +70,7 @@ def test_full_queue_is_429_with_retry_after(slow_server):
                     json={"messages": [{"role": "user", "content": "queued"}], **body},
                 ) as waiting:
                     assert waiting.status_code == 200
-                    assert wait_for(lambda: engine.stats()["num_waiting"] == 1)
+                    assert wait_for(lambda: engine.stats().num_waiting == 1)
                     r = httpx.post(slow_server.base_url + "/v1/completions", json=LONG)
                     assert r.status_code == 429
                     assert r.headers["Retry-After"] == "2"

@@ -232,13 +232,13 @@ def test_one_log_line_per_finished_request(client, caplog):
 
 def test_prompt_cache_retention_24h_keeps_the_prefix(client, tiny_server):
     prompt = "retention " * 40
-    assert tiny_server.engine.stats()["kv_blocks_kept"] == 0
+    assert tiny_server.engine.stats().kv.blocks_kept == 0
     body = {"prompt": prompt, "max_tokens": 2, "prompt_cache_retention": "in_memory"}
     assert client.post("/v1/completions", json=body).status_code == 200
-    assert tiny_server.engine.stats()["kv_blocks_kept"] == 0
+    assert tiny_server.engine.stats().kv.blocks_kept == 0
     body = {**body, "prompt_cache_retention": "24h", "prompt_cache_key": "ignored"}
     assert client.post("/v1/completions", json=body).status_code == 200
-    assert tiny_server.engine.call_sync(lambda e: e.stats()["kv_blocks_kept"]) > 0
+    assert tiny_server.engine.call_sync(lambda e: e.stats().kv.blocks_kept) > 0
 
 
 @pytest.mark.parametrize("extra", [{"temperature": 1e-40}, {"seed": 2**62}, {"seed": -(2**63)}])

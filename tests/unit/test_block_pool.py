@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvwise.core.block_pool import BlockEvicted, BlockPool, BlockStored
+from kvwise.core.block_pool import BlockPool
 
 
 def test_allocation_takes_blocks_in_queue_order():
@@ -33,7 +33,7 @@ def test_freed_blocks_without_hash_go_to_head_before_cached_ones():
     assert pool.free_queue.block_ids() == [3, 2, 4, 1, 0]
     # new work takes the empty blocks first and evicts nothing
     pool.get_new_blocks(3)
-    assert pool.take_events()[-1].block_ids == (0, 1)  # only the BlockStored event
+    assert {h: x.block_id for h, x in pool.cached.items()} == {b"h0": 0, b"h1": 1}
     assert pool.num_evictions == 0
 
 
@@ -41,7 +41,7 @@ def test_lazy_eviction_keeps_hash_until_reused():
     pool = BlockPool(3)
     a, b = pool.get_new_blocks(2)
     pool.cache_blocks([a, b], [b"h0", b"h1"])
-    assert pool.take_events() == [BlockStored((b"h0", b"h1"), (0, 1))]
+    assert pool.cached == {b"h0": a, b"h1": b}
     pool.free_blocks([b, a])
     assert pool.num_free_blocks == 3
     # still reusable while free
@@ -55,7 +55,7 @@ def test_lazy_eviction_keeps_hash_until_reused():
     new = pool.get_new_blocks(2)
     assert [x.block_id for x in new] == [2, 1]
     assert pool.get_cached_block(b"h1") is None
-    assert pool.take_events() == [BlockEvicted(b"h1", 1)]
+    assert pool.cached == {b"h0": a} and b.block_hash is None
     assert pool.num_evictions == 1
     pool.check_integrity()
 

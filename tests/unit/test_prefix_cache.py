@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from kvwise.core.hashing import hash_block, root_hash
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.request import Request
-from kvwise.types import SamplingParams
+from kvwise.types import RequestOptions, SamplingParams
 
 P = SamplingParams(max_tokens=1, temperature=0)
 
@@ -22,7 +22,8 @@ class Clock:
 
 def computed(manager, rid, tokens, tenant="default", salt=None, retention=None):
     """Run a request's prompt through the manager as if fully computed; return its blocks."""
-    req = Request(rid, tokens, P, tenant=tenant, cache_salt=salt, retention_s=retention)
+    options = RequestOptions(tenant=tenant, cache_salt=salt, retention=retention)
+    req = Request(rid, tokens, P, options=options)
     blocks, num_cached = manager.get_computed_blocks(req)
     req.num_computed_tokens = 0
     ids = manager.allocate_slots(req, len(tokens) - num_cached, blocks)

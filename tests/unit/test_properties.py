@@ -7,7 +7,7 @@ from kvwise.config import SchedulerConfig
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.request import Request
 from kvwise.core.scheduler import Scheduler
-from kvwise.types import FinishReason, SamplingParams
+from kvwise.types import FinishReason, RequestOptions, SamplingParams
 from kvwise.worker.fake_runner import FakeModelRunner
 
 op = st.one_of(
@@ -57,8 +57,9 @@ def test_invariants_after_every_operation(ops, num_blocks, block_size, caching, 
                         str(next_id),
                         tokens,
                         SamplingParams(max_tokens=b, temperature=0),
-                        tenant=f"t{prefix % 2}",
-                        retention_s=[None, 30.0][a % 2],
+                        options=RequestOptions(
+                            tenant=f"t{prefix % 2}", retention=[None, 30.0][a % 2]
+                        ),
                     )
                 )
             except ValueError:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 import kvwise.store.disk as disk_mod
+import kvwise.store.disk_files as disk_files
+from kvwise.core.kv_spec import KVSpec
 from kvwise.store import serde
 from kvwise.store.base import KVStore
 from kvwise.store.disk import DiskStore
@@ -227,7 +229,8 @@ def test_disk_start_deletes_temporaries_and_trims(tmp_path, clock):
 
 
 def test_disk_truncated_file_is_returned_and_serde_rejects_it(tmp_path):
-    fmt = serde.EntryFormat("m", "float32", num_layers=1, block_size=2, num_kv_heads=1, head_dim=2)
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=2, dtype="float32")
+    fmt = serde.EntryFormat(spec, "m")
     key = serde.entry_key(K["a"], 0)
     entry = serde.pack(fmt, [K["a"]], 0, 0, bytes(fmt.block_bytes))
     store = DiskStore(tmp_path, 1000)
@@ -298,7 +301,8 @@ def test_disk_write_errors_are_faults(tmp_path, monkeypatch):
         return FullFile(f) if mode == "xb" else f
 
     store.put([(K["a"], value(0))])
-    monkeypatch.setattr(disk_mod, "open", fake_open, raising=False)
+    monkeypatch.setattr(disk_mod, "open", fake_open, raising=False)  # writes
+    monkeypatch.setattr(disk_files, "open", fake_open, raising=False)  # reads
     store.put([(K["b"], value(1)), (K["c"], value(2))])
     assert store.stats.faults == 2
     assert tmp_files(tmp_path) == []

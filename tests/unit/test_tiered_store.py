@@ -3,7 +3,6 @@ faults as misses, promotion, write planning and the cost model's choices."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 
 import pytest
@@ -12,17 +11,9 @@ from kvwise.store import serde
 from kvwise.store.costmodel import CostModel, OnlineFit
 from kvwise.store.host import HostStore
 from kvwise.store.tiered import TieredStore
+from tests.store_util import chain, entry_format, payload
 
-FMT = serde.EntryFormat("model-x", "float32", 2, 4, 1, 2, layer_groups=2)  # 128-byte blocks
-
-
-def chain(n: int, tag: str = "a") -> list[bytes]:
-    return [hashlib.sha256(f"{tag}{i}".encode()).digest() for i in range(n)]
-
-
-def payload(hashes: list[bytes]) -> bytes:
-    """A recognisable payload: each block's bytes derive from its hash."""
-    return b"".join(h * 4 for h in hashes)
+FMT = entry_format()  # 2 layers in 2 groups, 4-token blocks of 128 bytes
 
 
 class Flaky(HostStore):
@@ -187,7 +178,7 @@ def test_a_damaged_entry_is_a_fault_and_a_miss(damage):
 def test_entry_of_another_model_is_refused():
     host = HostStore(1 << 20)
     h = chain(4)
-    other_fmt = serde.EntryFormat("model-y", "float32", 2, 4, 1, 2, layer_groups=2)
+    other_fmt = entry_format("model-y")
     for g in range(2):
         part = payload(h)[g * 256 : (g + 1) * 256]  # one layer of 4 blocks
         host.put([(serde.entry_key(h[0], g), serde.pack(other_fmt, h, 0, g, part))])
@@ -221,18 +212,18 @@ def test_policy_never_loads_nothing_and_decisions_are_recorded():
     store.plan_load("r", h, 0, 8, 33)
     decision = store.decisions[-1]
     assert (decision.available_tokens, decision.chosen_tokens) == (32, 32)
-    assert store.counters["load_decisions"] == 1
+    assert store.stats().load_decisions == 1
 
 
 def test_auto_policy_follows_the_cost_model():
     store = make_store(HostStore(1 << 20), policy="auto")
     h = chain(8)
     write_all(store, h)
-    store.cost.tiers["host"].w = [10.0, 0.0, 0.0]  # 10 s per read: never worth it
+    store.cost.tier_fit("host").w = [10.0, 0.0, 0.0]  # 10 s per read: never worth it
     assert store.plan_load("r", h, 0, 8, 33) is None
-    assert store.counters["recompute_decisions"] == 1
+    assert store.stats().recompute_decisions == 1
     assert store.decisions[-1].recomputed_instead
-    store.cost.tiers["host"].w = [0.0, 0.0, 0.0]  # free reads: always worth it
+    store.cost.tier_fit("host").w = [0.0, 0.0, 0.0]  # free reads: always worth it
     assert store.plan_load("r", h, 0, 8, 33).num_blocks == 8
 
 
@@ -246,11 +237,11 @@ def test_background_writer_flushes_on_close_and_drops_when_full():
     writes = store.plan_writes(h, 12)
     for w in writes:  # 512 bytes each: the second does not fit while the first is pending
         store.write(w, payload(list(w.block_hashes)))
-    assert store.counters["writes_dropped"] >= 1
+    assert store.stats().writes_dropped >= 1
     gate.set()
     store.flush()
     assert host.contains([serde.entry_key(h[0], 0), serde.entry_key(h[0], 1)]) == [True, True]
-    assert store.counters["chunks_written"] == 1
+    assert store.stats().chunks_written == 1
     store.close()
     store.close()  # idempotent
 
@@ -287,10 +278,90 @@ def test_choose_loads_only_what_beats_recomputing():
     cost = CostModel(prefill_chunk_size=512)
     cost.step.w = [0.0, 1.0, 0.0]  # 1 ms a token
     cost.copy.w = [0.0, 0.0]
-    cost.tiers["disk"].w = [0.0, 0.0, 0.0]
-    cost.tiers["redis"].w = [0.2, 0.0, 0.0]  # 200 ms a read: dearer than 128 tokens
+    cost.tier_fit("disk").w = [0.0, 0.0, 0.0]
+    cost.tier_fit("redis").w = [0.2, 0.0, 0.0]  # 200 ms a read: dearer than 128 tokens
     ends, tiers, sizes = [128, 256, 384], ["disk", "disk", "redis"], [1000, 1000, 1000]
     m, t_load, t_rec = cost.choose(0, ends, tiers, sizes, 10.0, 400)
     assert m == 2 and t_load == 0.0 and t_rec == pytest.approx(0.256)
-    cost.tiers["redis"].w = [0.0, 0.0, 0.0]
+    cost.tier_fit("redis").w = [0.0, 0.0, 0.0]
     assert cost.choose(0, ends, tiers, sizes, 10.0, 400)[0] == 3
+
+
+# ---- the facade: KVTierPlanner, roll back, forgetting corrupt chunks, typed stats --------
+
+
+def test_tiered_store_implements_the_scheduler_protocol():
+    import inspect
+
+    from kvwise.core.kv_tiers import KVTierPlanner
+
+    for name in ("plan_load", "roll_back", "plan_writes"):
+        want = inspect.signature(getattr(KVTierPlanner, name)).parameters
+        got = inspect.signature(getattr(TieredStore, name)).parameters
+        assert list(got) == list(want), name
+
+
+def test_roll_back_makes_the_undelivered_chunks_writable_again():
+    host = HostStore(1 << 20)
+    store = make_store(host)
+    h = chain(12)
+    write_all(store, h)
+    assert store.plan_writes(h, 12) == []
+    plan = store.plan_load("r", h, 0, 12, 49)
+    assert [c.first_block for c in plan.chunks] == [0, 4, 8]
+    store.roll_back(plan, 5)  # chunk 0 arrived whole, chunk 4 only in part, chunk 8 not
+    writes = store.plan_writes(h, 12)
+    assert [(w.first_block, w.num_tiers) for w in writes] == [(4, None), (8, None)]
+    assert store.plan_writes(h, 12) == []  # remembered as written again
+
+
+def test_a_corrupt_entry_is_forgotten_so_the_chunk_is_written_again():
+    host = HostStore(1 << 20)
+    store = make_store(host)
+    h = chain(8)
+    write_all(store, h)
+    key = serde.entry_key(h[4], 1)
+    (value,) = host.get([key])
+    host.put([(key, value[:-1] + bytes([value[-1] ^ 1]))])
+    assert load(store, h, 0, 8, 33)[1] == 4
+    writes = store.plan_writes(h, 8)
+    assert [(w.first_block, w.num_tiers) for w in writes] == [(4, None)]
+    store.write(writes[0], payload(list(writes[0].block_hashes)))
+    assert load(store, h, 0, 8, 33)[1] == 8
+
+
+def test_stats_are_typed_and_the_tiers_are_snapshots():
+    host = HostStore(1 << 20)
+    store = make_store(host)
+    h = chain(8)
+    write_all(store, h)
+    before = store.stats()
+    assert list(before.tiers) == ["host"]
+    assert before.tiers["host"] is not host.stats
+    assert before.tiers["host"].bytes_written == host.stats.bytes_written > 0
+    assert (before.chunks_written, before.writes_dropped, before.pending_write_bytes) == (2, 0, 0)
+    load(store, h, 0, 8, 33)
+    store.count_loaded(8)
+    after = store.stats()
+    assert before.tiers["host"].hits == 0 and after.tiers["host"].hits == 4
+    assert (after.load_decisions, after.recompute_decisions, after.loaded_tokens) == (1, 0, 32)
+    with pytest.raises(AttributeError):
+        after.loaded_tokens = 0  # frozen
+
+
+def test_observations_reach_the_cost_model():
+    store = make_store(HostStore(1 << 20))
+    updates = (store.cost.step.num_updates, store.cost.copy.num_updates)
+    store.observe_step([(0, 64)], 0.01)
+    store.observe_copy(1 << 20, 0.001)
+    assert (store.cost.step.num_updates, store.cost.copy.num_updates) == (
+        updates[0] + 1,
+        updates[1] + 1,
+    )
+
+
+def test_policy_is_checked_when_set():
+    store = make_store(HostStore(1 << 20))
+    with pytest.raises(ValueError, match="policy"):
+        store.policy = "sometimes"
+    assert store.policy == "always"

@@ -1,0 +1,81 @@
+"""``build_engine(config)``: load the model and tokenizer, size the KV pool, and assemble an
+``LLMEngine`` from its parts (``assemble.py``). The composition root of the real engine."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvwise.config import EngineConfig
+from kvwise.core.kv_spec import KVSpec
+from kvwise.engine.assemble import assemble_engine
+from kvwise.engine.llm_engine import LLMEngine
+from kvwise.engine.tokenizer import Tokenizer
+from kvwise.models.loader import LoadedModel, load_model
+from kvwise.utils import format_bytes
+from kvwise.worker.kv_cache import TORCH_DTYPES
+from kvwise.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("kvwise")
+
+
+def load_for(config: EngineConfig, progress: bool = True) -> LoadedModel:
+    """The weights ``config`` names, in its compute dtype (share them across engines with
+    ``build_engine(..., loaded=)``)."""
+    return load_model(config.model.model, dtype=TORCH_DTYPES[config.model.dtype], progress=progress)
+
+
+def build_engine(
+    config: EngineConfig | None = None, *, progress: bool = True, loaded: LoadedModel | None = None
+) -> LLMEngine:
+    """Load the model (unless ``loaded`` reuses weights already in memory), size the KV pool
+    and assemble the engine."""
+    config = config or EngineConfig()
+    if config.model.num_threads:
+        torch.set_num_threads(config.model.num_threads)
+    loaded = loaded or load_for(config, progress)
+    arch = loaded.arch
+    if loaded.gguf_reader is not None:
+        tokenizer = Tokenizer.from_gguf(loaded.gguf_reader)
+    else:
+        tokenizer = Tokenizer.from_path(loaded.source)
+    kv_dtype = config.cache.kv_cache_dtype
+    spec = KVSpec(
+        arch.num_layers,
+        arch.num_kv_heads,
+        arch.head_dim,
+        config.cache.block_size,
+        config.model.dtype if kv_dtype == "auto" else kv_dtype,
+    )
+    num_blocks = spec.num_blocks_in(config.cache.kv_cache_bytes())
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_cache_memory: {format_bytes(config.cache.kv_cache_bytes())} holds fewer than "
+            f"two blocks of {format_bytes(spec.block_bytes)}"
+        )
+    compute_dtype = TORCH_DTYPES[config.model.dtype]
+    runner = ModelRunner(loaded.model, arch, spec, num_blocks, compute_dtype)
+    return assemble_engine(
+        config,
+        runner,
+        tokenizer,
+        model_fingerprint=f"{loaded.fingerprint}/{config.model.dtype}",
+        max_model_len=_max_model_len(config, arch),
+    )
+
+
+def _max_model_len(config: EngineConfig, arch) -> int:
+    max_model_len = config.model.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len: {max_model_len} exceeds the model's context of "
+            f"{arch.max_position_embeddings}"
+        )
+    if arch.sliding_window and max_model_len > arch.sliding_window:
+        # NOTE: attention has no sliding window; within the window full attention is exact.
+        logger.warning(
+            "max_model_len capped at the model's sliding window of %d", arch.sliding_window
+        )
+        max_model_len = arch.sliding_window
+    return max_model_len

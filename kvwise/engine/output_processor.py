@@ -1,0 +1,131 @@
+"""Token ids → text for every request in flight: incremental detokenizing, stop strings,
+timing, and the ``RequestOutput``s the engine returns. No torch.
+
+The scheduler reports what a step did to each request (``RequestUpdate``); this turns that
+into outputs with text deltas. A stop string found in the text finishes a request the
+scheduler thinks is still running: ``process`` returns its id, and the engine finishes it in
+the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvwise.core.request import Request
+from kvwise.core.scheduler import RequestUpdate
+from kvwise.engine.detokenize import Decoder, IncrementalDetokenizer, StopStringMatcher
+from kvwise.types import FinishReason, RequestMetrics, RequestOutput
+
+
+@dataclass
+class _RequestState:
+    """Engine-side state of one request: text assembly and timing."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher | None
+    metrics: RequestMetrics
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ProcessedStep:
+    outputs: list[RequestOutput]
+    stopped_ids: list[str]  # finished here by a stop string: finish them in the scheduler
+    finished: list[Request]  # every request that finished in this step
+
+
+class OutputProcessor:
+    """Args:
+    tokenizer: decodes ids (its special tokens are left out of the text).
+    num_layers: the model's layers, to report K/V rows projected.
+    """
+
+    def __init__(self, tokenizer: Decoder, num_layers: int) -> None:
+        self.tokenizer = tokenizer
+        self.num_layers = num_layers
+        self._states: dict[str, _RequestState] = {}
+
+    def add(self, request: Request, arrival_time: float) -> None:
+        stop = request.sampling_params.stop
+        self._states[request.request_id] = _RequestState(
+            request=request,
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            stop_matcher=StopStringMatcher(stop) if stop else None,
+            metrics=RequestMetrics(arrival_time=arrival_time),
+        )
+
+    def drop(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+
+    def requests(self) -> list[Request]:
+        """The requests in flight."""
+        return [state.request for state in self._states.values()]
+
+    def process(self, updates: list[RequestUpdate]) -> ProcessedStep:
+        now = time.perf_counter()
+        step = ProcessedStep([], [], [])
+        for update in updates:
+            state = self._states.get(update.request.request_id)
+            if state is None:
+                continue
+            delta_text, finished = self._advance(state, update, now, step.stopped_ids)
+            if finished:
+                state.metrics.finished_time = now
+                del self._states[update.request.request_id]
+                step.finished.append(state.request)
+            step.outputs.append(self._output(state, delta_text, update.new_token_ids, finished))
+        return step
+
+    def _advance(
+        self, state: _RequestState, update: RequestUpdate, now: float, stopped: list[str]
+    ) -> tuple[str, bool]:
+        """Append the update's tokens; returns the new text and whether the request ended."""
+        request, metrics = state.request, state.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = now
+        delta_text = ""
+        finished = update.finished
+        for token_id in update.new_token_ids:
+            state.token_ids.append(token_id)
+            metrics.token_times.append(now)
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            delta_text += state.detokenizer.add(token_id)
+        if finished:
+            delta_text += state.detokenizer.flush()
+        if state.stop_matcher is not None:
+            check = state.stop_matcher.feed(delta_text)
+            delta_text = check.text
+            if check.stopped and not finished:
+                finished = True
+                stopped.append(request.request_id)
+                request.finish_reason = FinishReason.STOP
+            elif finished:
+                delta_text += state.stop_matcher.flush()
+        state.text += delta_text
+        return delta_text, finished
+
+    def _output(
+        self, state: _RequestState, delta_text: str, delta_ids: list[int], finished: bool
+    ) -> RequestOutput:
+        request = state.request
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
+            text=state.text,
+            token_ids=list(state.token_ids),
+            logprobs=list(request.output_logprobs),
+            finished=finished,
+            finish_reason=request.finish_reason if finished else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_loaded_tokens=request.num_loaded_tokens,
+            num_kv_rows_projected=request.num_tokens_projected * self.num_layers,
+            metrics=state.metrics,
+            delta_text=delta_text,
+            delta_token_ids=list(delta_ids),
+        )

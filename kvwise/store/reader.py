@@ -1,0 +1,189 @@
+"""Reads of planned loads, one layer group at a time, checked and matched. Pure Python.
+
+The engine's loader thread calls ``read_group`` once per layer group while the step runs.
+
+Contract:
+- ``read_group`` reads the group's entry of every planned chunk from the tier the plan names
+  for it, in a few parallel parts, checks each entry (``serde.unpack``; ``serde.check_parts``
+  where a ``ReadsInPlace`` tier read it straight into the caller's buffers) and matches its
+  block hashes against the prompt's: ``usable`` is how many leading blocks of the entry are
+  verified and the prompt's own. It never raises for a tier fault or a bad entry: a miss,
+  a fault or a corrupt entry gives ``usable`` 0.
+- A corrupt entry (fails its checks, or holds another chunk than the plan's) is a fault of
+  its tier: counted and logged once per kind, deleted from the tier, and its chunk forgotten
+  in the known map, so that it is written again.
+- Promotion: a hit in layer group 0 is remembered as stored. A hit below the top tier is
+  promoted to the tiers above: at once (``promote``) when its bytes were read into memory,
+  else (read in place) by the request's own write when it leaves the pool, which the known
+  map then sends to the tiers above this one only.
+- Each tier's share of a call is timed into the cost model (``CostModel.observe_load``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvwise.core.kv_tiers import PlannedChunk
+from kvwise.store import serde
+from kvwise.store.base import FaultLog, KVStore, ReadsInPlace
+from kvwise.store.costmodel import CostModel
+from kvwise.store.planner import KnownChunks
+
+_READ_PARTS = 4  # a tier's share of one read runs (and is checked) in this many parallel parts
+
+# dest(i, entry_blocks): the payload buffers for planned chunk i's entry of that many blocks
+Dest = Callable[[int, int], list]
+# promote(tier_index, key, entry): put an entry read from that tier into the tiers above it
+PromoteFn = Callable[[int, bytes, bytes], object]
+
+
+@dataclass(frozen=True)
+class GroupRead:
+    """One layer group of one planned chunk, as read: ``usable`` leading blocks of the entry
+    (counted from the chunk's first block) are verified and match the prompt."""
+
+    payload: memoryview | None
+    entry_blocks: int
+    usable: int
+    in_place: bool = False  # read straight into the device blocks ``dest`` gave
+
+
+_MISS = GroupRead(None, 0, 0)
+
+
+class _Got(NamedTuple):
+    """One key as read: bytes read, the checked entry (or why it failed, or None: a miss),
+    and the entry's bytes when they were read into memory (None: read in place)."""
+
+    num_bytes: int
+    entry: serde.Entry | serde.CorruptEntry | None
+    value: bytes | bytearray | None
+
+
+class Reader:
+    """Reads for a ``TieredStore``; see the module docstring.
+
+    Args:
+        tiers: the tiers, top first.
+        known: the planner's known map (hits remembered, corrupt entries forgotten).
+        promote: queues a hit from a lower tier for the tiers above it.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[KVStore],
+        fmt: serde.EntryFormat,
+        known: KnownChunks,
+        cost: CostModel,
+        promote: PromoteFn,
+    ) -> None:
+        self.tiers = list(tiers)
+        self.fmt = fmt
+        self.known = known
+        self.cost = cost
+        self._promote = promote
+        self._faults = {t.name: FaultLog(t.name, t.stats) for t in self.tiers}
+        self._pool = ThreadPoolExecutor(_READ_PARTS, thread_name_prefix="kvwise-kv-read")
+
+    def read_group(
+        self, chunks: Sequence[PlannedChunk], group: int, dest: Dest | None = None
+    ) -> list[GroupRead]:
+        """Read and check one layer group of each planned chunk.
+
+        ``dest(i, entry_blocks)``, when given, returns the payload buffers for chunk ``i``
+        (``worker.kv_cache.payload_views``): ``ReadsInPlace`` tiers read straight into them.
+        A chunk's ``usable`` is 0 for a miss, a fault or a bad entry, and short of
+        ``skip + num_blocks`` when the entry stops matching the prompt.
+        """
+        keys = [serde.entry_key(ch.block_hashes[0], group) for ch in chunks]
+        out = [_MISS] * len(chunks)
+        for tier_index, tier in enumerate(self.tiers):
+            idx = [i for i, ch in enumerate(chunks) if ch.tiers[group] == tier.name]
+            if not idx:
+                continue
+            t0 = time.perf_counter()
+            into = dest if dest is not None and isinstance(tier, ReadsInPlace) else None
+            # NOTE: reads and checksums overlap across parts (file reads, socket reads and
+            # zlib.crc32 all release the GIL)
+            # a tier that reads in place gets one key per task, so that checking one entry
+            # overlaps reading the next; others get a few batches (one round trip each)
+            num_parts = len(idx) if into is not None else min(_READ_PARTS, len(idx))
+            parts = [idx[p::num_parts] for p in range(num_parts)]
+            results = self._pool.map(
+                lambda part, t=tier, d=into: self._read(t, keys, part, group, d), parts
+            )
+            num_bytes = 0
+            for part, got in zip(parts, results):
+                for i, read in zip(part, got):
+                    num_bytes += read.num_bytes
+                    out[i] = self._check(tier_index, keys[i], read, chunks[i])
+            self.cost.observe_load(tier.name, len(idx), num_bytes, time.perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    def _read(self, tier: KVStore, keys, part: list[int], group: int, into) -> list[_Got]:
+        """Get and check the entries ``keys[i]`` for ``i`` in ``part`` (one batch)."""
+        if into is None:
+            values = tier.get([keys[i] for i in part])
+            return [self._unpack(keys[i], value) for i, value in zip(part, values)]
+
+        def buffers_for(i: int):
+            def make(num_bytes: int) -> list | None:
+                num_blocks = serde.entry_blocks_from_size(self.fmt, group, num_bytes)
+                if num_blocks is None:
+                    return None
+                return [bytearray(self.fmt.head_bytes(num_blocks)), *into(i, num_blocks)]
+
+            return make
+
+        got = tier.get_into([keys[i] for i in part], [buffers_for(i) for i in part])
+        return [self._check_parts(keys[i], buffers) for i, buffers in zip(part, got)]
+
+    def _unpack(self, key: bytes, value: bytes | bytearray | None) -> _Got:
+        if value is None:
+            return _Got(0, None, None)
+        try:
+            return _Got(len(value), serde.unpack(self.fmt, key, value), value)
+        except serde.CorruptEntry as e:
+            return _Got(len(value), e, value)
+
+    def _check_parts(self, key: bytes, buffers: list | None) -> _Got:
+        if buffers is None:
+            return _Got(0, None, None)
+        if not buffers:  # the tier's size for it is no whole entry: nothing was read
+            return _Got(0, serde.CorruptEntry("entry size"), None)
+        num_bytes = sum(memoryview(b).nbytes for b in buffers)
+        try:
+            return _Got(num_bytes, serde.check_parts(self.fmt, key, buffers[0], buffers[1:]), None)
+        except serde.CorruptEntry as e:
+            return _Got(num_bytes, e, None)
+
+    def _check(self, tier_index: int, key: bytes, read: _Got, chunk: PlannedChunk) -> GroupRead:
+        """Match a read entry against the prompt; faults, deletion and promotion."""
+        entry, value, tier = read.entry, read.value, self.tiers[tier_index]
+        if entry is None:
+            return _MISS
+        if isinstance(entry, serde.CorruptEntry) or entry.first_block != chunk.first_block:
+            reason = entry if isinstance(entry, serde.CorruptEntry) else "misplaced chunk"
+            self._faults[tier.name].fault("corrupt entry", reason)
+            tier.delete([key])
+            self.known.forget(chunk.block_hashes[0])
+            return _MISS
+        limit = min(entry.num_blocks, len(chunk.block_hashes))
+        usable = 0
+        while usable < limit and entry.block_hashes[usable] == chunk.block_hashes[usable]:
+            usable += 1
+        if entry.group == 0:
+            # a hit below the top tier is promoted: at once when we hold its bytes, else by
+            # the request's own write when it finishes (to the tiers above this one only)
+            promote_later = tier_index if value is None else 0
+            self.known.remember(chunk.block_hashes[0], entry.block_hashes[-1], promote_later)
+        if tier_index and value is not None:
+            self._promote(tier_index, key, value)
+        return GroupRead(entry.payload, entry.num_blocks, usable, in_place=value is None)

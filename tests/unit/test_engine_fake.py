@@ -1,0 +1,162 @@
+"""A whole engine on the fake runner and a byte tokenizer (no torch, milliseconds): scheduling
+under preemption, loads from the tiers and their rollback, parking a session, request options
+through every entry point. The real-weights tests (tests/model) keep the numerics."""
+
+import pytest
+
+from kvwise.engine.llm import LLM
+from kvwise.errors import ContextLengthExceeded, QueueFullError, SessionBusy, SessionNotFound
+from kvwise.types import FinishReason, RequestOptions, SamplingParams
+from tests.fakes import fake_engine
+
+P = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [f"prompt number {i}: " + "abcdefgh" * (2 + i % 3) for i in range(6)]
+LONG = "The same long prefix every time, " * 3  # 99 bytes: 24 full blocks of 4
+
+
+def run(engine, prompts, params=P, options=None) -> list:
+    ids = [engine.add_request(p, params, options) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def evict_device(engine) -> None:
+    engine.flush()
+    engine.kv_manager.pool.reset_prefix_cache()
+
+
+def test_preemption_keeps_every_answer():
+    roomy = run(fake_engine(num_blocks=512), PROMPTS)
+    tight_engine = fake_engine(num_blocks=24, max_num_batched_tokens=64)
+    tight = run(tight_engine, PROMPTS)
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    assert all(len(o.token_ids) == 12 for o in tight)
+    stats = tight_engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv.blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+    tight_engine.check_integrity()
+
+
+def test_a_different_block_table_would_change_the_answer():
+    # the fake runner reads its context through the block tables: a prefix hit that mapped
+    # the wrong blocks would show up as different tokens
+    engine = fake_engine()
+    first = run(engine, [LONG])[0]
+    again = run(engine, [LONG])[0]
+    assert again.num_cached_tokens == (len(LONG) - 1) // 4 * 4
+    assert again.token_ids == first.token_ids
+    assert run(fake_engine(), [LONG + "!"])[0].token_ids != first.token_ids
+
+
+@pytest.mark.parametrize("layer_groups", [1, 2])
+def test_load_from_host_tier_gives_the_same_tokens(layer_groups):
+    reference = run(fake_engine(), [LONG])[0]
+    engine = fake_engine(
+        kv_host_memory="1MiB",
+        kv_store_min_tokens=8,
+        kv_chunk_blocks=2,
+        kv_load_policy="always",
+        kv_layer_groups=layer_groups,
+    )
+    run(engine, [LONG])
+    evict_device(engine)
+    out = run(engine, [LONG])[0]
+    assert out.token_ids == reference.token_ids
+    assert (
+        out.num_loaded_tokens == (len(LONG) - 1) // 4 * 4
+    )  # every full block but the last token's
+    stats = engine.stats()
+    assert stats.store.load_decisions == 1 and stats.store.tiers["host"].hits > 0
+    assert stats.num_load_rollbacks == 0
+
+
+def test_corrupt_entries_roll_back_and_are_written_again(tmp_path):
+    reference = run(fake_engine(), [LONG])[0]
+    engine = fake_engine(
+        kv_disk_path=str(tmp_path),
+        kv_store_min_tokens=8,
+        kv_chunk_blocks=2,
+        kv_load_policy="always",
+    )
+    run(engine, [LONG])
+    evict_device(engine)
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert files
+    for path in files[len(files) // 2 :]:  # damage the second half of the chunks
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    written = engine.stats().store.chunks_written
+    out = run(engine, [LONG])[0]
+    assert out.token_ids == reference.token_ids
+    assert 0 < out.num_loaded_tokens < (len(LONG) - 1) // 4 * 4
+    stats = engine.stats()
+    assert stats.num_load_rollbacks == 1 and stats.store.tiers["disk"].faults >= 1
+    engine.flush()
+    # the damaged chunks were recomputed; the store forgot them, so they are written again
+    assert engine.stats().store.chunks_written > written
+    evict_device(engine)
+    assert run(engine, [LONG])[0].num_loaded_tokens == (len(LONG) - 1) // 4 * 4
+    engine.close()
+
+
+def test_park_moves_a_session_to_the_tiers_and_its_next_turn_loads_it():
+    chat = [{"role": "user", "content": "Tell me about blocks. " * 4}]
+    session = RequestOptions(tenant="alice", session_id="s1")
+    engine = fake_engine(kv_host_memory="1MiB", kv_store_min_tokens=8, kv_load_policy="always")
+    first = run(engine, [chat], options=session)[0]
+    with pytest.raises(SessionNotFound, match="session_id"):
+        engine.park("s1", tenant="bob")  # sessions are per tenant
+    cached_before = engine.stats().kv.blocks_cached_free
+    parked = engine.park("s1", tenant="alice")
+    assert parked > 0 and parked % 4 == 0
+    assert engine.stats().kv.blocks_cached_free == cached_before - parked // 4
+    turn2 = chat + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "?"}]
+    out = run(engine, [turn2], options=session)[0]
+    assert out.num_loaded_tokens > 0
+    assert out.token_ids == run(fake_engine(), [turn2])[0].token_ids
+    engine.add_request(turn2, P, session)
+    with pytest.raises(SessionBusy, match="in flight"):
+        engine.park("s1", tenant="alice")
+
+
+def test_admission_errors_are_typed():
+    engine = fake_engine(num_blocks=8, max_waiting=1)
+    with pytest.raises(ContextLengthExceeded, match="prompt: .* do not fit the KV cache"):
+        engine.add_request("x" * 40, P)
+    engine.add_request("hello", P)
+    with pytest.raises(QueueFullError):
+        engine.add_request("again", P)
+    with pytest.raises(ValueError, match="retention"):
+        engine.add_request("hello", P, RequestOptions(retention="soon"))
+
+
+def test_stop_strings_and_abort_free_every_block():
+    engine = fake_engine()
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    free_run = run(engine, [LONG], params)[0]
+    stop = free_run.text[5:7]
+    out = run(engine, [LONG], SamplingParams(max_tokens=50, temperature=0, stop=[stop]))[0]
+    assert out.finish_reason is FinishReason.STOP and stop not in out.text
+    request_id = engine.add_request(LONG, params)
+    engine.step()
+    engine.abort([request_id])
+    assert engine.stats().kv.blocks_used == 0
+
+
+def test_llm_stream_takes_every_option_generate_takes():
+    llm = LLM.__new__(LLM)
+    llm.engine = fake_engine(kv_host_memory="1MiB", kv_store_min_tokens=8)
+    chat = [{"role": "user", "content": "stream me " * 6}]
+    outs = list(llm.stream(chat, P, tenant="alice", session_id="s", retention="1h"))
+    assert outs[-1].finished and llm.stats().kv.blocks_kept > 0
+    assert llm.park("s", tenant="alice") > 0
+    streamed = "".join(o.delta_text for o in outs)
+    options = RequestOptions(tenant="alice", session_id="s")
+    assert llm.chat(chat, P, options)[0].text == streamed
+    with pytest.raises(ValueError, match="tenat: unknown request option"):
+        llm.generate("x", P, tenat="alice")

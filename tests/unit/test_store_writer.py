@@ -1,0 +1,124 @@
+"""The tiered store's writer on its own: typed jobs, the pending-bytes cap, flush, close."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvwise.core.kv_tiers import ChunkWrite
+from kvwise.store import serde
+from kvwise.store.host import HostStore
+from kvwise.store.writer import Promote, WriteChunk, Writer
+from tests.store_util import chain, entry_format, payload
+
+FMT = entry_format()  # 2 layer groups, 128-byte blocks
+
+
+def chunk_job(hashes: list[bytes], num_tiers: int | None = None, ttl_s=None) -> WriteChunk:
+    return WriteChunk(ChunkWrite(0, tuple(hashes), num_tiers), payload(hashes), ttl_s)
+
+
+class GatedHost(HostStore):
+    """A host tier whose puts wait until ``gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+        self.gate = threading.Event()
+
+    def put(self, items, ttl_s=None) -> None:
+        assert self.gate.wait(5)
+        super().put(items, ttl_s)
+
+
+def test_a_chunk_is_packed_per_layer_group_and_written_to_its_tiers():
+    top, bottom = HostStore(1 << 20), HostStore(1 << 20)
+    writer = Writer([top, bottom], FMT, background=False)
+    h = chain(4)
+    assert writer.submit(chunk_job(h, num_tiers=1))
+    keys = [serde.entry_key(h[0], g) for g in (0, 1)]
+    assert top.contains(keys) == [True, True] and bottom.contains(keys) == [False, False]
+    # group g holds layer g: K then V of the 4 blocks, 32 bytes each, as the payload lays out
+    for g, value in enumerate(top.get(keys)):
+        entry = serde.unpack(FMT, keys[g], value)
+        assert (entry.group, entry.block_hashes) == (g, h)
+        assert bytes(entry.payload) == payload(h)[g * 256 : (g + 1) * 256]
+    assert (writer.chunks_written, writer.writes_dropped, writer.pending_bytes) == (1, 0, 0)
+
+
+def test_a_promotion_goes_to_the_tiers_above_only():
+    tiers = [HostStore(1 << 20) for _ in range(3)]
+    writer = Writer(tiers, FMT, background=False)
+    key = chain(1)[0]
+    assert writer.submit(Promote(2, key, b"entry"))
+    assert [t.contains([key]) for t in tiers] == [[True], [True], [False]]
+    assert writer.chunks_written == 0
+    assert Promote(2, key, bytearray(10)).num_bytes == 10
+
+
+def test_jobs_over_the_pending_cap_are_dropped_and_counted():
+    host = GatedHost()
+    writer = Writer([host], FMT, max_pending_bytes=600)
+    h = chain(8)
+    first, second = chunk_job(h[:4]), chunk_job(h[4:])
+    assert first.num_bytes == 512
+    assert writer.submit(first)
+    assert writer.pending_bytes == 512
+    assert not writer.submit(second)  # 1024 > 600 while the first waits
+    assert writer.writes_dropped == 1
+    host.gate.set()
+    writer.flush()
+    assert writer.pending_bytes == 0
+    assert writer.submit(second)  # room again
+    writer.close()
+    assert writer.chunks_written == 2
+
+
+def test_flush_waits_for_every_queued_job():
+    host = GatedHost()
+    writer = Writer([host], FMT)
+    h = chain(12)
+    for first in (0, 4, 8):
+        assert writer.submit(chunk_job(h[first : first + 4]))
+    flushed = threading.Event()
+    flusher = threading.Thread(target=lambda: (writer.flush(), flushed.set()))
+    flusher.start()
+    assert not flushed.wait(0.1)  # the puts are still held
+    host.gate.set()
+    assert flushed.wait(5)
+    flusher.join()
+    assert writer.chunks_written == 3 and writer.pending_bytes == 0
+    writer.close()
+
+
+def test_close_flushes_is_idempotent_and_then_drops():
+    host = HostStore(1 << 20)
+    writer = Writer([host], FMT)
+    h = chain(4)
+    writer.submit(chunk_job(h))
+    writer.close()
+    writer.close()
+    assert host.contains([serde.entry_key(h[0], 0)]) == [True]
+    assert not writer.submit(chunk_job(chain(4, "b")))
+    assert writer.writes_dropped == 1
+
+
+def test_a_failing_job_does_not_stop_the_background_writer():
+    class Broken(HostStore):
+        def put(self, items, ttl_s=None) -> None:
+            raise RuntimeError("bug")
+
+    good = HostStore(1 << 20)
+    writer = Writer([good, Broken(1 << 20)], FMT)
+    first, second = chain(1)[0], chain(1, "b")[0]
+    assert writer.submit(Promote(2, first, b"x"))  # good, then the broken tier raises
+    assert writer.submit(Promote(1, second, b"y"))  # good only: still written
+    writer.flush()
+    assert good.contains([first, second]) == [True, True]
+    assert writer.pending_bytes == 0
+    writer.close()
+    # without a thread the error reaches the caller (tests see their bugs)
+    foreground = Writer([Broken(1 << 20)], FMT, background=False)
+    with pytest.raises(RuntimeError):
+        foreground.submit(Promote(1, chain(1)[0], b"x"))
+    assert foreground.pending_bytes == 0
