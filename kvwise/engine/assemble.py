@@ -10,7 +10,8 @@ import logging
 from kvwise.config import EngineConfig
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.scheduler import Scheduler
-from kvwise.engine.llm_engine import LLMEngine, Tokenizer
+from kvwise.engine.llm_engine import LLMEngine
+from kvwise.engine.prompts import Tokenizer
 from kvwise.engine.store_factory import build_store
 from kvwise.utils import format_bytes
 

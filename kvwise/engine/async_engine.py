@@ -36,7 +36,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvwise.engine.llm_engine import LLMEngine, Prompt
+from kvwise.engine.llm_engine import LLMEngine
+from kvwise.engine.prompts import Prompt
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import EngineDeadError, EngineStepError, QueueFullError
 from kvwise.types import RequestOptions, RequestOutput, SamplingParams

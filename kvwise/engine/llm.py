@@ -17,7 +17,8 @@ from collections.abc import Iterator, Sequence
 
 from kvwise.config import EngineConfig
 from kvwise.engine.builder import build_engine
-from kvwise.engine.llm_engine import LLMEngine, Prompt
+from kvwise.engine.llm_engine import LLMEngine
+from kvwise.engine.prompts import Prompt
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import InvalidRequest
 from kvwise.types import RequestOptions, RequestOutput, SamplingParams

@@ -11,35 +11,19 @@ runner in tests) and, optionally, the tiered store below the device pool.
 from __future__ import annotations
 
 import time
-from typing import Protocol
 
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.core.request import Request
 from kvwise.core.scheduler import Scheduler
-from kvwise.engine.detokenize import Decoder
 from kvwise.engine.kv_loader import KVLoader
 from kvwise.engine.output_processor import OutputProcessor
+from kvwise.engine.prompts import Prompt, Tokenizer, tokenize_prompt
 from kvwise.engine.sessions import SessionMap
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import InvalidRequest, SessionBusy, SessionNotFound
 from kvwise.store.tiered import TieredStore
 from kvwise.types import FinishReason, RequestOptions, RequestOutput, SamplingParams
-
-Prompt = str | list[dict] | list[int]
-
-
-class Tokenizer(Decoder, Protocol):
-    """What the engine needs from a tokenizer (``engine.tokenizer.Tokenizer`` fits)."""
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True
-    ) -> list[int]: ...
 
 
 class LLMEngine:
@@ -70,25 +54,7 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         """A string, a chat message list or token ids → token ids (InvalidRequest on bad
         input)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("prompt", "must not be empty")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode_chat(prompt)
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            vocab = self.runner.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest("prompt", f"token ids must be in [0, {vocab}), got {bad[:5]}")
-            return list(prompt)
-        raise InvalidRequest(
-            "prompt", "expected a non-empty string, a list of chat messages or a list of token ids"
-        )
+        return tokenize_prompt(self.tokenizer, prompt, self.runner.vocab_size)
 
     def add_request(
         self,

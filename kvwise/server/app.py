@@ -23,52 +23,27 @@ not, has its request aborted and its KV blocks freed before the next engine step
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi import FastAPI
+from fastapi.responses import Response
 
-from kvwise.engine.async_engine import AsyncEngine, RequestStream
+from kvwise.engine.async_engine import AsyncEngine
 from kvwise.engine.llm_engine import LLMEngine
-from kvwise.errors import InvalidRequest, KVWiseError
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.protocol import (
-    APIError,
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatStreamChoice,
-    CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
-    ParkRequest,
     ParkResponse,
-    PromptTokensDetails,
-    Usage,
 )
-from kvwise.server.transport import (
-    AuthAndCount,
-    SSEResponse,
-    collect_or_disconnect,
-    install_error_handlers,
-)
-from kvwise.types import RequestOutput
+from kvwise.server.routes import DEFAULT_COMPLETION_MAX_TOKENS, OpenAIRoutes
+from kvwise.server.transport import AuthAndCount, install_error_handlers
 
-logger = logging.getLogger("kvwise.server")
-
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _ERRORS = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in (
@@ -104,9 +79,7 @@ def create_app(
     """
     owns_engine = isinstance(engine, LLMEngine)
     async_engine = AsyncEngine(engine) if isinstance(engine, LLMEngine) else engine
-    keys = dict(api_keys or {})
     metrics = ServerMetrics(async_engine)
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -127,202 +100,23 @@ def create_app(
     app.state.metrics = metrics
     app.state.model_name = model_name
     install_error_handlers(app)
-    app.add_middleware(AuthAndCount, keys=keys, metrics=metrics)
-
-    def check_model(model: str | None) -> None:
-        if model is not None and model != model_name:
-            raise APIError(
-                404,
-                f"model: '{model}' is not served here (this server serves '{model_name}')",
-                param="model",
-                code="model_not_found",
-            )
-
-    def check_request(body: CompletionRequest | ChatCompletionRequest) -> None:
-        check_model(body.model)
-        body.check_supported()
-
-    async def admit(body, prompt, request_id: str, tenant: str, prompt_param: str):
-        default_max = (
-            default_completion_max_tokens
-            if isinstance(body, CompletionRequest)
-            else async_engine.max_model_len
-        )
-        try:
-            params = body.sampling_params(default_max)
-            options = body.request_options(tenant)
-            return await async_engine.add_request(prompt, params, options, request_id=request_id)
-        except InvalidRequest as exc:
-            # the chat prompt is the rendered messages: name the field the client sent
-            raise (exc.renamed(prompt_param) if exc.param == "prompt" else exc) from None
-
-    def ended(stream: RequestStream, tenant: str) -> None:
-        stream.close()
-        last = stream.last
-        reason = last.finish_reason.value if last and last.finished else "abort"
-        metrics.observe_request(stream.request_id, tenant, last, reason)
-
-    def sse(
-        stream: RequestStream,
-        tenant: str,
-        include_usage: bool,
-        on_output: Callable[[RequestOutput], str],
-        on_usage: Callable[[Usage], str],
-        first: str | None = None,
-    ) -> SSEResponse:
-        """Stream a request as server-sent events: ``first``, one event per output with new
-        text (or the end), the usage when asked, then ``[DONE]``."""
-
-        async def events() -> AsyncIterator[str]:
-            if first is not None:
-                yield first
-            async for out in _outputs_or_error(stream):
-                if isinstance(out, str):  # an error event: the stream ends with it
-                    yield out
-                    return
-                if out.delta_text or out.finished:
-                    yield on_output(out)
-            if include_usage and stream.last is not None:
-                yield on_usage(_usage(stream.last))
-            yield "data: [DONE]\n\n"
-
-        return SSEResponse(events(), on_close=lambda: ended(stream, tenant))
-
-    async def collect(stream: RequestStream, request: Request, tenant: str):
-        """The final output, or None when the client went away first."""
-        try:
-            return await collect_or_disconnect(stream, request)
-        finally:
-            ended(stream, tenant)
-
-    @app.post(
-        "/v1/completions",
-        response_model=CompletionResponse,
-        responses={**_ERRORS, 200: {"content": _SSE}},
-    )
-    async def completions(body: CompletionRequest, request: Request):
-        tenant = request.state.tenant
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        check_request(body)
-        stream = await admit(body, body.prompt_of(), request_id, tenant, "prompt")
-        now = int(time.time())
-
-        def chunk(text: str, finish: str | None = None, usage: Usage | None = None) -> str:
-            choices = [] if usage else [CompletionChoice(text=text, finish_reason=finish)]
-            c = CompletionResponse(
-                id=request_id, created=now, model=model_name, choices=choices, usage=usage
-            )
-            return f"data: {c.model_dump_json()}\n\n"
-
-        if body.stream:
-            return sse(
-                stream,
-                tenant,
-                body.include_usage,
-                on_output=lambda out: chunk(out.delta_text, _finish(out)),
-                on_usage=lambda usage: chunk("", usage=usage),
-            )
-        out = await collect(stream, request, tenant)
-        if out is None:
-            return Response(status_code=499)
-        choice = CompletionChoice(text=out.text, finish_reason=_finish(out))
-        return CompletionResponse(
-            id=request_id, created=now, model=model_name, choices=[choice], usage=_usage(out)
-        )
-
-    @app.post(
-        "/v1/chat/completions",
-        response_model=ChatCompletionResponse,
-        responses={**_ERRORS, 200: {"content": _SSE}},
-    )
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        tenant = request.state.tenant
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        check_request(body)
-        stream = await admit(body, body.messages_of(), request_id, tenant, "messages")
-        now = int(time.time())
-
-        def chunk(delta: DeltaMessage | None, finish: str | None = None, usage=None) -> str:
-            choices = [] if delta is None else [ChatStreamChoice(delta=delta, finish_reason=finish)]
-            c = ChatCompletionChunk(
-                id=request_id, created=now, model=model_name, choices=choices, usage=usage
-            )
-            return f"data: {c.model_dump_json()}\n\n"
-
-        if body.stream:
-            return sse(
-                stream,
-                tenant,
-                body.include_usage,
-                on_output=lambda out: chunk(
-                    DeltaMessage(content=out.delta_text or None), _finish(out)
-                ),
-                on_usage=lambda usage: chunk(None, usage=usage),
-                first=chunk(DeltaMessage(role="assistant", content="")),
-            )
-        out = await collect(stream, request, tenant)
-        if out is None:
-            return Response(status_code=499)
-        choice = ChatChoice(message=AssistantMessage(content=out.text), finish_reason=_finish(out))
-        return ChatCompletionResponse(
-            id=request_id, created=now, model=model_name, choices=[choice], usage=_usage(out)
-        )
-
-    @app.post("/v1/kvwise/park", response_model=ParkResponse, responses=_PARK_ERRORS)
-    async def park(body: ParkRequest, request: Request) -> ParkResponse:
-        """Move a conversation's KV to the tiers until its next turn (kvwise extension)."""
-        key = body.prompt_cache_key
-        try:
-            parked_tokens = await async_engine.park(key, request.state.tenant)
-        except InvalidRequest as exc:  # SessionNotFound (404), SessionBusy (409)
-            raise (exc.renamed("prompt_cache_key") if exc.param == "session_id" else exc) from None
-        return ParkResponse(prompt_cache_key=key, parked_tokens=parked_tokens)
-
-    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
-    async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, created=created)])
-
-    @app.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS)
-    async def get_model(model: str) -> ModelCard:
-        check_model(model)
-        return ModelCard(id=model_name, created=created)
-
-    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
-    async def health():
-        if async_engine.is_running:
-            return Health(status="ok")
-        reason = async_engine.dead_reason or "the engine is not started"
-        return JSONResponse(Health(status=reason).model_dump(), status_code=503)
-
-    @app.get("/metrics", response_class=Response)
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+    app.add_middleware(AuthAndCount, keys=dict(api_keys or {}), metrics=metrics)
+    _add_routes(app, OpenAIRoutes(async_engine, metrics, model_name, default_completion_max_tokens))
     return app
 
 
-# ---- helpers ---------------------------------------------------------------------------------
-
-
-def _usage(out: RequestOutput) -> Usage:
-    num_generated = len(out.token_ids)
-    return Usage(
-        prompt_tokens=out.num_prompt_tokens,
-        completion_tokens=num_generated,
-        total_tokens=out.num_prompt_tokens + num_generated,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=int(out.num_cached_tokens)),
+def _add_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
+    generation = {**_ERRORS, 200: {"content": _SSE}}
+    app.post("/v1/completions", response_model=CompletionResponse, responses=generation)(
+        routes.completions
     )
-
-
-def _finish(out: RequestOutput) -> str | None:
-    return out.finish_reason.value if out.finished and out.finish_reason else None
-
-
-async def _outputs_or_error(stream: RequestStream) -> AsyncIterator[RequestOutput | str]:
-    """The stream's outputs; an engine failure becomes one SSE error event (a string)."""
-    try:
-        async for out in stream:
-            yield out
-    except KVWiseError as exc:  # the engine died or the step failed mid-stream
-        error = APIError.from_error(exc)
-        yield f"data: {ErrorResponse.model_validate(error.body()).model_dump_json()}\n\n"
+    app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=generation)(
+        routes.chat_completions
+    )
+    app.post("/v1/kvwise/park", response_model=ParkResponse, responses=_PARK_ERRORS)(routes.park)
+    app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})(
+        routes.list_models
+    )
+    app.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS)(routes.get_model)
+    app.get("/health", response_model=Health, responses={503: {"model": Health}})(routes.health)
+    app.get("/metrics", response_class=Response)(routes.prometheus_metrics)

@@ -30,6 +30,7 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvwise.core.kv_spec import KVSpec
 
@@ -186,6 +187,53 @@ def entry_blocks_from_size(fmt: EntryFormat, group: int, num_bytes: int) -> int 
     return num_blocks if num_blocks > 0 and rest == 0 else None
 
 
+class _Header(NamedTuple):
+    magic: bytes
+    version: int
+    header_size: int
+    key: bytes
+    digest: bytes
+    dtype: bytes
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    first_block: int
+    num_blocks: int
+    group: int
+    layer_groups: int
+    payload_bytes: int
+    crc: int
+
+
+def _check_header(fmt: EntryFormat, key: bytes, head: memoryview) -> _Header:
+    """The fixed header, checked against this engine's format and the key it was read under."""
+    if head.nbytes < HEADER_SIZE:
+        raise CorruptEntry(f"truncated header ({head.nbytes} bytes)")
+    h = _Header._make(_HEADER.unpack_from(head))
+    if h.magic != MAGIC:
+        raise CorruptEntry("bad magic")
+    if h.version != VERSION or h.header_size != HEADER_SIZE:
+        raise CorruptEntry(f"format version {h.version}, expected {VERSION}")
+    if h.key != key:
+        raise CorruptEntry("entry stored under another key")
+    if h.digest != fmt.model_digest:
+        raise CorruptEntry("entry from another model or KV layout")
+    dtype = h.dtype.rstrip(b"\0").decode(errors="replace")
+    layout = (dtype, h.num_layers, h.num_kv_heads, h.head_dim, h.block_size)
+    spec = fmt.spec
+    expected = (spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size)
+    if layout != expected:
+        raise CorruptEntry(f"layout {layout}, expected {expected}")
+    if h.layer_groups != fmt.layer_groups or h.group >= h.layer_groups:
+        raise CorruptEntry(
+            f"layer group {h.group} of {h.layer_groups}, expected of {fmt.layer_groups}"
+        )
+    if h.payload_bytes != h.num_blocks * fmt.group_block_bytes(h.group) or h.num_blocks == 0:
+        raise CorruptEntry(f"{h.payload_bytes} payload bytes for {h.num_blocks} blocks")
+    return h
+
+
 def check_parts(fmt: EntryFormat, key: bytes, head, payload_parts) -> Entry:
     """Check an entry read in pieces: ``head`` (header and block hashes) and its payload as
     consecutive buffers (e.g. read straight into the device pool). Returns the entry with
@@ -195,55 +243,19 @@ def check_parts(fmt: EntryFormat, key: bytes, head, payload_parts) -> Entry:
         CorruptEntry: anything does not match (the reason is in the message).
     """
     head = memoryview(head).cast("B")
-    if head.nbytes < HEADER_SIZE:
-        raise CorruptEntry(f"truncated header ({head.nbytes} bytes)")
-    (
-        magic,
-        version,
-        header_size,
-        header_key,
-        digest,
-        dtype,
-        num_layers,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        first_block,
-        num_blocks,
-        group,
-        layer_groups,
-        payload_bytes,
-        crc,
-    ) = _HEADER.unpack_from(head)
-    if magic != MAGIC:
-        raise CorruptEntry("bad magic")
-    if version != VERSION or header_size != HEADER_SIZE:
-        raise CorruptEntry(f"format version {version}, expected {VERSION}")
-    if header_key != key:
-        raise CorruptEntry("entry stored under another key")
-    if digest != fmt.model_digest:
-        raise CorruptEntry("entry from another model or KV layout")
-    layout = (dtype.rstrip(b"\0").decode(errors="replace"), num_layers, num_kv_heads, head_dim)
-    spec = fmt.spec
-    expected = (spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim)
-    if layout != expected or block_size != fmt.block_size:
-        raise CorruptEntry(f"layout {layout}/B{block_size}, expected {expected}/B{fmt.block_size}")
-    if layer_groups != fmt.layer_groups or group >= layer_groups:
-        raise CorruptEntry(f"layer group {group} of {layer_groups}, expected of {fmt.layer_groups}")
-    if payload_bytes != num_blocks * fmt.group_block_bytes(group) or num_blocks == 0:
-        raise CorruptEntry(f"{payload_bytes} payload bytes for {num_blocks} blocks")
+    h = _check_header(fmt, key, head)
     parts = [memoryview(p).cast("B") for p in payload_parts]
-    head_end = fmt.head_bytes(num_blocks)
+    head_end = fmt.head_bytes(h.num_blocks)
     got = head.nbytes + sum(p.nbytes for p in parts)
-    if head.nbytes != head_end or got != head_end + payload_bytes:
-        raise CorruptEntry(f"{got} bytes, expected {head_end + payload_bytes}")
+    if head.nbytes != head_end or got != head_end + h.payload_bytes:
+        raise CorruptEntry(f"{got} bytes, expected {head_end + h.payload_bytes}")
     hashes = head[HEADER_SIZE:head_end]
     running = zlib.crc32(hashes)
     for part in parts:
         running = zlib.crc32(part, running)
-    if running != crc:
+    if running != h.crc:
         raise CorruptEntry("checksum mismatch")
     block_hashes = [bytes(hashes[i : i + 32]) for i in range(0, len(hashes), 32)]
-    if entry_key(block_hashes[0], group) != key:
+    if entry_key(block_hashes[0], h.group) != key:
         raise CorruptEntry("entry's first block and group do not make its key")
-    return Entry(first_block, group, block_hashes, parts[0] if parts else memoryview(b""))
+    return Entry(h.first_block, h.group, block_hashes, parts[0] if parts else memoryview(b""))
