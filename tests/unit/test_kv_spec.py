@@ -1,0 +1,48 @@
+"""KVSpec is the one owner of the KV layout: every byte count the cache, the tiers and the
+sizing report use comes from it."""
+
+import pytest
+
+from kvwise.core.kv_spec import KVSpec
+from kvwise.sizing import KVShape
+from kvwise.store import serde
+
+SMOLLM2 = KVSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
+
+
+def test_default_model_bytes():
+    assert SMOLLM2.bytes_per_token == 46_080  # 2 x 30 x 3 x 64 x 4 B
+    assert SMOLLM2.half_block_bytes == 16 * 3 * 64 * 4
+    assert SMOLLM2.layer_block_bytes == 2 * SMOLLM2.half_block_bytes
+    assert SMOLLM2.block_bytes == 30 * SMOLLM2.layer_block_bytes == 737_280
+    assert SMOLLM2.cache_shape(10) == (30, 2, 10, 16, 3, 64)
+    assert SMOLLM2.num_blocks_in(737_280 * 5 + 1) == 5
+    assert SMOLLM2.layout == "L30.KV3.D64.B16.float32"
+
+
+def test_dtype_and_side_data_change_bytes_and_layout():
+    half = KVSpec(30, 3, 64, 16, "bfloat16")
+    assert half.block_bytes * 2 == SMOLLM2.block_bytes
+    scaled = KVSpec(30, 3, 64, 16, "int8", side_bytes=96)
+    assert scaled.layer_block_bytes == 2 * 16 * 3 * 64 + 96
+    assert len({SMOLLM2.layout, half.layout, scaled.layout}) == 3
+
+
+def test_sizing_and_entries_use_the_spec():
+    shape = KVShape(30, 9, 3, 64, "float32")
+    assert shape.bytes_per_token == SMOLLM2.bytes_per_token
+    fmt = serde.EntryFormat(SMOLLM2, "model", layer_groups=3)
+    assert fmt.block_bytes == SMOLLM2.block_bytes
+    assert sum(fmt.group_block_bytes(g) for g in range(3)) == SMOLLM2.block_bytes
+    assert fmt.entry_bytes(0, 2) == fmt.head_bytes(2) + 2 * 10 * SMOLLM2.layer_block_bytes
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"num_layers": 0}, "num_layers"), ({"dtype": "int3"}, "kv_cache_dtype"),
+     ({"side_bytes": -1}, "side_bytes")],
+)  # fmt: skip
+def test_bad_spec_names_the_field(kwargs, field):
+    base = dict(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4)
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        KVSpec(**{**base, **kwargs})
