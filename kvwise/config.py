@@ -146,10 +146,6 @@ class StoreConfig:
                 f"kv_load_policy: expected one of {LOAD_POLICIES}, got {self.kv_load_policy!r}"
             )
 
-    @property
-    def any_tier(self) -> bool:
-        return bool(self.kv_host_memory or self.kv_disk_path or self.kv_redis_url)
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:

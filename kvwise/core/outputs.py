@@ -1,5 +1,6 @@
 """Plain data crossing the scheduler ↔ worker boundary: ints, strings, frozen params and, for
 the tiers, the planned chunks to load into device blocks and to copy out of them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -51,7 +51,7 @@ def assemble_engine(
         ),
     )
     store = None
-    if kv_manager.enable_caching and config.store.any_tier:
+    if kv_manager.enable_caching:
         prefill_chunk_size = config.scheduler.prefill_chunk_size
         store = build_store(config.store, spec, fingerprint, prefill_chunk_size)
     scheduler = Scheduler(

@@ -1,9 +1,12 @@
 """``build_engine(config)``: load the model and tokenizer, size the KV pool, and assemble an
-``LLMEngine`` from its parts (``assemble.py``). The composition root of the real engine."""
+``LLMEngine`` from its parts (``assemble.py``). The composition root of the real engine.
+``build_model_parts`` stops before the assembly, so a caller (a test) can put its own wrapper
+around the model runner."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -26,12 +29,32 @@ def load_for(config: EngineConfig, progress: bool = True) -> LoadedModel:
     return load_model(config.model.model, dtype=TORCH_DTYPES[config.model.dtype], progress=progress)
 
 
-def build_engine(
-    config: EngineConfig | None = None, *, progress: bool = True, loaded: LoadedModel | None = None
-) -> LLMEngine:
-    """Load the model (unless ``loaded`` reuses weights already in memory), size the KV pool
-    and assemble the engine."""
-    config = config or EngineConfig()
+@dataclass(frozen=True)
+class ModelParts:
+    """What a loaded model contributes to an engine; ``assemble_engine`` adds the rest."""
+
+    runner: ModelRunner
+    tokenizer: Tokenizer
+    model_fingerprint: str  # the weights and the compute dtype
+    max_model_len: int
+
+    def assemble(self, config: EngineConfig, runner=None) -> LLMEngine:
+        """The engine around these parts; ``runner`` replaces the model runner (e.g. a test's
+        wrapper around it)."""
+        return assemble_engine(
+            config,
+            runner or self.runner,
+            self.tokenizer,
+            model_fingerprint=self.model_fingerprint,
+            max_model_len=self.max_model_len,
+        )
+
+
+def build_model_parts(
+    config: EngineConfig, *, progress: bool = True, loaded: LoadedModel | None = None
+) -> ModelParts:
+    """Load the model (unless ``loaded`` reuses weights already in memory) and its tokenizer,
+    and size the KV pool: a ``ModelRunner`` over a ``KVSpec``."""
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
     loaded = loaded or load_for(config, progress)
@@ -55,14 +78,20 @@ def build_engine(
             f"two blocks of {format_bytes(spec.block_bytes)}"
         )
     compute_dtype = TORCH_DTYPES[config.model.dtype]
-    runner = ModelRunner(loaded.model, arch, spec, num_blocks, compute_dtype)
-    return assemble_engine(
-        config,
-        runner,
-        tokenizer,
+    return ModelParts(
+        runner=ModelRunner(loaded.model, arch, spec, num_blocks, compute_dtype),
+        tokenizer=tokenizer,
         model_fingerprint=f"{loaded.fingerprint}/{config.model.dtype}",
         max_model_len=_max_model_len(config, arch),
     )
+
+
+def build_engine(
+    config: EngineConfig | None = None, *, progress: bool = True, loaded: LoadedModel | None = None
+) -> LLMEngine:
+    """Load the model, size the KV pool and assemble the engine."""
+    config = config or EngineConfig()
+    return build_model_parts(config, progress=progress, loaded=loaded).assemble(config)
 
 
 def _max_model_len(config: EngineConfig, arch) -> int:

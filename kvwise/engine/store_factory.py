@@ -21,8 +21,8 @@ def build_store(
     spec: KVSpec,
     model_fingerprint: str,
     prefill_chunk_size: int | None,
-) -> TieredStore:
-    """The store over every tier ``config`` turns on (none: a store with no tiers).
+) -> TieredStore | None:
+    """The store over every tier ``config`` turns on (None when it turns none on).
 
     Args:
         spec: the KV layout of the device pool (and so of every stored entry).
@@ -34,6 +34,8 @@ def build_store(
         spec, model_fingerprint, layer_groups=min(config.kv_layer_groups, spec.num_layers)
     )
     tiers = build_tiers(config)
+    if not tiers:
+        return None
     store = TieredStore(
         tiers,
         fmt,

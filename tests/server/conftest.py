@@ -17,7 +17,7 @@ import uvicorn
 
 from kvwise.config import EngineConfig
 from kvwise.engine.async_engine import AsyncEngine
-from kvwise.engine.builder import build_engine
+from kvwise.engine.builder import build_model_parts
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.engine.tokenizer import Tokenizer
 from kvwise.models.arch import ModelArchConfig
@@ -105,17 +105,6 @@ def stop_serving(proc, timeout: float = 60.0) -> str:
     return out.decode()
 
 
-def slow_down(engine: LLMEngine, seconds_per_step: float) -> None:
-    """Make every model step take at least this long (to catch a request mid-stream)."""
-    execute = engine.runner.execute
-
-    def slow(sched_out, *args, **kwargs):
-        time.sleep(seconds_per_step)
-        return execute(sched_out, *args, **kwargs)
-
-    engine.runner.execute = slow
-
-
 @pytest.fixture(scope="session")
 def tiny_loaded() -> LoadedModel:
     """A 2-layer random Llama over the default model's tokenizer (and chat template)."""
@@ -146,11 +135,15 @@ def tiny_loaded() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def make_tiny_engine(tiny_loaded):
-    def make(**kwargs) -> LLMEngine:
+    def make(*, wrap_runner=None, **kwargs) -> LLMEngine:
+        """A tiny-model engine; ``wrap_runner`` (e.g. ``tests.fakes.ControlledRunner``) wraps
+        its model runner, and the engine is assembled around the wrapper."""
         kwargs.setdefault("kv_cache_memory", "4MiB")
         kwargs.setdefault("kv_host_memory", "off")
         kwargs.setdefault("kv_disk_path", "off")
-        return build_engine(EngineConfig.from_kwargs(**kwargs), progress=False, loaded=tiny_loaded)
+        config = EngineConfig.from_kwargs(**kwargs)
+        parts = build_model_parts(config, progress=False, loaded=tiny_loaded)
+        return parts.assemble(config, wrap_runner(parts.runner) if wrap_runner else None)
 
     return make
 

@@ -1,5 +1,6 @@
 """AsyncEngine on the tiny model: one loop thread, per-request streams, abort on cancel,
-bounded queue, a failing step, shutdown."""
+bounded queue, a failing step, shutdown. The engine is built around a ``ControlledRunner``:
+tests slow its steps or make one fail through it, never by patching."""
 
 from __future__ import annotations
 
@@ -14,25 +15,28 @@ from kvwise.engine.async_engine import (
     QueueFullError,
 )
 from kvwise.types import FinishReason, SamplingParams
-
-from .conftest import slow_down
+from tests.fakes import ControlledRunner
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def engine(make_tiny_engine):
-    return make_tiny_engine(max_num_seqs=2, max_waiting=4)
+    return make_tiny_engine(max_num_seqs=2, max_waiting=4, wrap_runner=ControlledRunner)
 
 
 @pytest.fixture
-def async_engine(engine):
-    runner_execute = engine.runner.execute
+def runner(engine) -> ControlledRunner:
+    return engine.runner
+
+
+@pytest.fixture
+def async_engine(engine, runner):
     async_engine = AsyncEngine(engine, retry_after_s=3, close_engine=False)  # engine reused
     async_engine.start()
     yield async_engine
     async_engine.shutdown()
-    engine.runner.execute = runner_execute
+    runner.reset()  # no delay, no planned failure: the next test starts as this one did
     engine.check_integrity()
     assert engine.kv_manager.pool.num_used_blocks == 0
 
@@ -56,8 +60,8 @@ def test_concurrent_generate_matches_sequential(async_engine):
     assert async_engine.call_sync(lambda e: e.has_unfinished()) is False
 
 
-def test_cancel_aborts_and_frees_blocks(async_engine, engine):
-    slow_down(engine, 0.01)
+def test_cancel_aborts_and_frees_blocks(async_engine, runner):
+    runner.delay_s = 0.01
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 
     async def main():
@@ -81,8 +85,8 @@ def test_cancel_aborts_and_frees_blocks(async_engine, engine):
     assert used == 0 and stats.num_running == 0 and stats.num_waiting == 0
 
 
-def test_admission_errors_surface_before_output(async_engine, engine):
-    slow_down(engine, 0.02)
+def test_admission_errors_surface_before_output(async_engine, runner):
+    runner.delay_s = 0.02
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 
     async def main():
@@ -105,23 +109,15 @@ def test_admission_errors_surface_before_output(async_engine, engine):
     assert asyncio.run(main()) == 0
 
 
-def test_failed_step_fails_requests_in_flight_and_loop_goes_on(async_engine, engine):
-    execute = engine.runner.execute
-    calls = {"n": 0}
-
-    def flaky(sched_out):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("boom")
-        return execute(sched_out)
-
-    engine.runner.execute = flaky
+def test_failed_step_fails_requests_in_flight_and_loop_goes_on(async_engine, runner):
+    runner.fail_step(after=2, message="boom")  # the third step from now: mid-stream
 
     async def main():
+        outs = []
         with pytest.raises(EngineStepError, match="boom"):
-            async for _ in async_engine.generate("hello there", GREEDY):
-                pass
-        engine.runner.execute = execute
+            async for out in async_engine.generate("hello there", GREEDY):
+                outs.append(out)
+        assert len(outs) == 2  # the two steps before the failure each gave a token
         outs = [out async for out in async_engine.generate("hello again", GREEDY)]
         return outs[-1]
 
@@ -130,8 +126,8 @@ def test_failed_step_fails_requests_in_flight_and_loop_goes_on(async_engine, eng
     assert async_engine.is_running
 
 
-def test_shutdown_ends_open_streams(async_engine, engine):
-    slow_down(engine, 0.01)
+def test_shutdown_ends_open_streams(async_engine, runner):
+    runner.delay_s = 0.01
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 
     async def main():

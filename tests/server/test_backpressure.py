@@ -9,16 +9,17 @@ import pytest
 
 from kvwise.engine.async_engine import AsyncEngine
 from kvwise.server import create_app
+from tests.fakes import ControlledRunner
 
-from .conftest import TINY_NAME, LiveServer, slow_down, wait_for
+from .conftest import TINY_NAME, LiveServer, wait_for
 
 LONG = {"prompt": "tell me a story " * 8, "max_tokens": 200, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def slow_server(make_tiny_engine):
-    engine = make_tiny_engine(max_num_seqs=1, max_waiting=1)
-    slow_down(engine, 0.02)
+    engine = make_tiny_engine(max_num_seqs=1, max_waiting=1, wrap_runner=ControlledRunner)
+    engine.runner.delay_s = 0.02  # every step: to catch a request mid-stream
     async_engine = AsyncEngine(engine, retry_after_s=2)
     with LiveServer(create_app(async_engine, model_name=TINY_NAME)) as server:
         yield server

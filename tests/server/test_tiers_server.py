@@ -22,12 +22,12 @@ from kvwise.config import EngineConfig, StoreConfig
 from kvwise.engine.async_engine import AsyncEngine
 from kvwise.server import create_app
 from kvwise.types import SamplingParams
+from tests.fakes import ControlledRunner
 
 from .conftest import (
     KEYS,
     TINY_NAME,
     LiveServer,
-    slow_down,
     stop_serving,
     wait_for,
     wait_until_serving,
@@ -192,13 +192,14 @@ def test_sessions_are_per_tenant(tier_server):
 
 
 def test_park_of_a_session_in_flight_is_409(make_tiny_engine):
-    engine = make_tiny_engine()  # no tier needed: the in-flight check comes first
+    # no tier needed: the in-flight check comes first
+    engine = make_tiny_engine(wrap_runner=ControlledRunner)
     app = create_app(engine, api_keys=KEYS, model_name=TINY_NAME)
     with LiveServer(app) as server:
         client = client_for(server)
         messages = [{"role": "user", "content": "Count to a hundred."}]
         chat(client, messages, "busy")
-        slow_down(engine, 0.02)
+        engine.runner.delay_s = 0.02  # every step from now on
         body = {
             "messages": messages,
             "max_tokens": 200,
@@ -303,7 +304,8 @@ def test_serve_help_lists_the_tier_flags(capsys):
 def test_tier_flags_reach_the_store_config_only_when_given(monkeypatch, tmp_path):
     monkeypatch.delenv("KVWISE_KV_REDIS_URL", raising=False)
     kwargs = engine_kwargs(build_parser().parse_args(["serve"]))
-    assert not any(name.startswith("kv_") and name != "kv_cache_memory" for name in kwargs)
+    pool_flags = ("kv_cache_memory", "kv_cache_dtype")  # the device pool: not tier flags
+    assert not any(name.startswith("kv_") and name not in pool_flags for name in kwargs)
     assert EngineConfig.from_kwargs(**kwargs).store == StoreConfig()
     argv = ["serve", "--kv-host-memory", "off", "--kv-disk-path", str(tmp_path)]
     argv += ["--kv-disk-size", "1GiB", "--kv-redis-url", "redis://127.0.0.1:6390/2"]

@@ -1,0 +1,545 @@
+"""The async engine and the HTTP app over whole fake engines (``tests/fakes.py``: the fake runner
+and a byte tokenizer, no model, milliseconds a test).
+
+What holds here: a streamed request's tokens are the synchronous engine's, preemption
+included; the HTTP routes (completions and chat, streamed or not) answer the engine's text
+with the cached-token count; errors reach the client by type (429 with Retry-After, 400
+naming the field, 404 / 409 from park, 500 or an error event from a failing step); a client
+that goes away has its request aborted before the next step; tenants never share a cache; a
+tier kind registered by a plug-in shows up in ``/metrics`` with no edit to the server.
+
+Timing is made deterministic with ``ControlledRunner``, built into the engine: the test shuts
+the step gate, lets steps through one at a time and knows where the engine thread stands.
+NOTE: while a step waits at the shut gate the engine thread waits with it, so an admission
+or a park (commands run between two steps) completes only once a step is let through
+(``step_until``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwise.engine.async_engine import AsyncEngine
+from kvwise.server import create_app
+from kvwise.store import registry
+from kvwise.store.base import TierStats
+from kvwise.store.costmodel import DEFAULT_TIER_PRIOR, CostModel
+from kvwise.types import SamplingParams
+from tests.fakes import ByteTokenizer, ControlledRunner, fake_engine
+
+from .conftest import LiveServer, wait_for
+
+MODEL = "fake"
+P = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [f"prompt number {i}: " + "abcdefgh" * (2 + i % 3) for i in range(6)]
+LONG = "The same long prefix every time, " * 3  # 99 bytes: 24 full blocks of 4
+CHAT = [{"role": "user", "content": "Tell me about blocks. " * 3}]
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def run_sync(engine, prompts, params=P) -> list:
+    """The synchronous engine's final outputs, in prompt order."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def completion(prompt, max_tokens: int = 12, **extra) -> dict:
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+def chat(messages, max_tokens: int = 12, **extra) -> dict:
+    return {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+def events(response: httpx.Response) -> list:
+    """The ``data:`` payloads of a server-sent-event response (JSON, or the string [DONE])."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def cached_tokens(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def scrape(client: httpx.Client) -> dict[tuple[str, tuple], float]:
+    """/metrics as ``{(sample name, sorted labels): value}``."""
+    text = client.get("/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def fresh_stats(server: LiveServer):
+    """The engine's stats now (``AsyncEngine.stats()`` may predate the last step's end).
+    Runs on the engine thread: never while a step waits at a shut gate."""
+    return server.engine.call_sync(lambda e: e.stats())
+
+
+@contextmanager
+def serve(engine, **app_kwargs) -> Iterator[tuple[LiveServer, httpx.Client]]:
+    """The app over ``engine`` on a loopback port, and a client for it. A ``ControlledRunner``
+    gate is opened before the server stops (a failed test must not leave the engine held)."""
+    app = create_app(engine, model_name=MODEL, **app_kwargs)
+    with LiveServer(app) as server, httpx.Client(base_url=server.base_url, timeout=10) as client:
+        try:
+            yield server, client
+        finally:
+            runner = server.engine.engine.runner
+            if isinstance(runner, ControlledRunner):
+                runner.open_gate()
+
+
+def step_until(runner: ControlledRunner, future: concurrent.futures.Future, max_steps: int = 40):
+    """Let the held engine through one step at a time until ``future`` (an HTTP call whose
+    command waits for the end of a step) is done; the gate is shut again afterwards."""
+    for _ in range(max_steps):
+        try:
+            return future.result(timeout=0.02)
+        except concurrent.futures.TimeoutError:
+            runner.allow_steps(1)
+            assert runner.wait_until_blocked(), "the engine ran out of work"
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
+# ---- the async engine ------------------------------------------------------------------------
+
+
+def test_async_streams_equal_the_synchronous_engine():
+    prompts = [*PROMPTS[:3], CHAT]
+    expected = run_sync(fake_engine(), prompts)
+    async_engine = AsyncEngine(fake_engine())
+    async_engine.start()
+
+    async def run_one(prompt):
+        outs = [out async for out in async_engine.generate(prompt, P)]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert "".join(o.delta_text for o in outs) == outs[-1].text
+        return outs[-1]
+
+    async def main():
+        return await asyncio.gather(*(run_one(p) for p in prompts))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.text for o in got] == [o.text for o in expected]
+    assert all(len(o.token_ids) == 12 for o in got)
+
+
+def test_async_preemption_keeps_every_answer_and_frees_every_block():
+    roomy = run_sync(fake_engine(num_blocks=512), PROMPTS)
+    tight_sync = fake_engine(num_blocks=24, max_num_batched_tokens=64)
+    run_sync(tight_sync, PROMPTS)
+    engine = fake_engine(num_blocks=24, max_num_batched_tokens=64)
+    async_engine = AsyncEngine(engine)
+
+    async def main():
+        adds = [asyncio.ensure_future(async_engine.add_request(p, P)) for p in PROMPTS]
+        await asyncio.sleep(0)  # every admission is posted: the loop admits them in one batch
+        async_engine.start()
+        streams = await asyncio.gather(*adds)
+        finals = []
+        for stream in streams:
+            finals.append([out async for out in stream][-1])
+        return finals, await async_engine.call(lambda e: e.stats())
+
+    try:
+        finals, stats = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert [o.token_ids for o in finals] == [o.token_ids for o in roomy]
+    # admitted in one batch, the async engine schedules exactly as the synchronous one
+    assert stats.num_preemptions == tight_sync.stats().num_preemptions > 0
+    assert stats.kv.blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+    engine.check_integrity()
+
+
+# ---- the HTTP app: generation ----------------------------------------------------------------
+
+
+def test_completions_streamed_equal_non_streamed_and_the_repeat_is_cached():
+    expected = run_sync(fake_engine(), [LONG])[0]
+    with serve(fake_engine()) as (server, client):
+        first = client.post("/v1/completions", json=completion(LONG))
+        assert first.status_code == 200, first.text
+        body = first.json()
+        assert body["choices"][0]["text"] == expected.text
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["prompt_tokens"] == len(LONG) and cached_tokens(body) == 0
+        assert body["usage"]["completion_tokens"] == 12
+        streamed = completion(LONG, stream=True, stream_options={"include_usage": True})
+        with client.stream("POST", "/v1/completions", json=streamed) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            got = events(response)
+        assert got[-1] == "[DONE]"
+        chunks, usage = got[:-2], got[-2]["usage"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == expected.text
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert usage["prompt_tokens_details"]["cached_tokens"] == (len(LONG) - 1) // 4 * 4
+        assert fresh_stats(server).kv.blocks_used == 0
+
+
+def test_chat_streamed_equals_non_streamed_and_the_repeat_is_cached():
+    expected = run_sync(fake_engine(), [CHAT])[0]
+    with serve(fake_engine()) as (_, client):
+        first = client.post("/v1/chat/completions", json=chat(CHAT))
+        assert first.status_code == 200, first.text
+        body = first.json()
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": expected.text}
+        assert cached_tokens(body) == 0
+        streamed = chat(CHAT, stream=True, stream_options={"include_usage": True})
+        with client.stream("POST", "/v1/chat/completions", json=streamed) as response:
+            got = events(response)
+        assert got[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert got[-1] == "[DONE]"
+        chunks, usage = got[1:-2], got[-2]["usage"]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert text == expected.text
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+        assert usage["completion_tokens"] == 12
+
+
+def test_tenants_never_share_a_cache():
+    keys = {"ka": "alice", "kb": "bob"}
+    with serve(fake_engine(), api_keys=keys) as (_, client):
+        assert client.post("/v1/completions", json=completion(LONG)).status_code == 401
+
+        def post(key: str) -> dict:
+            response = client.post(
+                "/v1/completions",
+                json=completion(LONG),
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        alice = [post("ka"), post("ka")]
+        bob = post("kb")
+    assert cached_tokens(alice[1]) > 0
+    assert cached_tokens(bob) == 0
+    assert bob["choices"][0]["text"] == alice[0]["choices"][0]["text"]  # one model, one answer
+
+
+def test_a_prompt_over_the_context_is_400_naming_the_field():
+    with serve(fake_engine(max_model_len=64)) as (server, client):
+        response = client.post("/v1/completions", json=completion("x" * 100))
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+        assert response.json()["error"]["param"] == "prompt"
+        messages = [{"role": "user", "content": "x" * 100}]
+        response = client.post("/v1/chat/completions", json=chat(messages, stream=True))
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+        assert response.json()["error"]["param"] == "messages"
+        assert client.post("/v1/completions", json=completion("short")).status_code == 200
+        assert fresh_stats(server).num_waiting == 0
+
+
+# ---- the HTTP app: backpressure, disconnects, failures --------------------------------------
+
+
+def test_a_full_waiting_queue_is_429_with_retry_after():
+    # one running request (held by the gate), one waiting: the queue of one is full
+    engine = fake_engine(max_num_seqs=1, max_waiting=1, wrap_runner=ControlledRunner)
+    runner: ControlledRunner = engine.runner
+    async_engine = AsyncEngine(engine, retry_after_s=7)
+    long = completion("running " * 4, max_tokens=60, stream=True)
+    try:
+        # exits in reverse: streams, the server (and the gate), then the pool's threads
+        with (
+            concurrent.futures.ThreadPoolExecutor(2) as pool,
+            serve(async_engine) as (_, client),
+            ExitStack() as streams,
+        ):
+            runner.close_gate()
+            running = streams.enter_context(client.stream("POST", "/v1/completions", json=long))
+            assert runner.wait_until_blocked()  # admitted, its first step held
+            waiting = step_until(
+                runner,
+                pool.submit(
+                    streams.enter_context,
+                    client.stream("POST", "/v1/completions", json={**long, "prompt": "waits"}),
+                ),
+            )
+            runner.allow_steps(1)  # the snapshot is taken after a step: one more
+            assert runner.wait_until_blocked()
+            assert async_engine.stats().num_waiting == async_engine.stats().num_running == 1
+            rejected = step_until(
+                runner, pool.submit(client.post, "/v1/completions", json=completion("no room"))
+            )
+            assert rejected.status_code == 429
+            assert rejected.headers["retry-after"] == "7"
+            assert rejected.json()["error"]["code"] == "queue_full"
+            runner.open_gate()
+            for response in (running, waiting):
+                assert response.status_code == 200
+                got = events(response)
+                assert got[-1] == "[DONE]"
+                assert got[-2]["choices"][0]["finish_reason"] == "length"
+            retried = client.post("/v1/completions", json=completion("no room"))
+            assert retried.status_code == 200
+    finally:
+        runner.open_gate()
+        async_engine.shutdown()
+    assert engine.stats().kv.blocks_used == 0
+
+
+def test_a_client_that_goes_away_is_aborted_before_the_next_step():
+    engine = fake_engine(wrap_runner=ControlledRunner)
+    runner: ControlledRunner = engine.runner
+    body = completion(LONG, max_tokens=200, stream=True)
+    abort = ("kvwise_requests_finished_total", (("finish_reason", "abort"),))
+    with serve(engine) as (server, client):
+        runner.close_gate()
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            assert runner.wait_until_blocked()
+            runner.allow_steps(3)
+            assert runner.wait_until_blocked()  # 3 steps done, the 4th held
+            stats = server.engine.stats()
+            assert stats.num_running == 1 and stats.kv.blocks_used > 0
+        # the response is closed unread: the connection goes, the server sees it
+        assert wait_for(lambda: scrape(client).get(abort) == 1)
+        runner.open_gate()
+        assert wait_for(lambda: server.engine.stats().kv.blocks_used == 0)
+        assert server.engine.stats().num_running == 0
+        # the held step ended, then the abort ran: no step after it (200 tokens were asked)
+        assert runner.num_steps == 4
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on():
+    engine = fake_engine(wrap_runner=ControlledRunner)
+    runner: ControlledRunner = engine.runner
+    expected = run_sync(fake_engine(), [LONG])[0]
+    with serve(engine) as (server, client):
+        runner.fail_step(message="boom")
+        with client.stream("POST", "/v1/completions", json=completion(LONG, stream=True)) as r:
+            got = events(r)
+        assert "[DONE]" not in got
+        assert got[-1]["error"]["code"] == "engine_error" and "boom" in got[-1]["error"]["message"]
+        runner.fail_step(message="boom again")
+        failed = client.post("/v1/chat/completions", json=chat(CHAT))
+        assert failed.status_code == 500
+        assert failed.json()["error"]["code"] == "engine_error"
+        assert client.get("/health").status_code == 200
+        ok = client.post("/v1/completions", json=completion(LONG))
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == expected.text
+        assert fresh_stats(server).kv.blocks_used == 0
+
+
+# ---- the HTTP app: park ---------------------------------------------------------------------
+
+
+def test_park_errors_then_parks_and_the_next_turn_loads_it_back():
+    engine = fake_engine(
+        kv_host_memory="1MiB",
+        kv_store_min_tokens=8,
+        kv_load_policy="always",
+        wrap_runner=ControlledRunner,
+    )
+    runner: ControlledRunner = engine.runner
+    key = {"prompt_cache_key": "conv-1"}
+    # exits in reverse: the server (and the gate) before the pool waits for its threads
+    with (
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+        serve(engine) as (server, client),
+    ):
+        unknown = client.post("/v1/kvwise/park", json=key)
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["code"] == "session_not_found"
+        assert unknown.json()["error"]["param"] == "prompt_cache_key"
+
+        turn1 = client.post("/v1/chat/completions", json=chat(CHAT, **key))
+        assert turn1.status_code == 200
+        turn2 = [
+            *CHAT,
+            {"role": "assistant", "content": turn1.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And then?"},
+        ]
+        runner.close_gate()
+        body = chat(turn2, max_tokens=60, stream=True, **key)
+        with client.stream("POST", "/v1/chat/completions", json=body) as in_flight:
+            assert runner.wait_until_blocked()
+            busy = step_until(runner, pool.submit(client.post, "/v1/kvwise/park", json=key))
+            assert busy.status_code == 409
+            assert busy.json()["error"]["code"] == "session_busy"
+            runner.open_gate()
+            assert events(in_flight)[-1] == "[DONE]"
+
+        blocks_cached = fresh_stats(server).kv.blocks_cached_free
+        parked = client.post("/v1/kvwise/park", json=key)
+        assert parked.status_code == 200, parked.text
+        num_parked = parked.json()["parked_tokens"]
+        assert num_parked > 0 and num_parked % 4 == 0
+        assert parked.json()["prompt_cache_key"] == "conv-1"
+        stats = fresh_stats(server)
+        assert stats.kv.blocks_cached_free == blocks_cached - num_parked // 4
+
+        # turn 2's prompt is a prefix of turn 3's (its reply, bytes of any value, may not
+        # survive a UTF-8 round trip: "ok" stands in for it)
+        turn3 = [
+            *turn2,
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "?"},
+        ]
+        third = client.post("/v1/chat/completions", json=chat(turn3, **key))
+        assert third.status_code == 200
+        prompt2 = ByteTokenizer().encode_chat(turn2)
+        assert len(prompt2) // 4 * 4 <= cached_tokens(third.json()) <= num_parked
+        assert fresh_stats(server).store.tiers["host"].hits > 0  # loaded back
+    expected = run_sync(fake_engine(), [turn3])[0]
+    assert third.json()["choices"][0]["message"]["content"] == expected.text
+
+
+# ---- a new tier kind: one module, one registration line ------------------------------------
+
+
+class ScratchTier:
+    """A tier kind as a plug-in would add it: entries in a dict. It states no ``load_prior``,
+    so the cost model starts it from its default prior."""
+
+    name = "scratch"
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+        self.entries: dict[bytes, bytes] = {}
+        self._lock = threading.Lock()
+
+    def contains(self, keys):
+        with self._lock:
+            return [bytes(k) in self.entries for k in keys]
+
+    def get(self, keys):
+        start = time.perf_counter()
+        with self._lock:
+            out = [self.entries.get(bytes(k)) for k in keys]
+            num_hits = sum(v is not None for v in out)
+            self.stats.hits += num_hits
+            self.stats.misses += len(out) - num_hits
+            self.stats.bytes_read += sum(len(v) for v in out if v is not None)
+            self.stats.loads += 1 if num_hits else 0
+            self.stats.load_seconds += time.perf_counter() - start
+        return out
+
+    def put(self, items, ttl_s=None) -> None:
+        with self._lock:
+            for key, value in items:
+                self.entries[bytes(key)] = bytes(value)
+                self.stats.bytes_written += len(self.entries[bytes(key)])
+            self._update_gauges()
+
+    def delete(self, keys) -> None:
+        with self._lock:
+            for key in keys:
+                self.entries.pop(bytes(key), None)
+            self._update_gauges()
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"scratch ({len(self.entries)} entries)"
+
+    def _update_gauges(self) -> None:
+        self.stats.num_entries = len(self.entries)
+        self.stats.num_bytes = sum(len(v) for v in self.entries.values())
+
+
+@pytest.fixture
+def scratch_tier():
+    registry.register_tier("scratch", lambda config: ScratchTier())  # whatever the config
+    try:
+        yield
+    finally:
+        registry.unregister_tier("scratch")
+
+
+def test_a_registered_tier_is_in_metrics_with_no_edit(scratch_tier):
+    engine = fake_engine(kv_host_memory="1MiB", kv_store_min_tokens=8, kv_load_policy="always")
+    assert [t.name for t in engine.store.tiers] == ["host", "scratch"]
+
+    def forget_all_but_scratch(e) -> None:
+        # the device pool and the host tier forget the prefix: a load must come from scratch
+        e.flush()
+        host = e.store.tiers[0]
+        host.delete(host.eviction_order())
+        e.kv_manager.pool.reset_prefix_cache()
+
+    with serve(engine) as (server, client):
+        assert client.post("/v1/completions", json=completion(LONG)).status_code == 200
+        server.engine.call_sync(forget_all_but_scratch)
+        again = client.post("/v1/completions", json=completion(LONG))
+        assert again.status_code == 200
+        assert cached_tokens(again.json()) == (len(LONG) - 1) // 4 * 4
+        metrics = scrape(client)
+    scratch = (("tier", "scratch"),)
+    for f in dataclasses.fields(TierStats):
+        suffix = "_total" if f.metadata["kind"] == "counter" else ""
+        assert (f.metadata["metric"] + suffix, scratch) in metrics, f.name
+    assert metrics[("kvwise_kv_tier_hits_total", scratch)] > 0
+    assert metrics[("kvwise_kv_tier_read_bytes_total", scratch)] > 0
+    assert metrics[("kvwise_kv_tier_entries", scratch)] > 0
+    assert metrics[("kvwise_kv_tier_hits_total", (("tier", "host"),))] == 0
+
+
+def test_the_cost_model_starts_an_unknown_tier_from_the_default_prior():
+    cost = CostModel(512, {"host": (2e-5, 2e-5, 0.4)})
+    assert cost.tier_fit("scratch").w == list(DEFAULT_TIER_PRIOR)
+    num_chunks, load_s, recompute_s = cost.choose(
+        start_tokens=0,
+        chunk_ends=[256, 512],
+        chunk_tiers=["scratch", "scratch"],
+        entry_bytes=[1 << 20, 1 << 20],
+        block_bytes_per_token=4096.0,
+        num_prompt_tokens=600,
+    )
+    assert num_chunks in (0, 1, 2) and load_s >= 0 and recompute_s > 0
+    cost.observe_load("scratch", 2, 2 << 20, 0.01)
+    assert cost.tier_fit("scratch").num_updates == 1
+
+
+def test_a_registered_tier_alone_is_built(scratch_tier):
+    engine = fake_engine(kv_store_min_tokens=8, kv_load_policy="always")
+    assert engine.store is not None
+    assert [t.name for t in engine.store.tiers] == ["scratch"]
