@@ -1,7 +1,8 @@
 """The OpenAI wire format: pydantic models of requests, responses and streamed chunks.
 
 Requests are validated here for types and ranges (a failure becomes a 400 naming the field);
-`to_sampling_params` and `prompt_of` / `messages_of` turn them into the engine's typed inputs.
+`sampling_params`, `request_options` and `prompt_of` / `messages_of` turn them into the
+engine's typed inputs (`SamplingParams`, `RequestOptions`, a prompt).
 Fields the engine does not implement are accepted at their neutral value and rejected with a
 400 otherwise (``n`` > 1, penalties, logprobs, tools, ...). Unknown fields are ignored, as
 OpenAI clients send many.

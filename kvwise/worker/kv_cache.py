@@ -33,6 +33,7 @@ class PagedKVCache:
         self.head_dim = spec.head_dim
         self.dtype = TORCH_DTYPES[spec.dtype]
         self.compute_dtype = compute_dtype or self.dtype
+        self._cast = self.compute_dtype != self.dtype  # NOTE: keeps casts off the usual path
         # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
         self.kv = torch.zeros(spec.cache_shape(num_blocks), dtype=self.dtype)
         # per-layer views with slots flattened: (num_blocks * block_size, kv_heads, head_dim)
@@ -46,8 +47,10 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store new K/V rows ``(T, kv_heads, head_dim)`` at their slots ``(T,)``."""
-        self.k_slots[layer].index_copy_(0, slot_mapping, k.to(self.dtype))
-        self.v_slots[layer].index_copy_(0, slot_mapping, v.to(self.dtype))
+        if self._cast:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        self.k_slots[layer].index_copy_(0, slot_mapping, k)
+        self.v_slots[layer].index_copy_(0, slot_mapping, v)
 
     def gather(
         self, layer: int, block_table: torch.Tensor, first_block: int | None = None
@@ -69,8 +72,10 @@ class PagedKVCache:
             k = self.kv[layer, 0].index_select(0, ids)  # (B * max_blocks, block_size, kv_heads, D)
             v = self.kv[layer, 1].index_select(0, ids)
             shape = (b, nb * self.block_size, self.num_kv_heads, self.head_dim)
-        # a no-op when the cache holds the compute dtype
-        return k.view(shape).to(self.compute_dtype), v.view(shape).to(self.compute_dtype)
+        k, v = k.view(shape), v.view(shape)
+        if self._cast:
+            k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
+        return k, v
 
     # ---- block copies for the slower tiers ----------------------------------------------
 
