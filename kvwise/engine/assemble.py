@@ -1,5 +1,5 @@
 """Assemble an engine around a model runner and a tokenizer: the KV cache manager, the
-scheduler and the tiered store, from an ``EngineConfig``. No torch here: tests assemble a whole
+scheduler, the tiered store and the output processor (detokenizer), from an ``EngineConfig``. No torch here: tests assemble a whole
 engine around the ``FakeModelRunner`` and a byte tokenizer with this; ``builder.build_engine``
 loads a real model and calls it."""
 
@@ -11,6 +11,7 @@ from kvwise.config import EngineConfig
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.scheduler import Scheduler
 from kvwise.engine.llm_engine import LLMEngine
+from kvwise.engine.output_processor import OutputProcessor
 from kvwise.engine.prompts import Tokenizer
 from kvwise.engine.store_factory import build_store
 from kvwise.utils import format_bytes
@@ -71,6 +72,7 @@ def assemble_engine(
         tokenizer=tokenizer,
         kv_manager=kv_manager,
         scheduler=scheduler,
+        outputs=OutputProcessor(tokenizer, runner.num_layers),
         store=store,
         max_model_len=max_model_len,
     )

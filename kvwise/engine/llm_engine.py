@@ -34,17 +34,19 @@ class LLMEngine:
         tokenizer: Tokenizer,
         kv_manager: KVCacheManager,
         scheduler: Scheduler,
+        outputs: OutputProcessor,
         store: TieredStore | None = None,
         max_model_len: int,
     ) -> None:
-        """Join the parts. ``runner`` follows the contract in ``worker/model_runner.py``."""
+        """Join the parts. ``runner`` follows the contract in ``worker/model_runner.py``;
+        ``outputs`` turns the scheduler's token ids into text and ``RequestOutput``s."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.kv_manager = kv_manager
         self.scheduler = scheduler
         self.store = store
         self.max_model_len = max_model_len
-        self.outputs = OutputProcessor(tokenizer, runner.num_layers)
+        self.outputs = outputs
         self.sessions = SessionMap()
         self._next_id = 0
         self._closed = False
