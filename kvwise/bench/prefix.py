@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
         progress=False,
     )
     rng = random.Random(0)
-    vocab = on.arch.vocab_size
+    vocab = loaded.arch.vocab_size
 
     def rand(n: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(n)]
