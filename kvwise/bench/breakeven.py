@@ -195,7 +195,7 @@ def _prompt(rng: random.Random, vocab: int, num_tokens: int) -> list[int]:
 
 def _measure(args, engines, tiers: list[str], lengths: list[int]) -> dict:
     rng = random.Random(0)
-    vocab = loaded.arch.vocab_size
+    vocab = engines["recompute"].runner.vocab_size
     # one stored prompt per (tier, length): computed once, written down, then loaded each rep
     stored = {(t, n): _prompt(rng, vocab, n + 1) for t in tiers for n in lengths}
     samples: dict[str, dict[int, list[float]]] = {"recompute": {n: [] for n in lengths}}

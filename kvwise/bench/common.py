@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from kvwise.types import RequestOptions
+
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
@@ -60,14 +62,16 @@ class TimingStreamer:
         pass
 
 
-def run_to_completion(engine, prompts: list, params, **request_kwargs):
+def run_to_completion(engine, prompts: list, params, **options):
     """Submit every prompt at once, step until all finish; return (outputs in order, wall s).
 
-    ``params`` is one SamplingParams for all prompts or a list of them.
+    ``params`` is one SamplingParams for all prompts or a list of them; ``options`` are
+    ``RequestOptions`` fields (``cache_salt=...``).
     """
     params_list = params if isinstance(params, list) else [params] * len(prompts)
+    request_options = RequestOptions(**options)
     ids = [
-        engine.add_request(p, sp, **request_kwargs)
+        engine.add_request(p, sp, request_options)
         for p, sp in zip(prompts, params_list, strict=True)
     ]
     done = {}
