@@ -151,3 +151,15 @@ def fake_engine(
         model_fingerprint="fake-model",
         max_model_len=config.get("max_model_len") or 2048,
     )
+
+
+def run_all(engine, prompts, params, options=None) -> list:
+    """Submit every prompt at once and step the engine until all finish; the final outputs,
+    in prompt order."""
+    ids = [engine.add_request(p, params, options) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]

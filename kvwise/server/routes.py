@@ -1,25 +1,7 @@
-"""The routes of the OpenAI-compatible HTTP app: JSON in, typed engine requests out, JSON / SSE
-back. ``app.create_app`` builds the app and registers these handlers.
-
-Routes: POST /v1/completions, POST /v1/chat/completions (``stream``: server-sent events ending
-with ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus text), and the
-extension POST /v1/kvwise/park.
-
-Sessions: a request's ``prompt_cache_key`` is its engine session id (within its tenant).
-``POST /v1/kvwise/park {"prompt_cache_key": ...}`` moves that conversation's KV from the device
-pool down to the tiers (host RAM, disk, Redis) until its next turn, which loads it back; it runs
-on the engine thread between two steps and waits for the tier writes.
-
-Tenants: with API keys configured, every /v1 route needs ``Authorization: Bearer KEY`` (401
-otherwise) and the key alone names the tenant, so one tenant's prompts never hit another's
-cache. Without keys every request is tenant ``default``. /health and /metrics are open.
-
-Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
-(naming the field), 401, 404 unknown model, route or session, 409 park of a session with a
-request in flight, 429 (with Retry-After) when the engine's waiting queue is full, 503 when the
-engine is down. A client that disconnects, streaming or
-not, has its request aborted and its KV blocks freed before the next engine step.
-"""
+"""The handlers of the OpenAI-compatible app, one method per route (``app.py`` builds the app,
+registers them and documents the routes, tenants and errors). Each generation route admits
+its request with the body's ``SamplingParams`` and ``RequestOptions`` (the tenant from the API
+key), then answers with JSON or server-sent events; engine errors propagate by type."""
 
 from __future__ import annotations
 

@@ -9,16 +9,11 @@ import torch
 from kvwise.engine.llm import LLM
 from kvwise.types import FinishReason, SamplingParams
 from kvwise.worker.sampler import apply_filters, sample
+from tests.fakes import run_all
 
 
 def collect(engine, prompts, params):
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+    return run_all(engine, prompts, params)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ What holds here: a streamed request's tokens are the synchronous engine's, preem
 included; the HTTP routes (completions and chat, streamed or not) answer the engine's text
 with the cached-token count; errors reach the client by type (429 with Retry-After, 400
 naming the field, 404 / 409 from park, 500 or an error event from a failing step); a client
-that goes away has its request aborted before the next step; tenants never share a cache; a
-tier kind registered by a plug-in shows up in ``/metrics`` with no edit to the server.
+that goes away has its request aborted before the next step; tenants never share a cache. (A tier
+kind registered by a plug-in: ``test_fake_tier_plugin.py``.)
 
 Timing is made deterministic with ``ControlledRunner``, built into the engine: the test shuts
 the step gate, lets steps through one at a time and knows where the engine thread stands.
@@ -19,125 +19,27 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
-import json
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-
-import httpx
-import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from contextlib import ExitStack
 
 from kvwise.engine.async_engine import AsyncEngine
-from kvwise.server import create_app
-from kvwise.store import registry
-from kvwise.store.base import TierStats
-from kvwise.store.costmodel import DEFAULT_TIER_PRIOR, CostModel
-from kvwise.types import SamplingParams
 from tests.fakes import ByteTokenizer, ControlledRunner, fake_engine
 
-from .conftest import LiveServer, wait_for
-
-MODEL = "fake"
-P = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-PROMPTS = [f"prompt number {i}: " + "abcdefgh" * (2 + i % 3) for i in range(6)]
-LONG = "The same long prefix every time, " * 3  # 99 bytes: 24 full blocks of 4
-CHAT = [{"role": "user", "content": "Tell me about blocks. " * 3}]
-
-
-# ---- helpers -------------------------------------------------------------------------------
-
-
-def run_sync(engine, prompts, params=P) -> list:
-    """The synchronous engine's final outputs, in prompt order."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
-
-
-def completion(prompt, max_tokens: int = 12, **extra) -> dict:
-    return {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        **extra,
-    }
-
-
-def chat(messages, max_tokens: int = 12, **extra) -> dict:
-    return {
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        **extra,
-    }
-
-
-def events(response: httpx.Response) -> list:
-    """The ``data:`` payloads of a server-sent-event response (JSON, or the string [DONE])."""
-    out = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line.removeprefix("data: ")
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
-def cached_tokens(body: dict) -> int:
-    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def scrape(client: httpx.Client) -> dict[tuple[str, tuple], float]:
-    """/metrics as ``{(sample name, sorted labels): value}``."""
-    text = client.get("/metrics").text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def fresh_stats(server: LiveServer):
-    """The engine's stats now (``AsyncEngine.stats()`` may predate the last step's end).
-    Runs on the engine thread: never while a step waits at a shut gate."""
-    return server.engine.call_sync(lambda e: e.stats())
-
-
-@contextmanager
-def serve(engine, **app_kwargs) -> Iterator[tuple[LiveServer, httpx.Client]]:
-    """The app over ``engine`` on a loopback port, and a client for it. A ``ControlledRunner``
-    gate is opened before the server stops (a failed test must not leave the engine held)."""
-    app = create_app(engine, model_name=MODEL, **app_kwargs)
-    with LiveServer(app) as server, httpx.Client(base_url=server.base_url, timeout=10) as client:
-        try:
-            yield server, client
-        finally:
-            runner = server.engine.engine.runner
-            if isinstance(runner, ControlledRunner):
-                runner.open_gate()
-
-
-def step_until(runner: ControlledRunner, future: concurrent.futures.Future, max_steps: int = 40):
-    """Let the held engine through one step at a time until ``future`` (an HTTP call whose
-    command waits for the end of a step) is done; the gate is shut again afterwards."""
-    for _ in range(max_steps):
-        try:
-            return future.result(timeout=0.02)
-        except concurrent.futures.TimeoutError:
-            runner.allow_steps(1)
-            assert runner.wait_until_blocked(), "the engine ran out of work"
-    raise AssertionError(f"not done after {max_steps} steps")
-
+from .conftest import wait_for
+from .fake_http import (
+    CHAT,
+    LONG,
+    PROMPTS,
+    P,
+    cached_tokens,
+    chat,
+    completion,
+    events,
+    fresh_stats,
+    run_sync,
+    scrape,
+    serve,
+    step_until,
+)
 
 # ---- the async engine ------------------------------------------------------------------------
 
@@ -430,116 +332,3 @@ def test_park_errors_then_parks_and_the_next_turn_loads_it_back():
         assert fresh_stats(server).store.tiers["host"].hits > 0  # loaded back
     expected = run_sync(fake_engine(), [turn3])[0]
     assert third.json()["choices"][0]["message"]["content"] == expected.text
-
-
-# ---- a new tier kind: one module, one registration line ------------------------------------
-
-
-class ScratchTier:
-    """A tier kind as a plug-in would add it: entries in a dict. It states no ``load_prior``,
-    so the cost model starts it from its default prior."""
-
-    name = "scratch"
-
-    def __init__(self) -> None:
-        self.stats = TierStats()
-        self.entries: dict[bytes, bytes] = {}
-        self._lock = threading.Lock()
-
-    def contains(self, keys):
-        with self._lock:
-            return [bytes(k) in self.entries for k in keys]
-
-    def get(self, keys):
-        start = time.perf_counter()
-        with self._lock:
-            out = [self.entries.get(bytes(k)) for k in keys]
-            num_hits = sum(v is not None for v in out)
-            self.stats.hits += num_hits
-            self.stats.misses += len(out) - num_hits
-            self.stats.bytes_read += sum(len(v) for v in out if v is not None)
-            self.stats.loads += 1 if num_hits else 0
-            self.stats.load_seconds += time.perf_counter() - start
-        return out
-
-    def put(self, items, ttl_s=None) -> None:
-        with self._lock:
-            for key, value in items:
-                self.entries[bytes(key)] = bytes(value)
-                self.stats.bytes_written += len(self.entries[bytes(key)])
-            self._update_gauges()
-
-    def delete(self, keys) -> None:
-        with self._lock:
-            for key in keys:
-                self.entries.pop(bytes(key), None)
-            self._update_gauges()
-
-    def close(self) -> None:
-        pass
-
-    def describe(self) -> str:
-        return f"scratch ({len(self.entries)} entries)"
-
-    def _update_gauges(self) -> None:
-        self.stats.num_entries = len(self.entries)
-        self.stats.num_bytes = sum(len(v) for v in self.entries.values())
-
-
-@pytest.fixture
-def scratch_tier():
-    registry.register_tier("scratch", lambda config: ScratchTier())  # whatever the config
-    try:
-        yield
-    finally:
-        registry.unregister_tier("scratch")
-
-
-def test_a_registered_tier_is_in_metrics_with_no_edit(scratch_tier):
-    engine = fake_engine(kv_host_memory="1MiB", kv_store_min_tokens=8, kv_load_policy="always")
-    assert [t.name for t in engine.store.tiers] == ["host", "scratch"]
-
-    def forget_all_but_scratch(e) -> None:
-        # the device pool and the host tier forget the prefix: a load must come from scratch
-        e.flush()
-        host = e.store.tiers[0]
-        host.delete(host.eviction_order())
-        e.kv_manager.pool.reset_prefix_cache()
-
-    with serve(engine) as (server, client):
-        assert client.post("/v1/completions", json=completion(LONG)).status_code == 200
-        server.engine.call_sync(forget_all_but_scratch)
-        again = client.post("/v1/completions", json=completion(LONG))
-        assert again.status_code == 200
-        assert cached_tokens(again.json()) == (len(LONG) - 1) // 4 * 4
-        metrics = scrape(client)
-    scratch = (("tier", "scratch"),)
-    for f in dataclasses.fields(TierStats):
-        suffix = "_total" if f.metadata["kind"] == "counter" else ""
-        assert (f.metadata["metric"] + suffix, scratch) in metrics, f.name
-    assert metrics[("kvwise_kv_tier_hits_total", scratch)] > 0
-    assert metrics[("kvwise_kv_tier_read_bytes_total", scratch)] > 0
-    assert metrics[("kvwise_kv_tier_entries", scratch)] > 0
-    assert metrics[("kvwise_kv_tier_hits_total", (("tier", "host"),))] == 0
-
-
-def test_the_cost_model_starts_an_unknown_tier_from_the_default_prior():
-    cost = CostModel(512, {"host": (2e-5, 2e-5, 0.4)})
-    assert cost.tier_fit("scratch").w == list(DEFAULT_TIER_PRIOR)
-    num_chunks, load_s, recompute_s = cost.choose(
-        start_tokens=0,
-        chunk_ends=[256, 512],
-        chunk_tiers=["scratch", "scratch"],
-        entry_bytes=[1 << 20, 1 << 20],
-        block_bytes_per_token=4096.0,
-        num_prompt_tokens=600,
-    )
-    assert num_chunks in (0, 1, 2) and load_s >= 0 and recompute_s > 0
-    cost.observe_load("scratch", 2, 2 << 20, 0.01)
-    assert cost.tier_fit("scratch").num_updates == 1
-
-
-def test_a_registered_tier_alone_is_built(scratch_tier):
-    engine = fake_engine(kv_store_min_tokens=8, kv_load_policy="always")
-    assert engine.store is not None
-    assert [t.name for t in engine.store.tiers] == ["scratch"]

@@ -7,7 +7,7 @@ import pytest
 from kvwise.engine.llm import LLM
 from kvwise.errors import ContextLengthExceeded, QueueFullError, SessionBusy, SessionNotFound
 from kvwise.types import FinishReason, RequestOptions, SamplingParams
-from tests.fakes import fake_engine
+from tests.fakes import fake_engine, run_all
 
 P = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [f"prompt number {i}: " + "abcdefgh" * (2 + i % 3) for i in range(6)]
@@ -15,13 +15,7 @@ LONG = "The same long prefix every time, " * 3  # 99 bytes: 24 full blocks of 4
 
 
 def run(engine, prompts, params=P, options=None) -> list:
-    ids = [engine.add_request(p, params, options) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+    return run_all(engine, prompts, params, options)
 
 
 def evict_device(engine) -> None:
