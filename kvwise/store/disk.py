@@ -13,8 +13,11 @@ Contract (on top of ``base.KVStore``):
 - Restart: the index is rebuilt from the files. LRU order is the files' atime (set
   explicitly on every put and get hit, so it does not depend on mount options) and the keep
   time is the mtime (an mtime in the future means kept until then). Leftover ``*.tmp``
-  files are deleted and a directory over budget is trimmed at start. One process owns a
-  directory at a time.
+  files are deleted and a directory over budget is trimmed at start.
+- One engine owns a directory at a time: it holds a ``flock`` on ``.kvwise.lock`` there from
+  start to ``close`` (released by the kernel if the process dies). A second engine on the
+  same directory fails at start with an error naming the owner's pid, before it looks at
+  (or deletes) any file.
 - ``contains`` answers from the in-memory index (no syscalls). ``get`` and ``get_into`` read
   the files in parallel on ``num_io_threads`` threads. A file gone behind the store's back is
   a miss; any other ``OSError`` (read or write, ENOSPC included) is a fault.
@@ -80,6 +83,7 @@ class DiskStore:
         self._closed = False
         self.path.mkdir(parents=True, exist_ok=True)
         self._root = str(self.path)
+        self._lock_fd = disk_files.lock_directory(self._root)  # before any file is touched
         self._load_index()
         self._pool = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvwise-disk")
 
@@ -202,6 +206,7 @@ class DiskStore:
             self._index = LruIndex()
             self._update_gauges()
         self._pool.shutdown(wait=True)
+        os.close(self._lock_fd)  # the directory is free for the next engine
 
     def describe(self) -> str:
         with self._lock:

@@ -1,5 +1,5 @@
-"""The disk tier's files: names, reads and the directory scan at start. No index, budget or
-lock: ``disk.DiskStore`` owns those and decides what a failure means.
+"""The disk tier's files: names, reads, the directory's owner lock and the scan at start. No
+index or budget: ``disk.DiskStore`` owns those and decides what a failure means.
 
 - ``<root>/<first 2 hex chars of key>/<64-hex key>.kv`` holds an entry's bytes as given;
   temporaries (``*.tmp``) sit next to it until renamed over it.
@@ -12,12 +12,14 @@ lock: ``disk.DiskStore`` owns those and decides what a failure means.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 from dataclasses import dataclass
 
 from kvwise.store.base import BuffersFor
 
 SUFFIX = ".kv"
+LOCK_NAME = ".kvwise.lock"  # held (flock) by the engine that owns the directory
 _UTIME_FD = os.utime in os.supports_fd
 _IOV_MAX = 1024
 
@@ -115,6 +117,29 @@ class Found:
     key: bytes
     num_bytes: int
     mtime: float  # seconds
+
+
+def lock_directory(root: str) -> int:
+    """Take the directory for this process: an exclusive ``flock`` on its lock file, which
+    also records the owner's pid. Returns the lock's fd (closing it releases the lock; the
+    kernel releases it when the process dies, so a crash leaves no stale lock).
+
+    Raises:
+        ValueError: another engine holds the directory (naming its pid).
+    """
+    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ValueError(
+            f"kv_disk_path: {root} is in use by another kvwise engine (pid {owner}); give "
+            "each engine a directory of its own, or share KV between engines through Redis"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def scan(root: str) -> tuple[list[Found], list[str]]:

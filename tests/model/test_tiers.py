@@ -61,6 +61,7 @@ def test_tiers_are_isolated_by_tenant_and_salt(tiered, tmp_path, reference):
         assert out.num_cached_tokens == 0 and out.token_ids == reference, kw
     # a fresh engine on the same disk (host tier empty): nothing for a third tenant
     # (bob's own run above stored bob's blocks, which are bob's to reuse)
+    engine.close()  # one engine per disk directory
     other = tiered(kv_host_memory="off", kv_disk_path=str(tmp_path))
     assert run(other, tenant="carol").num_cached_tokens == 0
     assert run(other, tenant="alice").num_loaded_tokens > 0

@@ -48,11 +48,12 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_serve_subprocess_sigterm():
+def test_serve_subprocess_sigterm(tmp_path):
     port = _free_port()
     env = {**os.environ, "KVWISE_API_KEYS": "sk-test=carol"}
     cmd = [sys.executable, "-m", "kvwise.cli", "serve", "--port", str(port)]
     cmd += ["--kv-cache-memory", "64MiB", "--max-model-len", "512", "--max-waiting", "4"]
+    cmd += ["--kv-disk-path", str(tmp_path)]  # never the default directory another engine owns
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
