@@ -101,12 +101,19 @@ class AsyncEngine:
         retry_after_s: the Retry-After hint carried by `QueueFullError`.
         close_engine: close the engine (flushing its pending tier writes) once the loop has
             stopped; False leaves it open, to be reused after `shutdown` (tests).
+        idle_refresh_s: while idle, stats (and the pool audit) are refreshed this often.
     """
 
     def __init__(
-        self, engine: LLMEngine, retry_after_s: int = 1, *, close_engine: bool = True
+        self,
+        engine: LLMEngine,
+        retry_after_s: int = 1,
+        *,
+        close_engine: bool = True,
+        idle_refresh_s: float = 1.0,
     ) -> None:
         self.engine = engine
+        self.idle_refresh_s = idle_refresh_s
         self.retry_after_s = retry_after_s
         self.close_engine = close_engine
         self.max_model_len = engine.max_model_len  # immutable: readable from any thread
@@ -287,7 +294,9 @@ class AsyncEngine:
                     engine.check_integrity()
                     self._integrity_checks += 1
                     self._refresh_stats()
-                    self._wake.wait()
+                    # NOTE: woken at least this often while idle, so that stats (the tiers'
+                    # gauges: the writer keeps writing after the last step) stay fresh
+                    self._wake.wait(self.idle_refresh_s)
         except BaseException as exc:  # noqa: BLE001 - the loop must report why it ended
             logger.exception("engine loop crashed")
             reason = f"the engine loop crashed: {exc!r}"

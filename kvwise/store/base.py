@@ -131,6 +131,12 @@ class FaultLog:
         self.stats = stats
         self._seen: set[str] = set()
 
+    def corrupt(self, detail: object = "") -> None:
+        """An entry the tier returned (and counted as a hit) failed its checks: it is a
+        fault, not a hit."""
+        self.stats.hits -= 1
+        self.fault("corrupt entry", detail)
+
     def fault(self, kind: str, detail: object = "") -> None:
         self.stats.faults += 1
         level = logging.DEBUG if kind in self._seen else logging.WARNING

@@ -171,7 +171,7 @@ class Reader:
             return _MISS
         if isinstance(entry, serde.CorruptEntry) or entry.first_block != chunk.first_block:
             reason = entry if isinstance(entry, serde.CorruptEntry) else "misplaced chunk"
-            self._faults[tier.name].fault("corrupt entry", reason)
+            self._faults[tier.name].corrupt(reason)
             tier.delete([key])
             self.known.forget(chunk.block_hashes[0])
             return _MISS

@@ -68,6 +68,25 @@ def test_async_streams_equal_the_synchronous_engine():
     assert all(len(o.token_ids) == 12 for o in got)
 
 
+def test_stats_stay_fresh_while_the_engine_is_idle():
+    # the tiers change after the last step (the writer is still writing): the gauges that
+    # /metrics reads must follow without another request
+    engine = fake_engine(kv_host_memory="1MiB", kv_store_min_tokens=8)
+    async_engine = AsyncEngine(engine, idle_refresh_s=0.05)
+    async_engine.start()
+    try:
+        host = engine.store.tiers[0]
+        assert wait_for(lambda: async_engine.stats().num_running == 0)
+        before = async_engine.stats().store.tiers["host"].num_entries
+        host.put([(bytes(32), b"an entry written while the engine is idle")])
+        assert wait_for(
+            lambda: async_engine.stats().store.tiers["host"].num_entries == before + 1,
+            timeout=2.0,
+        )
+    finally:
+        async_engine.shutdown()
+
+
 def test_async_preemption_keeps_every_answer_and_frees_every_block():
     roomy = run_sync(fake_engine(num_blocks=512), PROMPTS)
     tight_sync = fake_engine(num_blocks=24, max_num_batched_tokens=64)
