@@ -79,8 +79,10 @@ class KVStore(Protocol):
         """The entries, ``None`` where missing or faulty."""
         ...
 
-    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> None:
-        """Store ``(key, entry)`` pairs; may evict others to stay under the budget."""
+    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> bool:
+        """Store ``(key, entry)`` pairs; may evict others to stay under the budget. Returns
+        True when every pair was stored, False when any was not (a fault, an entry over the
+        budget, a closed tier): the caller may write it again later."""
         ...
 
     def delete(self, keys: Sequence[bytes]) -> None:

@@ -156,15 +156,16 @@ class DiskStore:
             self._update_gauges()
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> None:
+    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> bool:
         items = [(check_key(k), v, check_value(v)) for k, v in items]
+        stored = 0
         for key, value, num_bytes in items:
             if num_bytes > self.capacity_bytes:
                 continue
             now = self._clock()
             with self._lock:
                 if self._closed:
-                    return
+                    return False
                 keep_until = max(now + ttl_s if ttl_s else 0.0, self._index.keep_until(key))
             path = self.file_path(key)
             tmp = self._write_tmp(path, value, now, keep_until)
@@ -173,7 +174,7 @@ class DiskStore:
             with self._lock:
                 if self._closed:
                     self._unlink(tmp)
-                    return
+                    return False
                 try:
                     os.replace(tmp, path)
                 except OSError as exc:
@@ -187,6 +188,8 @@ class DiskStore:
                 self._index.add(key, num_bytes, keep_until, now)
                 self.stats.bytes_written += num_bytes
                 self._update_gauges()
+                stored += 1
+        return stored == len(items)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         keys = [check_key(k) for k in keys]

@@ -73,13 +73,14 @@ class HostStore:
             self.stats.load_seconds += time.perf_counter() - start
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> None:
+    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> bool:
         items = [(check_key(k), v, check_value(v)) for k, v in items]
         with self._lock:
             if self._closed:
-                return
+                return False
             now = self._clock()
             keep_until = now + ttl_s if ttl_s else 0.0
+            stored = 0
             for key, value, num_bytes in items:
                 if num_bytes > self.capacity_bytes:
                     continue
@@ -92,7 +93,9 @@ class HostStore:
                 self._index.add(key, num_bytes, keep, now)
                 self._values[key] = value if isinstance(value, bytes) else bytes(value)
                 self.stats.bytes_written += num_bytes
+                stored += 1
             self._update_gauges()
+        return stored == len(items)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         keys = [check_key(k) for k in keys]

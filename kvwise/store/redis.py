@@ -136,10 +136,10 @@ class RedisStore:
             self.stats.load_seconds += time.perf_counter() - start
         return values
 
-    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> None:
+    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> bool:
         checked = [(self.prefix + check_key(k).hex(), v, check_value(v)) for k, v in items]
         if not checked:
-            return
+            return True
         ex = max(1, math.ceil(max(self.ttl_s, ttl_s or 0.0)))
 
         def run() -> list[Any]:
@@ -148,9 +148,11 @@ class RedisStore:
                 pipe.set(name, value if isinstance(value, bytes) else bytes(value), ex=ex)
             return pipe.execute()
 
-        if self._call("put", run) is not _SKIPPED:
-            with self._lock:
-                self.stats.bytes_written += sum(num_bytes for _, _, num_bytes in checked)
+        if self._call("put", run) is _SKIPPED:
+            return False  # a fault (server down, timeout) or the breaker open: nothing stored
+        with self._lock:
+            self.stats.bytes_written += sum(num_bytes for _, _, num_bytes in checked)
+        return True
 
     def delete(self, keys: Sequence[bytes]) -> None:
         names = self._names(keys)

@@ -79,7 +79,10 @@ class TieredStore:
         self.fmt = fmt
         self.cost = cost_model or CostModel()
         self._planner = ChunkPlanner(self.tiers, fmt, self.cost, chunk_blocks, min_tokens, policy)
-        self._writer = Writer(self.tiers, fmt, max_pending_bytes, background)
+        # a chunk a tier failed to store is forgotten, so the next save of it writes it again
+        self._writer = Writer(
+            self.tiers, fmt, max_pending_bytes, background, on_lost=self._forget_chunk
+        )
         self._reader = Reader(self.tiers, fmt, self._planner.known, self.cost, self._promote)
         self._loaded_tokens = 0
         self._lock = threading.Lock()
@@ -172,7 +175,10 @@ class TieredStore:
         """Queue one chunk's payload, all layers ``(num_layers, 2, num_blocks, ...)``, a buffer
         the caller no longer changes, for every tier (split into its layer groups)."""
         if not self._writer.submit(WriteChunk(chunk, payload, ttl_s)):
-            self._planner.known.forget(chunk.key)  # dropped: a later sequence may write it
+            self._forget_chunk(chunk)  # dropped: a later sequence may write it
+
+    def _forget_chunk(self, chunk: ChunkWrite) -> None:
+        self._planner.known.forget(chunk.key)
 
     def _promote(self, tier_index: int, key: bytes, value: bytes) -> None:
         self._writer.submit(Promote(tier_index, key, value))

@@ -9,7 +9,8 @@ Contract:
   - ``WriteChunk``: one chunk's payload, all layers ``(num_layers, 2, num_blocks, ...)``,
     split into its layer groups, each packed as one entry (``serde.pack``) and put, with
     ``ttl_s``, to the first ``chunk.num_tiers`` tiers (all by default). Counted in
-    ``chunks_written``.
+    ``chunks_written``. A chunk some tier did not store (a fault: Redis down, disk full)
+    is handed to ``on_lost``, so that it is written again the next time it is saved.
   - ``Promote``: an entry read from a lower tier, put unchanged into the tiers above it.
 - ``pending_bytes``: bytes of the submitted jobs not yet finished (a gauge).
 - ``flush()`` returns once every job submitted before it has finished; ``close()`` flushes,
@@ -28,7 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvwise.core.kv_tiers import ChunkWrite
@@ -75,6 +76,7 @@ class Writer:
         fmt: the entry format chunks are packed in.
         max_pending_bytes: most bytes queued at once; a job past it is dropped.
         background: run jobs on a thread (False: inside ``submit``).
+        on_lost: called (on the writer's thread) with each chunk a tier failed to store.
     """
 
     def __init__(
@@ -83,9 +85,11 @@ class Writer:
         fmt: serde.EntryFormat,
         max_pending_bytes: int = 1 << 30,
         background: bool = True,
+        on_lost: Callable[[ChunkWrite], None] | None = None,
     ) -> None:
         self.tiers = list(tiers)
         self.fmt = fmt
+        self.on_lost = on_lost
         self.max_pending_bytes = max_pending_bytes
         self.chunks_written = 0
         self.writes_dropped = 0
@@ -171,6 +175,10 @@ class Writer:
             value = serde.pack(self.fmt, hashes, chunk.first_block, g, view[offset:end])
             entries.append((serde.entry_key(chunk.key, g), value))
             offset = end
-        for tier in self.tiers[: chunk.num_tiers]:
-            tier.put(entries, job.ttl_s)
+        # NOTE: every tier is tried (no short cut): each stores what it can
+        stored = [
+            tier.put(entries, job.ttl_s) is not False for tier in self.tiers[: chunk.num_tiers]
+        ]
         self.chunks_written += 1
+        if not all(stored) and self.on_lost is not None:
+            self.on_lost(chunk)

@@ -26,9 +26,9 @@ class GatedHost(HostStore):
         super().__init__(1 << 20)
         self.gate = threading.Event()
 
-    def put(self, items, ttl_s=None) -> None:
+    def put(self, items, ttl_s=None) -> bool:
         assert self.gate.wait(5)
-        super().put(items, ttl_s)
+        return super().put(items, ttl_s)
 
 
 def test_a_chunk_is_packed_per_layer_group_and_written_to_its_tiers():
@@ -122,3 +122,16 @@ def test_a_failing_job_does_not_stop_the_background_writer():
     with pytest.raises(RuntimeError):
         foreground.submit(Promote(1, chain(1)[0], b"x"))
     assert foreground.pending_bytes == 0
+
+
+def test_a_chunk_a_tier_fails_to_store_is_handed_back():
+    fine, tiny = HostStore(1 << 20), HostStore(100)  # tiny holds no entry of this format
+    lost = []
+    writer = Writer([fine, tiny], FMT, background=False, on_lost=lost.append)
+    job = chunk_job(chain(4))
+    assert writer.submit(job)
+    assert lost == [job.chunk]
+    keys = [serde.entry_key(job.chunk.key, g) for g in (0, 1)]
+    assert fine.contains(keys) == [True, True]  # every tier stores what it can
+    assert writer.submit(chunk_job(chain(4, "b"), num_tiers=1))  # the top tier alone: stored
+    assert lost == [job.chunk]

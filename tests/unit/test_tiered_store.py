@@ -365,3 +365,14 @@ def test_policy_is_checked_when_set():
     with pytest.raises(ValueError, match="policy"):
         store.policy = "sometimes"
     assert store.policy == "always"
+
+
+def test_a_chunk_a_tier_failed_to_store_is_written_again():
+    store = make_store(HostStore(1 << 20), HostStore(100))  # the second tier stores nothing
+    h = chain(8)
+    assert [w.first_block for w in write_all(store, h)] == [0, 4]
+    # only confirmed writes are remembered: both chunks are planned again next time
+    assert [w.first_block for w in store.plan_writes(h, 8)] == [0, 4]
+    ok = make_store(HostStore(1 << 20))
+    write_all(ok, h)
+    assert ok.plan_writes(h, 8) == []
