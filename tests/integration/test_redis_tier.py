@@ -133,7 +133,7 @@ def test_killed_server_costs_one_fault_per_retry_window(redis_db, stores):
     for call, args, expected in (
         (store.get, [[key(0)]], [None]),
         (store.contains, [[key(0)]], [False]),
-        (store.put, [[(key(2), value(2))]], None),
+        (store.put, [[(key(2), value(2))]], False),  # not stored: written again later
         (store.delete, [[key(0)]], None),
     ):
         got, seconds = timed(call, *args)
