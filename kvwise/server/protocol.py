@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from kvwise.errors import KVWiseError
+from kvwise.errors import InvalidRequest, KVWiseError
 from kvwise.types import RequestOptions, SamplingParams
 
 # Below this a temperature is treated as greedy: dividing logits by a tinier one overflows.
@@ -375,3 +375,35 @@ class ParkResponse(BaseModel):
         description="tokens of the conversation whose KV the tiers now hold (freed from the "
         "device pool unless shared); 0 when no tier is configured",
     )
+
+
+def check_unicode(body: BaseModel) -> None:
+    """Refuse text that is no Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can
+    escape): it could reach neither a tokenizer nor an error message.
+
+    Raises:
+        InvalidRequest: naming the first such field (``messages[0].content``).
+    """
+    param = _invalid_text(body.model_dump(exclude_none=True), "")
+    if param is not None:
+        raise InvalidRequest(param, "is not valid Unicode (it holds a lone surrogate)")
+
+
+def _invalid_text(value: Any, path: str) -> str | None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for child_path, child in items:
+        found = _invalid_text(child, child_path)
+        if found is not None:
+            return found
+    return None

@@ -36,6 +36,7 @@ from kvwise.server.protocol import (
     ParkResponse,
     PromptTokensDetails,
     Usage,
+    check_unicode,
 )
 from kvwise.server.transport import SSEResponse, collect_or_disconnect
 from kvwise.types import RequestOutput
@@ -72,6 +73,7 @@ class OpenAIRoutes:
 
     async def admit(self, body, prompt, request_id: str, tenant: str, prompt_param: str):
         """Check the body and admit its request; errors propagate by type (see errors.py)."""
+        check_unicode(body)  # first: nothing below may echo or tokenize such text
         self.check_model(body.model)
         body.check_supported()
         default_max = (
@@ -192,6 +194,7 @@ class OpenAIRoutes:
 
     async def park(self, body: ParkRequest, request: Request) -> ParkResponse:
         """Move a conversation's KV to the tiers until its next turn (kvwise extension)."""
+        check_unicode(body)
         key = body.prompt_cache_key
         try:
             parked_tokens = await self.engine.park(key, request.state.tenant)

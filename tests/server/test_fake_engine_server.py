@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 from contextlib import ExitStack
 
 from kvwise.engine.async_engine import AsyncEngine
@@ -195,6 +196,27 @@ def test_a_prompt_over_the_context_is_400_naming_the_field():
         assert response.json()["error"]["param"] == "messages"
         assert client.post("/v1/completions", json=completion("short")).status_code == 200
         assert fresh_stats(server).num_waiting == 0
+
+
+def test_invalid_unicode_is_400_naming_the_field_and_the_connection_lives_on():
+    # a lone surrogate is valid JSON (an escape) but no text: it must never reach a tokenizer
+    # or an error message (either would fail to encode: a 500 and a dropped connection)
+    cases = [
+        ("/v1/completions", completion("\\ud800 hello"), "prompt"),
+        ("/v1/completions", {**completion("hi"), "model": "\\ud800"}, "model"),
+        ("/v1/completions", completion("hi", stop=["ok", "\\udfff"]), "stop[1]"),
+        ("/v1/chat/completions", chat([{"role": "user", "content": "a\\ud800"}]),
+         "messages[0].content"),
+        ("/v1/kvwise/park", {"prompt_cache_key": "\\ud800"}, "prompt_cache_key"),
+    ]  # fmt: skip
+    with serve(fake_engine()) as (_, client):
+        for route, body, param in cases:
+            raw = json.dumps(body).replace("\\\\u", "\\u").encode()  # keep the escape
+            response = client.post(route, content=raw, headers={"content-type": "application/json"})
+            assert response.status_code == 400, (route, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and "unicode" in error["message"].lower(), error
+            assert client.post("/v1/completions", json=completion("fine")).status_code == 200
 
 
 # ---- the HTTP app: backpressure, disconnects, failures --------------------------------------
