@@ -137,8 +137,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvwise.engine.builder import build_engine
     from kvwise.models.default import DEFAULT_MODEL_NAME
     from kvwise.server import create_app, parse_api_keys
+    from kvwise.utils import parse_bytes
 
     keys = parse_api_keys(args.api_key, os.environ.get("KVWISE_API_KEYS"))
+    max_request_bytes = parse_bytes(args.max_request_bytes, "max_request_bytes")
     config = EngineConfig.from_kwargs(**engine_kwargs(args), max_waiting=args.max_waiting)
     if args.served_model_name:
         name = args.served_model_name
@@ -147,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         name = DEFAULT_MODEL_NAME
     engine = build_engine(config)
-    app = create_app(engine, api_keys=keys, model_name=name)
+    app = create_app(engine, api_keys=keys, model_name=name, max_request_bytes=max_request_bytes)
     logging.getLogger("kvwise").info(
         "serving %s on http://%s:%d/v1 (%s)",
         name,
@@ -246,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="seconds open requests get to finish on SIGTERM / Ctrl-C",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        default="8MiB",
+        help="largest request body accepted; past it a 413, before the body is parsed",
     )
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)

@@ -42,7 +42,7 @@ from kvwise.server.protocol import (
     ParkResponse,
 )
 from kvwise.server.routes import DEFAULT_COMPLETION_MAX_TOKENS, OpenAIRoutes
-from kvwise.server.transport import AuthAndCount, install_error_handlers
+from kvwise.server.transport import AuthAndCount, BodyLimit, install_error_handlers
 
 _ERRORS = {
     code: {"model": ErrorResponse, "description": text}
@@ -60,6 +60,8 @@ _PARK_ERRORS = {
     409: {"model": ErrorResponse, "description": "a request of this session is in flight"},
 }
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# far above any prompt the model's context holds (a 131,072-token context is ~0.5 MB of text)
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
 def create_app(
@@ -68,6 +70,7 @@ def create_app(
     model_name: str = "kvwise",
     *,
     default_completion_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """Build the app over one engine.
 
@@ -76,6 +79,7 @@ def create_app(
             down) or an `LLMEngine` (wrapped; shut down with the app).
         api_keys: key → tenant; None or empty: no auth, every request is tenant ``default``.
         model_name: the one name served; a request naming another model gets 404.
+        max_request_bytes: a larger request body gets 413 before it is parsed.
     """
     owns_engine = isinstance(engine, LLMEngine)
     async_engine = AsyncEngine(engine) if isinstance(engine, LLMEngine) else engine
@@ -100,6 +104,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.model_name = model_name
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(AuthAndCount, keys=dict(api_keys or {}), metrics=metrics)
     _add_routes(app, OpenAIRoutes(async_engine, metrics, model_name, default_completion_max_tokens))
     return app

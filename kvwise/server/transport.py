@@ -147,6 +147,41 @@ class AuthAndCount:
             self.metrics.requests.labels(_route_label(path), str(status)).inc()
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is a 413, refused by its
+    Content-Length before a byte of it is read, or (a body sent without one) as soon as the
+    bytes received pass the limit. Nothing past the limit is parsed or tokenized."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            error = APIError(413, self._message(), code="request_too_large")
+            await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"request body: larger than the server's limit of {self.max_bytes} bytes"
+
+
 _ROUTES = frozenset(
     (
         "/v1/completions",

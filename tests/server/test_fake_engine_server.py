@@ -219,6 +219,28 @@ def test_invalid_unicode_is_400_naming_the_field_and_the_connection_lives_on():
             assert client.post("/v1/completions", json=completion("fine")).status_code == 200
 
 
+def test_a_body_over_the_limit_is_413_before_it_is_parsed():
+    with serve(fake_engine(), max_request_bytes=4096) as (server, client):
+        big = completion("x" * 5000)
+        response = client.post("/v1/completions", json=big)  # refused by its Content-Length
+        assert response.status_code == 413
+        error = response.json()["error"]
+        assert error["code"] == "request_too_large" and "4096 bytes" in error["message"]
+
+        def chunks():  # no Content-Length: refused once the bytes pass the limit
+            data = json.dumps(big).encode()
+            for i in range(0, len(data), 1000):
+                yield data[i : i + 1000]
+
+        response = client.post(
+            "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 413
+        assert client.get("/health").status_code == 200
+        assert client.post("/v1/completions", json=completion("x" * 200)).status_code == 200
+        assert fresh_stats(server).num_waiting == 0
+
+
 # ---- the HTTP app: backpressure, disconnects, failures --------------------------------------
 
 
