@@ -14,10 +14,11 @@ otherwise) and the key alone names the tenant, so one tenant's prompts never hit
 cache. Without keys every request is tenant ``default``. /health and /metrics are open.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
-(naming the field), 401, 404 unknown model, route or session, 409 park of a session with a
-request in flight, 429 (with Retry-After) when the engine's waiting queue is full, 503 when the
-engine is down. A client that disconnects, streaming or
-not, has its request aborted and its KV blocks freed before the next engine step.
+(naming the field; text that is no Unicode included), 401, 404 unknown model, route or
+session, 409 park of a session with a request in flight, 413 a body over the limit (refused
+before it is parsed), 429 (with Retry-After) when the engine's waiting queue is full, 503
+when the engine is down. A client that disconnects, streaming or not, has its request
+aborted and its KV blocks freed before the next engine step.
 """
 
 from __future__ import annotations
