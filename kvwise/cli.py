@@ -137,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvwise.engine.builder import build_engine
     from kvwise.models.default import DEFAULT_MODEL_NAME
     from kvwise.server import create_app, parse_api_keys
+    from kvwise.server.serving import DrainingServer
     from kvwise.utils import parse_bytes
 
     keys = parse_api_keys(args.api_key, os.environ.get("KVWISE_API_KEYS"))
@@ -157,17 +158,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.port,
         f"{len(keys)} API keys" if keys else "no API keys: every request is tenant 'default'",
     )
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level="debug" if args.verbose else "info",
             timeout_graceful_shutdown=args.shutdown_timeout,
-        )
+        ),
+        app.state.engine,
     )
     # uvicorn turns SIGTERM and Ctrl-C into a graceful shutdown (stop accepting, give open
-    # requests --shutdown-timeout seconds, then the app's lifespan stops the engine loop), and
+    # requests --shutdown-timeout seconds, ending open streams with an error event just before
+    # that, then the app's lifespan stops the engine loop), and
     # afterwards re-raises the signal to the handler it found: make that one a no-op, so a
     # graceful shutdown exits with status 0.
     handled = (signal.SIGINT, signal.SIGTERM)

@@ -143,6 +143,14 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="kvwise-engine", daemon=True)
             self._thread.start()
 
+    def stop(self) -> None:
+        """Ask the loop to stop after the current step, without waiting: requests in flight
+        are aborted and their streams raise `EngineDeadError` (the server ends them with an
+        error event). `shutdown` waits for it."""
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the loop after the current step; requests in flight are aborted and their
         streams raise `EngineDeadError`. Then the engine is closed (see ``close_engine``).

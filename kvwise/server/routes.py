@@ -111,8 +111,9 @@ class OpenAIRoutes:
             if first is not None:
                 yield first
             async for out in _outputs_or_error(stream):
-                if isinstance(out, str):  # an error event: the stream ends with it
+                if isinstance(out, str):  # an error event: the stream ends with it (and [DONE])
                     yield out
+                    yield "data: [DONE]\n\n"
                     return
                 if out.delta_text or out.finished:
                     yield on_output(out)

@@ -34,14 +34,18 @@ TINY_CONTEXT = 256
 class LiveServer:
     """uvicorn serving ``app`` on 127.0.0.1 at a free port, in a daemon thread."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, graceful_s: float = 2.0, server_cls=None) -> None:
+        """``server_cls``: e.g. ``DrainingServer`` (None: plain ``uvicorn.Server``)."""
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_s)
+        if server_cls is None:
+            self.server = uvicorn.Server(config)
+        else:
+            self.server = server_cls(config, app.state.engine)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )

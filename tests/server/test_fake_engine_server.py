@@ -22,13 +22,18 @@ import concurrent.futures
 import json
 from contextlib import ExitStack
 
+import httpx
+
 from kvwise.engine.async_engine import AsyncEngine
+from kvwise.server import create_app
+from kvwise.server.serving import DrainingServer
 from tests.fakes import ByteTokenizer, ControlledRunner, fake_engine
 
-from .conftest import wait_for
+from .conftest import LiveServer, wait_for
 from .fake_http import (
     CHAT,
     LONG,
+    MODEL,
     PROMPTS,
     P,
     cached_tokens,
@@ -321,8 +326,9 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on():
         runner.fail_step(message="boom")
         with client.stream("POST", "/v1/completions", json=completion(LONG, stream=True)) as r:
             got = events(r)
-        assert "[DONE]" not in got
-        assert got[-1]["error"]["code"] == "engine_error" and "boom" in got[-1]["error"]["message"]
+        assert got[-1] == "[DONE]"  # the error event ends the stream
+        error = got[-2]["error"]
+        assert error["code"] == "engine_error" and "boom" in error["message"]
         runner.fail_step(message="boom again")
         failed = client.post("/v1/chat/completions", json=chat(CHAT))
         assert failed.status_code == 500
@@ -395,3 +401,20 @@ def test_park_errors_then_parks_and_the_next_turn_loads_it_back():
         assert fresh_stats(server).store.tiers["host"].hits > 0  # loaded back
     expected = run_sync(fake_engine(), [turn3])[0]
     assert third.json()["choices"][0]["message"]["content"] == expected.text
+
+
+def test_streams_open_at_shutdown_end_with_an_error_event_not_a_cut_body():
+    engine = fake_engine(wrap_runner=ControlledRunner)
+    engine.runner.delay_s = 0.02  # 200 tokens: a 4 s stream, past the 1 s shutdown timeout
+    app = create_app(engine, model_name=MODEL)
+    server = LiveServer(app, graceful_s=1.0, server_cls=DrainingServer)
+    with server, httpx.Client(base_url=server.base_url, timeout=10) as client:
+        body = completion("a long story", max_tokens=200, stream=True)
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # streaming
+            server.server.should_exit = True  # what SIGTERM does
+            rest = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "[DONE]"
+    error = json.loads(rest[-2])["error"]
+    assert error["code"] == "engine_down" and "shut down" in error["message"]
