@@ -114,8 +114,17 @@ class StoreConfig:
     kv_layer_groups: int = 1  # entries per chunk, by layers: loads stream group by group
     kv_store_min_tokens: int = 64  # sequences shorter than this are not written to the tiers
     kv_load_policy: str = "auto"  # auto: the cost model decides; always / never (benchmarks)
+    # entry keys are HMACs under this secret (None: $KVWISE_KV_SECRET; without either, a disk
+    # tier makes one beside its entries, and a Redis tier is refused unless the next is set)
+    kv_store_secret: str | None = field(default=None, repr=False)
+    kv_redis_allow_no_secret: bool = False  # share Redis with predictable keys (warned)
 
     def __post_init__(self) -> None:
+        if self.kv_store_secret is not None and (
+            not isinstance(self.kv_store_secret, str) or len(self.kv_store_secret) < 16
+        ):
+            # NOTE: never echo the secret
+            raise ValueError("kv_store_secret: expected a string of at least 16 characters")
         host = self.kv_host_memory
         host = 0 if host in (None, "off", 0) else parse_bytes(host, "kv_host_memory")
         object.__setattr__(self, "kv_host_memory", host)

@@ -80,7 +80,27 @@ _TIER_FIELDS = (
     "kv_layer_groups",
     "kv_store_min_tokens",
     "kv_load_policy",
+    "kv_store_secret",
+    "kv_redis_allow_no_secret",
 )
+
+
+def _add_secret_args(g) -> None:
+    g.add_argument(
+        "--kv-store-secret",
+        default=os.environ.get("KVWISE_KV_SECRET") or None,
+        metavar="SECRET",
+        help="entry keys in the tiers are HMACs under this secret, so nobody without it can "
+        "tell which prompts are stored or plant an entry for one; every engine sharing a "
+        "Redis needs the same one (default: $KVWISE_KV_SECRET, which keeps it off the "
+        "command line; without one a disk tier creates its own, and Redis is refused)",
+    )
+    g.add_argument(
+        "--kv-redis-allow-no-secret",
+        action="store_true",
+        default=None,
+        help="share a Redis tier without a store secret (predictable keys; a warning)",
+    )
 
 
 def _add_tier_args(p: argparse.ArgumentParser) -> None:
@@ -95,6 +115,7 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
         "written to them in the background, and a later prompt with the same prefix loads its "
         "KV from them instead of recomputing it",
     )
+    _add_secret_args(g)
     g.add_argument(
         "--kv-host-memory",
         default=None,

@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -141,7 +142,10 @@ def _engines(args, loaded, tiers: list[str], redis_url: str | None, disk_root: s
         elif tier == "disk":
             engines[tier] = make(kv_disk_path=f"{disk_root}/{tier}", kv_disk_size="8GiB")
         else:
-            engines[tier] = make(kv_redis_url=redis_url, kv_redis_timeout=5.0)
+            secret = kw.get("kv_store_secret") or secrets.token_hex(16)
+            engines[tier] = make(
+                kv_redis_url=redis_url, kv_redis_timeout=5.0, kv_store_secret=secret
+            )
     return engines
 
 

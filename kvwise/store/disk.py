@@ -211,6 +211,11 @@ class DiskStore:
         self._pool.shutdown(wait=True)
         os.close(self._lock_fd)  # the directory is free for the next engine
 
+    def local_secret(self) -> bytes:
+        """This directory's own store secret (made on first use, mode 0600): the key secret
+        when no other is configured, so its entries' names tell nothing about the prompts."""
+        return disk_files.local_secret(self._root)
+
     def describe(self) -> str:
         with self._lock:
             num_entries = len(self._index)

@@ -20,6 +20,7 @@ from kvwise.store.base import BuffersFor
 
 SUFFIX = ".kv"
 LOCK_NAME = ".kvwise.lock"  # held (flock) by the engine that owns the directory
+SECRET_NAME = ".kvwise.secret"  # the directory's own store secret (mode 0600)
 _UTIME_FD = os.utime in os.supports_fd
 _IOV_MAX = 1024
 
@@ -140,6 +141,29 @@ def lock_directory(root: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def local_secret(root: str) -> bytes:
+    """The directory's store secret: 32 random bytes made on first use, readable by its
+    owner only (0600). Call with the directory locked."""
+    path = os.path.join(root, SECRET_NAME)
+    try:
+        with open(path, "rb") as f:
+            secret = f.read()
+        if len(secret) == 32:
+            return secret
+    except FileNotFoundError:
+        pass
+    secret = os.urandom(32)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, secret)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return secret
 
 
 def scan(root: str) -> tuple[list[Found], list[str]]:

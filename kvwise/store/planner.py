@@ -230,7 +230,7 @@ class ChunkPlanner:
         return n
 
     def _keys(self, first_block_hash: bytes) -> list[bytes]:
-        return [serde.entry_key(first_block_hash, g) for g in range(self.fmt.layer_groups)]
+        return [self.fmt.entry_key(first_block_hash, g) for g in range(self.fmt.layer_groups)]
 
     def _locate(self, keys: list[bytes]) -> list[KVStore | None]:
         """The first tier holding each key (None: in no tier)."""

@@ -99,7 +99,7 @@ class Reader:
         A chunk's ``usable`` is 0 for a miss, a fault or a bad entry, and short of
         ``skip + num_blocks`` when the entry stops matching the prompt.
         """
-        keys = [serde.entry_key(ch.block_hashes[0], group) for ch in chunks]
+        keys = [self.fmt.entry_key(ch.block_hashes[0], group) for ch in chunks]
         out = [_MISS] * len(chunks)
         for tier_index, tier in enumerate(self.tiers):
             idx = [i for i, ch in enumerate(chunks) if ch.tiers[group] == tier.name]

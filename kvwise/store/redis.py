@@ -57,6 +57,7 @@ class RedisStore:
     """
 
     name = "redis"
+    shared = True  # other engines read and write it: entry keys need the shared secret
     load_prior = (5e-4, 1e-4, 2.0)  # the cost model's start: λ s, μ s per entry, s per GB
 
     def __init__(

@@ -27,9 +27,10 @@ model, KV layout, dtype or format version, a truncated file or a flipped bit is 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvwise.core.kv_spec import KVSpec
@@ -52,6 +53,16 @@ class EntryFormat:
     spec: KVSpec
     model_fingerprint: str
     layer_groups: int = 1  # entries per chunk, each a run of consecutive layers
+    # the store secret: entry keys are HMACs under it, so nobody without it can compute
+    # (probe for, or plant) the key of a given prompt's entry; b"": plain hashes
+    secret: bytes = field(default=b"", repr=False)
+
+    def entry_key(self, first_block_hash: bytes, group: int) -> bytes:
+        """The key of one layer group of the chunk whose first block has this chain hash."""
+        if not self.secret:
+            return entry_key(first_block_hash, group)
+        message = b"kvwise.entry.v3" + first_block_hash + group.to_bytes(2, "little")
+        return hmac.new(self.secret, message, hashlib.sha256).digest()
 
     def __post_init__(self) -> None:
         if not 1 <= self.layer_groups <= self.num_layers:
@@ -128,7 +139,7 @@ class Entry:
 def pack(
     fmt: EntryFormat, block_hashes: list[bytes], first_block: int, group: int, payload
 ) -> bytes:
-    """One layer group of a chunk as bytes, for ``entry_key(block_hashes[0], group)``.
+    """One layer group of a chunk as bytes, for ``fmt.entry_key(block_hashes[0], group)``.
 
     ``payload``: a C-contiguous buffer ``(group_layers, 2, num_blocks, block_size, ...)``.
     """
@@ -147,7 +158,7 @@ def pack(
         MAGIC,
         VERSION,
         HEADER_SIZE,
-        entry_key(block_hashes[0], group),
+        fmt.entry_key(block_hashes[0], group),
         fmt.model_digest,
         fmt.spec.dtype.encode(),
         fmt.spec.num_layers,
@@ -256,6 +267,6 @@ def check_parts(fmt: EntryFormat, key: bytes, head, payload_parts) -> Entry:
     if running != h.crc:
         raise CorruptEntry("checksum mismatch")
     block_hashes = [bytes(hashes[i : i + 32]) for i in range(0, len(hashes), 32)]
-    if entry_key(block_hashes[0], h.group) != key:
+    if fmt.entry_key(block_hashes[0], h.group) != key:
         raise CorruptEntry("entry's first block and group do not make its key")
     return Entry(h.first_block, h.group, block_hashes, parts[0] if parts else memoryview(b""))

@@ -173,7 +173,7 @@ class Writer:
         for g in range(self.fmt.layer_groups):
             end = offset + len(hashes) * self.fmt.group_block_bytes(g)
             value = serde.pack(self.fmt, hashes, chunk.first_block, g, view[offset:end])
-            entries.append((serde.entry_key(chunk.key, g), value))
+            entries.append((self.fmt.entry_key(chunk.key, g), value))
             offset = end
         # NOTE: every tier is tried (no short cut): each stores what it can
         stored = [

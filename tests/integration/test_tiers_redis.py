@@ -26,6 +26,7 @@ from tests.tiers_util import run
 url, tenants = sys.argv[1], sys.argv[2].split(",")
 engine = build_engine(EngineConfig.from_kwargs(
     kv_cache_memory="256MiB", kv_host_memory="off", kv_disk_path="off", kv_redis_url=url,
+    kv_store_secret="a secret both engines share",
     kv_store_min_tokens=16), progress=False)
 for tenant in tenants:
     out = run(engine, tenant=tenant)
@@ -42,7 +43,9 @@ def reference(make_engine):
 
 @pytest.fixture
 def redis_engine(tier_engine, redis_db):
-    return lambda **kw: tier_engine(**{"kv_redis_url": redis_db.url, **kw})
+    return lambda **kw: tier_engine(
+        **{"kv_redis_url": redis_db.url, "kv_store_secret": "a secret both engines share", **kw}
+    )
 
 
 def test_round_trip_through_redis(redis_engine, reference, redis_db):
