@@ -88,7 +88,7 @@ _TIER_FIELDS = (
 def _add_secret_args(g) -> None:
     g.add_argument(
         "--kv-store-secret",
-        default=os.environ.get("KVWISE_KV_SECRET") or None,
+        default=None,  # NOTE: $KVWISE_KV_SECRET is read where the store is built
         metavar="SECRET",
         help="entry keys in the tiers are HMACs under this secret, so nobody without it can "
         "tell which prompts are stored or plant an entry for one; every engine sharing a "

@@ -101,7 +101,7 @@ class AsyncEngine:
         retry_after_s: the Retry-After hint carried by `QueueFullError`.
         close_engine: close the engine (flushing its pending tier writes) once the loop has
             stopped; False leaves it open, to be reused after `shutdown` (tests).
-        idle_refresh_s: while idle, stats (and the pool audit) are refreshed this often.
+        idle_refresh_s: while idle, stats are refreshed this often.
     """
 
     def __init__(
@@ -302,9 +302,10 @@ class AsyncEngine:
                     engine.check_integrity()
                     self._integrity_checks += 1
                     self._refresh_stats()
-                    # NOTE: woken at least this often while idle, so that stats (the tiers'
-                    # gauges: the writer keeps writing after the last step) stay fresh
-                    self._wake.wait(self.idle_refresh_s)
+                    # NOTE: the stats (the tiers' gauges: the writer keeps writing after the
+                    # last step) are refreshed while idle; the pool is audited once per idle
+                    while not self._wake.wait(self.idle_refresh_s):
+                        self._refresh_stats()
         except BaseException as exc:  # noqa: BLE001 - the loop must report why it ended
             logger.exception("engine loop crashed")
             reason = f"the engine loop crashed: {exc!r}"

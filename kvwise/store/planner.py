@@ -220,14 +220,8 @@ class ChunkPlanner:
 
     def num_stored_blocks(self, block_hashes: Sequence[bytes], num_full_blocks: int) -> int:
         """Leading blocks of a sequence that the tiers hold, every layer group."""
-        c, groups, n = self.chunk_blocks, self.fmt.layer_groups, 0
-        firsts = list(range(0, num_full_blocks, c))
-        located = self._locate([k for f in firsts for k in self._keys(block_hashes[f])])
-        for i, first in enumerate(firsts):
-            if any(t is None for t in located[i * groups : (i + 1) * groups]):
-                break
-            n = min(first + c, num_full_blocks)
-        return n
+        stored = self._find(block_hashes, 0, num_full_blocks)
+        return stored[-1].end_block if stored else 0
 
     def _keys(self, first_block_hash: bytes) -> list[bytes]:
         return [self.fmt.entry_key(first_block_hash, g) for g in range(self.fmt.layer_groups)]

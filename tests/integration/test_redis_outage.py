@@ -5,15 +5,11 @@ import time
 
 from kvwise.types import SamplingParams
 from tests.fakes import fake_engine, run_all
+from tests.tiers_util import evict_device
 
 P = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 LONG = "A conversation long enough to be stored in Redis, " * 3  # 150 bytes: 37 full blocks
 FULL_TOKENS = (len(LONG) - 1) // 4 * 4
-
-
-def evict_device(engine) -> None:
-    engine.flush()
-    engine.kv_manager.pool.reset_prefix_cache()
 
 
 def test_writes_lost_in_an_outage_are_written_after_recovery(start_redis):

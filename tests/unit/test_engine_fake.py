@@ -9,6 +9,7 @@ from kvwise.errors import ContextLengthExceeded, QueueFullError, SessionBusy, Se
 from kvwise.store import serde
 from kvwise.types import FinishReason, RequestOptions, SamplingParams
 from tests.fakes import fake_engine, run_all
+from tests.tiers_util import evict_device
 
 P = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [f"prompt number {i}: " + "abcdefgh" * (2 + i % 3) for i in range(6)]
@@ -17,11 +18,6 @@ LONG = "The same long prefix every time, " * 3  # 99 bytes: 24 full blocks of 4
 
 def run(engine, prompts, params=P, options=None) -> list:
     return run_all(engine, prompts, params, options)
-
-
-def evict_device(engine) -> None:
-    engine.flush()
-    engine.kv_manager.pool.reset_prefix_cache()
 
 
 def test_preemption_keeps_every_answer():
