@@ -9,7 +9,7 @@ both implement the runner contract the engine relies on:
 - ``save_kv(block_ids)``: a host copy of device blocks, laid out like a stored payload;
 - ``write_kv(block_ids, payload, num_entry_blocks, skip, layers)``: copy one stored layer
   group into device blocks (any thread); ``payload_views(...)``: buffers to read one into;
-- ``spec`` (the ``KVSpec``), ``num_layers`` and ``vocab_size``.
+- ``spec`` (the ``KVSpec``), ``num_blocks``, ``num_layers`` and ``vocab_size``.
 """
 
 from __future__ import annotations
