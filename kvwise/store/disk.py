@@ -6,7 +6,7 @@ Layout: ``<path>/<first 2 hex chars of key>/<64-hex key>.kv`` holds the entry by
 Contract (on top of ``base.KVStore``):
 - Writes go to ``.<hex>.<pid>.<random>.tmp`` in the same directory, then ``os.replace``: a
   reader sees the old file, the new file or none, never a half-written one under the final
-  name. No fsync: a crash can still leave a torn file, which the header crc in ``serde``
+  name. No fsync: a crash can still leave a torn file, which the tag in ``serde``
   rejects (the tiered store's reader then ``delete``s it).
 - Eviction as in ``index.LruIndex``: least recently used first; entries put with ``ttl_s``
   only after all others, until their time runs out. The budget counts file sizes.

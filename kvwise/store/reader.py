@@ -4,9 +4,10 @@ The engine's loader thread calls ``read_group`` once per layer group while the s
 
 Contract:
 - ``read_group`` reads the group's entry of every planned chunk from the tier the plan names
-  for it, in a few parallel parts, checks each entry (``serde.unpack``; ``serde.check_parts``
-  where a ``ReadsInPlace`` tier read it straight into the caller's buffers) and matches its
-  block hashes against the prompt's: ``usable`` is how many leading blocks of the entry are
+  for it, in a few parallel parts, and opens each entry (checks its header and tag and
+  decrypts it: ``serde.open_parts`` in place where a ``ReadsInPlace`` tier read it straight
+  into the caller's buffers, else ``serde.open_into`` those buffers, or ``serde.unpack``
+  without them) and matches its block hashes against the prompt's: ``usable`` is how many leading blocks of the entry are
   verified and the prompt's own. It never raises for a tier fault or a bad entry: a miss,
   a fault or a corrupt entry gives ``usable`` 0.
 - A corrupt entry (fails its checks, or holds another chunk than the plan's) is a fault of
@@ -49,7 +50,7 @@ class GroupRead:
     payload: memoryview | None
     entry_blocks: int
     usable: int
-    in_place: bool = False  # read straight into the device blocks ``dest`` gave
+    in_place: bool = False  # opened straight into the device blocks ``dest`` gave
 
 
 _MISS = GroupRead(None, 0, 0)
@@ -106,15 +107,15 @@ class Reader:
             if not idx:
                 continue
             t0 = time.perf_counter()
-            into = dest if dest is not None and isinstance(tier, ReadsInPlace) else None
-            # NOTE: reads and checksums overlap across parts (file reads, socket reads and
-            # zlib.crc32 all release the GIL)
-            # a tier that reads in place gets one key per task, so that checking one entry
+            in_place = dest is not None and isinstance(tier, ReadsInPlace)
+            # NOTE: reads and decryption overlap across parts (file reads, socket reads and
+            # AES-GCM all release the GIL)
+            # a tier that reads in place gets one key per task, so that opening one entry
             # overlaps reading the next; others get a few batches (one round trip each)
-            num_parts = len(idx) if into is not None else min(_READ_PARTS, len(idx))
+            num_parts = len(idx) if in_place else min(_READ_PARTS, len(idx))
             parts = [idx[p::num_parts] for p in range(num_parts)]
             results = self._pool.map(
-                lambda part, t=tier, d=into: self._read(t, keys, part, group, d), parts
+                lambda part, t=tier: self._read(t, keys, part, group, dest), parts
             )
             num_bytes = 0
             for part, got in zip(parts, results):
@@ -127,40 +128,48 @@ class Reader:
     def close(self) -> None:
         self._pool.shutdown()
 
-    def _read(self, tier: KVStore, keys, part: list[int], group: int, into) -> list[_Got]:
-        """Get and check the entries ``keys[i]`` for ``i`` in ``part`` (one batch)."""
-        if into is None:
-            values = tier.get([keys[i] for i in part])
-            return [self._unpack(keys[i], value) for i, value in zip(part, values)]
+    def _read(self, tier: KVStore, keys, part: list[int], group: int, dest) -> list[_Got]:
+        """Get and open the entries ``keys[i]`` for ``i`` in ``part`` (one batch)."""
+        if dest is not None and isinstance(tier, ReadsInPlace):
 
-        def buffers_for(i: int):
-            def make(num_bytes: int) -> list | None:
-                num_blocks = serde.entry_blocks_from_size(self.fmt, group, num_bytes)
-                if num_blocks is None:
-                    return None
-                return [bytearray(self.fmt.head_bytes(num_blocks)), *into(i, num_blocks)]
+            def buffers_for(i: int):
+                def make(num_bytes: int) -> list | None:
+                    num_blocks = serde.entry_blocks_from_size(self.fmt, group, num_bytes)
+                    if num_blocks is None:
+                        return None
+                    head = bytearray(self.fmt.head_bytes(num_blocks))
+                    return [head, *dest(i, num_blocks), bytearray(serde.TAG_SIZE)]
 
-            return make
+                return make
 
-        got = tier.get_into([keys[i] for i in part], [buffers_for(i) for i in part])
-        return [self._check_parts(keys[i], buffers) for i, buffers in zip(part, got)]
+            got = tier.get_into([keys[i] for i in part], [buffers_for(i) for i in part])
+            return [self._open_parts(keys[i], buffers) for i, buffers in zip(part, got)]
+        values = tier.get([keys[i] for i in part])
+        return [self._open(keys[i], value, group, i, dest) for i, value in zip(part, values)]
 
-    def _unpack(self, key: bytes, value: bytes | bytearray | None) -> _Got:
+    def _open(self, key: bytes, value, group: int, i: int, dest: Dest | None) -> _Got:
+        """Open an entry read into memory: into ``dest``'s buffers when given."""
         if value is None:
             return _Got(0, None, None)
         try:
-            return _Got(len(value), serde.unpack(self.fmt, key, value), value)
+            if dest is None:
+                return _Got(len(value), serde.unpack(self.fmt, key, value), value)
+            num_blocks = serde.entry_blocks_from_size(self.fmt, group, len(value))
+            if num_blocks is None:
+                raise serde.CorruptEntry("entry size")
+            buffers = [bytearray(32 * num_blocks), *dest(i, num_blocks)]
+            return _Got(len(value), serde.open_into(self.fmt, key, value, buffers), value)
         except serde.CorruptEntry as e:
             return _Got(len(value), e, value)
 
-    def _check_parts(self, key: bytes, buffers: list | None) -> _Got:
+    def _open_parts(self, key: bytes, buffers: list | None) -> _Got:
         if buffers is None:
             return _Got(0, None, None)
         if not buffers:  # the tier's size for it is no whole entry: nothing was read
             return _Got(0, serde.CorruptEntry("entry size"), None)
         num_bytes = sum(memoryview(b).nbytes for b in buffers)
         try:
-            return _Got(num_bytes, serde.check_parts(self.fmt, key, buffers[0], buffers[1:]), None)
+            return _Got(num_bytes, serde.open_parts(self.fmt, key, buffers), None)
         except serde.CorruptEntry as e:
             return _Got(num_bytes, e, None)
 
@@ -186,4 +195,4 @@ class Reader:
             self.known.remember(chunk.block_hashes[0], entry.block_hashes[-1], promote_later)
         if tier_index and value is not None:
             self._promote(tier_index, key, value)
-        return GroupRead(entry.payload, entry.num_blocks, usable, in_place=value is None)
+        return GroupRead(entry.payload, entry.num_blocks, usable, in_place=entry.payload is None)

@@ -1,4 +1,5 @@
-"""KV entries ↔ bytes: a fixed versioned header, then the payload.
+"""KV entries <-> bytes: a fixed versioned header in the clear, then the sealed block hashes
+and payload, then the authentication tag.
 
 One entry holds one *layer group* of ``num_blocks`` consecutive blocks of one sequence,
 starting at block index ``first_block`` of that sequence: a C-contiguous array
@@ -7,38 +8,51 @@ a chunk by layer groups lets a load stream in layer order: the model runs its fi
 while later groups are still being read.
 
 An entry's key is derived from the chain hash of its first block and its group
-(``entry_key``), so the tenant and salt in the chain are in every key. It lists the chain
-hashes of all its blocks, so a request that shares only the first few of them can still use
-those (and an entry written by another conversation with the same start is recognised as
-such, never loaded as ours).
+(``EntryFormat.entry_key``: an HMAC under the store secret), so the tenant and salt in the
+chain are in every key, and nobody without the secret can compute the key of a given prompt.
+It lists the chain hashes of all its blocks, so a request that shares only the first few of
+them can still use those.
+
+Sealing: the block hashes and the payload are encrypted and authenticated with AES-256-GCM
+under a key derived from the store secret, with a fresh random 96-bit nonce per entry and the
+header as associated data. So an entry cannot be read without the secret (neither its KV nor
+its block hashes), and one that was forged, altered, truncated or moved to another key fails
+its tag. Without a secret (a shared Redis explicitly allowed without one) the key is derived
+from the empty secret: everyone can compute it, so the tag then only detects corruption.
 
 Layout (little-endian)::
 
     magic "KVWS" | version u16 | fixed header size u16 | key 32s | model digest 16s
     | dtype 8s | layers u16 | kv heads u16 | head dim u16 | block size u32 | first block u32
-    | num blocks u32 | layer group u16 | layer groups u16 | payload bytes u64
-    | crc32 of (hashes + payload) u32 | num_blocks × 32-byte block hashes | payload
+    | num blocks u32 | layer group u16 | layer groups u16 | payload bytes u64 | nonce 12s
+    | sealed(num_blocks x 32-byte block hashes | payload) | tag 16s
 
-``unpack`` checks every field against what this engine expects, so an entry from another
-model, KV layout, dtype or format version, a truncated file or a flipped bit is a
-``CorruptEntry`` (served as a miss), never wrong KV.
+Opening an entry checks every header field against what this engine expects and the tag, so
+an entry from another model, KV layout, dtype or format version, a truncated file, a flipped
+bit or a forgery is a ``CorruptEntry`` (served as a miss), never wrong KV.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
+import os
 import struct
-import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvwise.core.kv_spec import KVSpec
 
 MAGIC = b"KVWS"
-VERSION = 2
-_HEADER = struct.Struct("<4sHH32s16s8sHHHIIIHHQI")
+VERSION = 3
+_HEADER = struct.Struct("<4sHH32s16s8sHHHIIIHHQ12s")
 HEADER_SIZE = _HEADER.size
+TAG_SIZE = 16  # the AES-GCM tag, after the sealed part
 
 
 class CorruptEntry(ValueError):
@@ -63,6 +77,11 @@ class EntryFormat:
             return entry_key(first_block_hash, group)
         message = b"kvwise.entry.v3" + first_block_hash + group.to_bytes(2, "little")
         return hmac.new(self.secret, message, hashlib.sha256).digest()
+
+    @functools.cached_property
+    def seal_key(self) -> bytes:
+        """The AES-256-GCM key entries are sealed with (derived from the store secret)."""
+        return hmac.new(self.secret, b"kvwise.seal.v1", hashlib.sha256).digest()
 
     def __post_init__(self) -> None:
         if not 1 <= self.layer_groups <= self.num_layers:
@@ -109,12 +128,12 @@ class EntryFormat:
         return self.group_layers(group)[1] * self.spec.layer_block_bytes
 
     def head_bytes(self, num_blocks: int) -> int:
-        """Bytes before the payload: the fixed header and the block hashes."""
+        """Bytes before the payload: the fixed header and the (sealed) block hashes."""
         return HEADER_SIZE + 32 * num_blocks
 
     def entry_bytes(self, group: int, num_blocks: int) -> int:
         """Bytes of a whole entry of ``num_blocks`` blocks of a layer group."""
-        return self.head_bytes(num_blocks) + num_blocks * self.group_block_bytes(group)
+        return self.head_bytes(num_blocks) + num_blocks * self.group_block_bytes(group) + TAG_SIZE
 
 
 def entry_key(first_block_hash: bytes, group: int) -> bytes:
@@ -129,7 +148,9 @@ class Entry:
     first_block: int
     group: int
     block_hashes: list[bytes]
-    payload: memoryview  # (group_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+    # (group_layers, 2, num_blocks, block_size, kv_heads, head_dim); None: opened into the
+    # caller's buffers
+    payload: memoryview | None
 
     @property
     def num_blocks(self) -> int:
@@ -139,7 +160,8 @@ class Entry:
 def pack(
     fmt: EntryFormat, block_hashes: list[bytes], first_block: int, group: int, payload
 ) -> bytes:
-    """One layer group of a chunk as bytes, for ``fmt.entry_key(block_hashes[0], group)``.
+    """One layer group of a chunk as a sealed entry, for
+    ``fmt.entry_key(block_hashes[0], group)``.
 
     ``payload``: a C-contiguous buffer ``(group_layers, 2, num_blocks, block_size, ...)``.
     """
@@ -153,7 +175,7 @@ def pack(
         raise ValueError(
             f"payload: {view.nbytes} bytes for {num_blocks} blocks of layer group {group}"
         )
-    hashes = b"".join(block_hashes)
+    nonce = os.urandom(12)
     header = _HEADER.pack(
         MAGIC,
         VERSION,
@@ -170,32 +192,89 @@ def pack(
         group,
         fmt.layer_groups,
         view.nbytes,
-        zlib.crc32(view, zlib.crc32(hashes)),
+        nonce,
     )
-    return b"".join((header, hashes, view))
+    head_end = fmt.head_bytes(num_blocks)
+    out = bytearray(head_end + view.nbytes + TAG_SIZE)
+    out[:HEADER_SIZE] = header
+    sealer = Cipher(algorithms.AES(fmt.seal_key), modes.GCM(nonce)).encryptor()
+    sealer.authenticate_additional_data(header)
+    with memoryview(out) as dst:
+        sealer.update_into(b"".join(block_hashes), dst[HEADER_SIZE:head_end])
+        sealer.update_into(view, dst[head_end : head_end + view.nbytes])
+    sealer.finalize()
+    out[-TAG_SIZE:] = sealer.tag
+    return bytes(out)
 
 
 def unpack(fmt: EntryFormat, key: bytes, value: bytes | bytearray | memoryview) -> Entry:
-    """Check an entry read back under ``key`` and return its payload (no copy).
+    """Open an entry read back under ``key``: check it and decrypt it into a fresh buffer
+    (``value`` is left as it is).
 
     Raises:
-        CorruptEntry: anything does not match (the reason is in the message).
+        CorruptEntry: anything does not match, or the tag fails (the reason is in the message).
     """
     view = memoryview(value).cast("B")
-    if view.nbytes < HEADER_SIZE:
-        raise CorruptEntry(f"truncated header ({view.nbytes} bytes)")
-    num_blocks = _HEADER.unpack_from(view)[11]
+    num_blocks = _num_blocks(view)
     head_end = fmt.head_bytes(num_blocks)
-    payload = view[head_end:]
-    entry = check_parts(fmt, key, view[:head_end], [payload])
+    out = bytearray(max(view.nbytes - HEADER_SIZE - TAG_SIZE, 0))
+    payload = memoryview(out)[head_end - HEADER_SIZE :]
+    entry = open_into(fmt, key, value, [memoryview(out)[: head_end - HEADER_SIZE], payload])
     return Entry(entry.first_block, entry.group, entry.block_hashes, payload)
+
+
+def open_into(fmt: EntryFormat, key: bytes, value, buffers: Sequence) -> Entry:
+    """Open an entry held in memory (``value``) straight into ``buffers``: the first takes
+    the block hashes (``32 * num_blocks`` bytes), the rest, consecutive, the payload (e.g.
+    views of device blocks). ``value`` is left as it is. Returns the entry without payload.
+
+    Raises:
+        CorruptEntry: anything does not match, or the tag fails.
+    """
+    view = memoryview(value).cast("B")
+    num_blocks = _num_blocks(view)
+    sizes = [memoryview(b).nbytes for b in buffers]
+    sealed_end = HEADER_SIZE + sum(sizes)
+    if view.nbytes != sealed_end + TAG_SIZE or not sizes or sizes[0] != 32 * num_blocks:
+        raise CorruptEntry(f"{view.nbytes} bytes for an entry of {num_blocks} blocks")
+    sources, offset = [], HEADER_SIZE
+    for size in sizes:
+        sources.append(view[offset : offset + size])
+        offset += size
+    return _open(fmt, key, view[:HEADER_SIZE], sources, list(buffers), view[sealed_end:])
+
+
+def open_parts(fmt: EntryFormat, key: bytes, parts: Sequence) -> Entry:
+    """Open an entry read in pieces, in place: ``parts[0]`` is the header and the sealed
+    block hashes, ``parts[1:-1]`` the sealed payload as consecutive buffers (e.g. read straight
+    into the device pool), ``parts[-1]`` the tag. Each part is decrypted where it lies.
+    Returns the entry without payload.
+
+    Raises:
+        CorruptEntry: anything does not match, or the tag fails.
+    """
+    views = [memoryview(p).cast("B") for p in parts]
+    if len(views) < 2 or views[-1].nbytes != TAG_SIZE:
+        raise CorruptEntry("entry read without its tag")
+    head = views[0]
+    num_blocks = _num_blocks(head)
+    if head.nbytes != fmt.head_bytes(num_blocks):
+        raise CorruptEntry(f"{head.nbytes} header bytes for {num_blocks} blocks")
+    sealed = [head[HEADER_SIZE:], *views[1:-1]]
+    return _open(fmt, key, head[:HEADER_SIZE], sealed, sealed, views[-1])
 
 
 def entry_blocks_from_size(fmt: EntryFormat, group: int, num_bytes: int) -> int | None:
     """How many blocks an entry of ``num_bytes`` holds (None: no whole number of blocks)."""
     per_block = 32 + fmt.group_block_bytes(group)
-    num_blocks, rest = divmod(num_bytes - HEADER_SIZE, per_block)
+    num_blocks, rest = divmod(num_bytes - HEADER_SIZE - TAG_SIZE, per_block)
     return num_blocks if num_blocks > 0 and rest == 0 else None
+
+
+def _num_blocks(view: memoryview) -> int:
+    if view.nbytes < HEADER_SIZE:
+        raise CorruptEntry(f"truncated header ({view.nbytes} bytes)")
+    return _HEADER.unpack_from(view)[11]
 
 
 class _Header(NamedTuple):
@@ -214,7 +293,7 @@ class _Header(NamedTuple):
     group: int
     layer_groups: int
     payload_bytes: int
-    crc: int
+    nonce: bytes
 
 
 def _check_header(fmt: EntryFormat, key: bytes, head: memoryview) -> _Header:
@@ -245,28 +324,27 @@ def _check_header(fmt: EntryFormat, key: bytes, head: memoryview) -> _Header:
     return h
 
 
-def check_parts(fmt: EntryFormat, key: bytes, head, payload_parts) -> Entry:
-    """Check an entry read in pieces: ``head`` (header and block hashes) and its payload as
-    consecutive buffers (e.g. read straight into the device pool). Returns the entry with
-    ``payload`` set to the first part.
-
-    Raises:
-        CorruptEntry: anything does not match (the reason is in the message).
-    """
-    head = memoryview(head).cast("B")
-    h = _check_header(fmt, key, head)
-    parts = [memoryview(p).cast("B") for p in payload_parts]
-    head_end = fmt.head_bytes(h.num_blocks)
-    got = head.nbytes + sum(p.nbytes for p in parts)
-    if head.nbytes != head_end or got != head_end + h.payload_bytes:
-        raise CorruptEntry(f"{got} bytes, expected {head_end + h.payload_bytes}")
-    hashes = head[HEADER_SIZE:head_end]
-    running = zlib.crc32(hashes)
-    for part in parts:
-        running = zlib.crc32(part, running)
-    if running != h.crc:
-        raise CorruptEntry("checksum mismatch")
-    block_hashes = [bytes(hashes[i : i + 32]) for i in range(0, len(hashes), 32)]
+def _open(fmt: EntryFormat, key: bytes, header, sources: list, dests: list, tag) -> Entry:
+    """Check the header, decrypt ``sources`` (block hashes, then payload) into ``dests``
+    (same sizes; may be the same buffers) and verify the tag."""
+    h = _check_header(fmt, key, header)
+    num_sealed = sum(memoryview(s).nbytes for s in sources)
+    if num_sealed != 32 * h.num_blocks + h.payload_bytes:
+        raise CorruptEntry(
+            f"{num_sealed} sealed bytes, expected {32 * h.num_blocks + h.payload_bytes}"
+        )
+    try:
+        opener = Cipher(algorithms.AES(fmt.seal_key), modes.GCM(h.nonce, bytes(tag))).decryptor()
+        opener.authenticate_additional_data(bytes(header))
+        for src, dst in zip(sources, dests):
+            opener.update_into(src, dst)
+        opener.finalize()
+    except InvalidTag:
+        raise CorruptEntry(
+            "authentication failed (forged, altered or sealed under another secret)"
+        ) from None
+    hashes = memoryview(dests[0])
+    block_hashes = [bytes(hashes[i : i + 32]) for i in range(0, hashes.nbytes, 32)]
     if fmt.entry_key(block_hashes[0], h.group) != key:
         raise CorruptEntry("entry's first block and group do not make its key")
-    return Entry(h.first_block, h.group, block_hashes, parts[0] if parts else memoryview(b""))
+    return Entry(h.first_block, h.group, block_hashes, None)

@@ -234,3 +234,41 @@ def test_pending_writes_are_flushed_at_exit(tmp_path, how):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(list(tmp_path.rglob("*.kv"))) >= 2
+
+
+def test_stored_entries_do_not_reveal_layer0_values(tiered, tmp_path):
+    """The decoding attack of issue 10: match stored bytes against the prompt's layer-0 V rows
+    (each token's value vector, which maps back to its vocabulary entry). Sealed entries hold
+    no row within 1e-3 of one, at any byte alignment; the opened payloads (control) do."""
+    import torch
+
+    from kvwise.store import serde
+
+    engine = tiered(kv_disk_path=str(tmp_path), kv_store_secret="a secret of sixteen+ chars")
+    run(engine)
+    engine.flush()
+    kv = engine.runner.kv_cache.kv  # (layers, 2, blocks, block_size, kv_heads, head_dim)
+    head_dim = kv.shape[-1]
+    ids = sorted(b.block_id for b in engine.kv_manager.pool.cached.values())[:2]
+    targets = kv[0, 1, ids].reshape(-1, head_dim).float()
+    assert targets.abs().max() > 0.01  # real values, not an empty pool
+
+    def nearest(data: bytes, offset: int) -> float:
+        """Distance (max abs) from any target row to the nearest row starting at ``offset``
+        (mod the row size) in ``data``, read as float32."""
+        rows = (len(data) - offset) // (4 * head_dim)
+        found = torch.frombuffer(bytearray(data[offset : offset + rows * 4 * head_dim]),
+                                 dtype=torch.float32).view(rows, head_dim)  # fmt: skip
+        found = torch.nan_to_num(found, nan=1e9, posinf=1e9, neginf=-1e9)
+        return torch.cdist(targets, found, p=float("inf")).min().item()
+
+    files = sorted(tmp_path.rglob("*.kv"))
+    assert files
+    for path in files:
+        data = path.read_bytes()
+        fmt = engine.store.fmt
+        payload_at = fmt.head_bytes(serde.entry_blocks_from_size(fmt, 0, len(data)))
+        for align in range(4):
+            assert nearest(data, payload_at + align) > 1e-3, (path.name, align)
+    control = serde.unpack(engine.store.fmt, bytes.fromhex(files[0].stem), files[0].read_bytes())
+    assert nearest(bytes(control.payload), 0) < 1e-6  # the search finds plaintext rows

@@ -34,7 +34,8 @@ def test_sizing_and_entries_use_the_spec():
     fmt = serde.EntryFormat(SMOLLM2, "model", layer_groups=3)
     assert fmt.block_bytes == SMOLLM2.block_bytes
     assert sum(fmt.group_block_bytes(g) for g in range(3)) == SMOLLM2.block_bytes
-    assert fmt.entry_bytes(0, 2) == fmt.head_bytes(2) + 2 * 10 * SMOLLM2.layer_block_bytes
+    payload = 2 * 10 * SMOLLM2.layer_block_bytes
+    assert fmt.entry_bytes(0, 2) == fmt.head_bytes(2) + payload + serde.TAG_SIZE
 
 
 @pytest.mark.parametrize(
