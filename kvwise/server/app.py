@@ -16,11 +16,12 @@ cache. Without keys every request is tenant ``default``. /health and /metrics ar
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
 (naming the field; text that is no Unicode included), 401, 404 unknown model, route or
 session, 409 park of a session with a request in flight, 413 a body over the limit (refused
-before it is parsed), 429 (with Retry-After) when the engine's waiting queue is full, 503
-when the engine is down. A stream that fails (a failed step, the engine stopping, a shutdown:
-see ``serving.py``) ends with an error event and ``[DONE]``. A client that disconnects,
-streaming or not, has its request aborted and its KV blocks freed before the next engine
-step.
+before it is parsed), 429 (with Retry-After) when the engine's waiting queue is full, 431
+a request line and headers over 16 KiB (answered by the server before the app: see
+``serving.py``), 503 when the engine is down. A stream that fails (a failed step, the engine
+stopping, a shutdown: see ``serving.py``) ends with an error event and ``[DONE]``. A client
+that disconnects, streaming or not, has its request aborted and its KV blocks freed before the
+next engine step.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """``kvwise serve``: key parsing, and the real command in a subprocess (default model): it
-serves, reads keys from KVWISE_API_KEYS, and shuts down cleanly on SIGTERM."""
+serves, reads keys from KVWISE_API_KEYS, answers an oversized header with a JSON 431, and shuts
+down cleanly on SIGTERM."""
 
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def test_serve_subprocess_sigterm(tmp_path):
             timeout=60,
         )
         assert r.status_code == 200 and r.json()["model"] == "SmolLM2-135M-Instruct"
+        r = httpx.get(base + "/health", headers={"X-Big": "a" * (1 << 20)})
+        assert r.status_code == 431 and r.json()["error"]["code"] == "request_header_too_large"
     except BaseException:
         proc.kill()
         proc.wait()
