@@ -40,6 +40,12 @@ def chain(n: int, tag: str = "a") -> list[bytes]:
     return [hashlib.sha256(f"{tag}{i}".encode()).digest() for i in range(n)]
 
 
+def fork(hashes: list[bytes], num_shared: int, tag: str) -> list[bytes]:
+    """A sequence as long as ``hashes`` that shares its first ``num_shared`` blocks, then
+    diverges: as in a real chain, every hash from the first differing block on differs."""
+    return hashes[:num_shared] + chain(len(hashes), tag)[num_shared:]
+
+
 def payload(hashes: list[bytes]) -> bytes:
     """A recognisable chunk payload for ``entry_format()``: each block's 128 bytes derive
     from its hash."""

@@ -7,8 +7,11 @@ short it calls ``roll_back``; when a request leaves the pool, ``plan_writes`` sa
 chunks the tiers lack. The plan types are plain data the scheduler owns and hands to the
 worker boundary (``core/outputs.py``).
 
-A *chunk* is ``chunk_blocks`` consecutive blocks of a sequence, aligned at multiples of it;
-it is the unit the tiers store and load.
+The tiers store a sequence as *entries*: runs of consecutive blocks, each found by its last
+block's chain hash (which names the whole prefix it ends). A sequence is cut into entries at
+every multiple of ``chunk_blocks`` and at a few more points where another request is likely
+to stop sharing it (see ``plan_writes``); a load reads, for each run of blocks it wants, the
+entry that ends with the run's last block.
 """
 
 from __future__ import annotations
@@ -22,13 +25,18 @@ from kvwise.core.hashing import BlockHash
 
 @dataclass(frozen=True)
 class PlannedChunk:
-    """Part of one stored chunk to load into fresh device blocks."""
+    """A run of blocks to load into fresh device blocks from the stored entry that ends with
+    the run's last block (the entry may start earlier: its leading blocks are skipped)."""
 
-    first_block: int  # sequence index of the chunk's first block
-    skip: int  # leading blocks of the chunk not to load (already on the device)
-    num_blocks: int  # blocks to load after those
-    block_hashes: tuple[BlockHash, ...]  # the prompt's hashes of blocks first .. first+skip+n
+    first_block: int  # sequence index of the run's first block
+    num_blocks: int
+    block_hashes: tuple[BlockHash, ...]  # the prompt's hashes of the run's blocks
     tiers: tuple[str, ...]  # the tier each layer group is read from
+
+    @property
+    def key(self) -> BlockHash:
+        """The chain hash the entry is found by: its last block's."""
+        return self.block_hashes[-1]
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,7 @@ class LoadPlan:
 
 @dataclass(frozen=True)
 class ChunkWrite:
-    """One chunk of a sequence leaving the pool that the tiers should store."""
+    """One entry of a sequence leaving the pool that the tiers should store."""
 
     first_block: int
     block_hashes: tuple[BlockHash, ...]
@@ -49,7 +57,8 @@ class ChunkWrite:
 
     @property
     def key(self) -> BlockHash:
-        return self.block_hashes[0]
+        """The chain hash the entry is found by: its last block's."""
+        return self.block_hashes[-1]
 
 
 class KVTierPlanner(Protocol):
@@ -79,7 +88,11 @@ class KVTierPlanner(Protocol):
         ...
 
     def plan_writes(
-        self, block_hashes: Sequence[BlockHash], num_full_blocks: int
+        self, block_hashes: Sequence[BlockHash], num_full_blocks: int, cuts: Sequence[int] = ()
     ) -> list[ChunkWrite]:
-        """The chunks of a finished (or preempted) sequence that the tiers do not hold yet."""
+        """The entries of a finished (or preempted) sequence that the tiers do not hold yet.
+
+        Entries end at every multiple of ``chunk_blocks``, at ``num_full_blocks`` and at each
+        of ``cuts`` (block counts where another request is likely to stop sharing this
+        sequence: where its device prefix hit ended, where its prompt ended)."""
         ...

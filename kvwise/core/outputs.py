@@ -34,11 +34,11 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class KVLoad:
-    """Part of a stored chunk to stream into fresh device blocks while the step runs (each
+    """A run of stored blocks to stream into fresh device blocks while the step runs (each
     layer group before the model reaches it)."""
 
     request_id: str
-    block_ids: list[int]  # device blocks receiving the chunk's blocks skip .. skip + n
+    block_ids: list[int]  # device blocks receiving the chunk's blocks, in order
     chunk: PlannedChunk
 
 

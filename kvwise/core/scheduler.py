@@ -260,7 +260,18 @@ class Scheduler:
             len(request.block_hashes),
             len(block_ids),
         )
-        for chunk in self.tiers.plan_writes(request.block_hashes, num_full):
+        # cut the stored entries where another request is likely to stop sharing this one:
+        # the end of its device prefix hit, of what it loaded, of its prompt (the blocks a
+        # repeat of it can load, and all of its full blocks, which its next turn shares)
+        bs = self.kv.block_size
+        cached = max(request.num_cached_tokens, 0)
+        cuts = (
+            (cached - request.num_loaded_tokens) // bs,
+            cached // bs,
+            (request.num_prompt_tokens - 1) // bs,
+            request.num_prompt_tokens // bs,
+        )
+        for chunk in self.tiers.plan_writes(request.block_hashes, num_full, cuts):
             ids = block_ids[chunk.first_block : chunk.first_block + len(chunk.block_hashes)]
             self._pending_saves.append(KVSave(ids, chunk, request.retention_s))
 

@@ -67,12 +67,11 @@ class KVLoader:
                     pending[group + _READ_AHEAD] = submit(group + _READ_AHEAD)
                 t1, num_bytes = time.perf_counter(), 0
                 for i, (load, read) in enumerate(zip(self.loads, reads)):
-                    skip = load.chunk.skip
-                    n = min(self._loaded[i], max(0, read.usable - skip))
+                    n = min(self._loaded[i], read.usable)
                     self._loaded[i] = n
                     if n and not read.in_place:
                         num_bytes += self.runner.write_kv(
-                            load.block_ids[:n], read.payload, read.entry_blocks, skip,
+                            load.block_ids[:n], read.payload, read.entry_blocks, read.skip,
                             fmt.group_layers(group),
                         )  # fmt: skip
                 if num_bytes:
@@ -89,12 +88,14 @@ class KVLoader:
     def _dest(self, group: int):
         layers = self.store.fmt.group_layers(group)
 
-        def dest(i: int, entry_blocks: int) -> list:
-            """Where chunk ``i``'s payload lands: straight in its device blocks."""
-            load = self.loads[i]
-            skip = load.chunk.skip
-            n = max(0, min(entry_blocks - skip, len(load.block_ids)))
-            return self.runner.payload_views(load.block_ids[:n], skip, entry_blocks, layers)
+        def dest(i: int, entry_blocks: int) -> list | None:
+            """Where chunk ``i``'s payload lands: straight in its device blocks (the entry
+            ends with the chunk; None: it is too short to hold it)."""
+            block_ids = self.loads[i].block_ids
+            skip = entry_blocks - len(block_ids)
+            if skip < 0:
+                return None
+            return self.runner.payload_views(block_ids, skip, entry_blocks, layers)
 
         return dest
 

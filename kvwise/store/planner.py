@@ -1,27 +1,37 @@
-"""Plans for the tiers, no data moved: which stored chunks continue a prompt and how many of
-them to load, which chunks of a leaving sequence to write. Pure Python.
+"""Plans for the tiers, no data moved: which stored entries continue a prompt and how many of
+them to load, which entries of a leaving sequence to write. Pure Python.
 
-A *chunk* is ``chunk_blocks`` consecutive blocks of a sequence, aligned at multiples of
-``chunk_blocks``; it is stored as ``layer_groups`` entries, one per run of layers, keyed by
-``serde.entry_key(chain hash of its first block, group)``::
+An *entry* is a run of consecutive blocks of a sequence, stored as ``layer_groups`` entries
+(one per run of layers), each keyed by ``fmt.entry_key(chain hash of its LAST block,
+group)``: the key names the whole prefix the entry ends, so sequences that share only its
+first blocks never overwrite it. A sequence is cut into entries at every multiple of
+``chunk_blocks`` and at the ``cuts`` its writer names (where its device prefix hit ended,
+where its prompt ended: where another request is likely to stop sharing it)::
 
-    blocks of a prompt:  | 0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 |   (chunk_blocks = 4)
-    chunks:              |  h0     |  h4     |  h8       | h12 (partial: the tail) |
-    device prefix hit:   |<- 0..5 ->|
-    load from tiers:          skip 4,5 of h4; then h8; then h12 ... while they match
+    blocks of a prompt:   | 0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 |   (chunk_blocks = 4)
+    one writer's entries: |  e3     |e5 | e7  |  e11      | e13   |   (a cut after block 5)
+    device prefix hit:    |<- 0..2 ->|
+    load from the tiers:   e3 (skip 0..2), e5, e7, e11, e13: every present end in order
+
+A load cannot know where a stored entry starts (another writer may have cut the sequence
+elsewhere), so it asks for an entry ending at *every* block after the device hit (one batched
+``contains`` per tier, layer group 0 first) and takes the present ends in order, each to cover
+the blocks from the one after the previous end: in a store written as above, the entry that
+ends first after a block also covers it. The reader checks that from the entry's header; an
+entry that starts too late is a miss, never wrong KV.
 
 Contract:
-- ``plan_load`` asks each tier at most once (one batched ``contains``, for the keys no tier
-  above holds) which chunks continue the device hit: the run of chunks whose every layer
-  group some tier holds. It reads nothing. Policy "never": no plan; "always": all of the
+- ``plan_load`` asks each tier at most twice (layer group 0 for every end, then the other
+  groups of the ends found) and reads nothing. Policy "never": no plan; "always": all of the
   run; "auto": as much as ``CostModel.choose`` says beats recomputing. Each call that finds
   a run records a ``LoadDecision`` (``decisions``, the last 1000) and counts it in
   ``load_decisions`` or ``recompute_decisions``.
-- ``KnownChunks`` remembers which chunks the tiers hold (a hint, bounded; a wrong hint costs
-  a rewrite or a chunk left unwritten, never wrong KV). ``plan_writes`` returns only chunks
-  it does not know as stored whole, and remembers them as stored. Hits read by the reader
-  are remembered, corrupt entries it deletes forgotten; ``roll_back`` forgets the chunks a
-  load failed to deliver, so that their recomputed blocks are written again.
+- ``KnownChunks`` remembers which entries the tiers hold (a hint, bounded; a wrong hint costs
+  a rewrite or an entry left unwritten, never wrong KV). ``plan_writes`` returns only entries
+  it does not know as stored in every tier, and remembers them as stored; the writer forgets
+  the ones a tier failed to store. Hits read by the reader are remembered, corrupt entries it
+  deletes forgotten; ``roll_back`` forgets the entries a load failed to deliver, so that their
+  recomputed blocks are written again.
 - Calls come from the engine thread; the known map is also updated from the loader thread
   and is locked.
 """
@@ -42,26 +52,26 @@ from kvwise.store.costmodel import CostModel, LoadDecision
 
 logger = logging.getLogger("kvwise.store")
 
-_MAX_KNOWN = 200_000  # chunk keys remembered as stored (to skip rewriting them)
+_MAX_KNOWN = 200_000  # entries remembered as stored (to skip rewriting them)
 
 
 class KnownChunks:
-    """Chunk key (its first block's hash) -> ``(last block hash, tiers lacking it)``: the
-    chunk the tiers are believed to hold ends with that block, and the first ``tiers lacking
-    it`` tiers (0: none) do not hold it yet. Least recently remembered forgotten first."""
+    """Entry (its last block's chain hash) -> how many of the top tiers lack it (0: none):
+    the entries the tiers are believed to hold. Least recently remembered forgotten first."""
 
     def __init__(self, max_chunks: int = _MAX_KNOWN) -> None:
         self.max_chunks = max_chunks
-        self._chunks: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
+        self._chunks: OrderedDict[bytes, int] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: bytes) -> tuple[bytes | None, int]:
+    def get(self, key: bytes) -> int | None:
+        """How many of the top tiers lack the entry (None: not known as stored)."""
         with self._lock:
-            return self._chunks.get(key, (None, 0))
+            return self._chunks.get(key)
 
-    def remember(self, key: bytes, last_hash: bytes, missing_above: int = 0) -> None:
+    def remember(self, key: bytes, missing_above: int = 0) -> None:
         with self._lock:
-            self._chunks[key] = (last_hash, missing_above)
+            self._chunks[key] = missing_above
             self._chunks.move_to_end(key)
             if len(self._chunks) > self.max_chunks:
                 self._chunks.popitem(last=False)
@@ -76,10 +86,11 @@ class KnownChunks:
 
 @dataclass(frozen=True)
 class _Stored:
-    """A chunk the tiers hold, as far as one prompt would use it."""
+    """A stored entry, as far as one prompt would use it: blocks ``first_block`` to
+    ``end_block`` (exclusive; the entry ends there and may start earlier)."""
 
     first_block: int
-    end_block: int  # exclusive: the chunk's end or the prompt's ``max_blocks``
+    end_block: int
     tiers: tuple[str, ...]  # the tier each layer group would be read from
     num_bytes: int  # bytes a read takes at least (every group; entries may hold more blocks)
 
@@ -143,29 +154,39 @@ class ChunkPlanner:
         num_chunks = self._decide(request_id, start, stored, num_prompt_tokens)
         if num_chunks == 0:
             return None
-        chunks = []
-        for s in stored[:num_chunks]:
-            skip = max(start - s.first_block, 0)
-            hashes = tuple(block_hashes[s.first_block : s.end_block])
-            num_blocks = s.end_block - s.first_block - skip
-            chunks.append(PlannedChunk(s.first_block, skip, num_blocks, hashes, s.tiers))
+        chunks = [
+            PlannedChunk(
+                s.first_block,
+                s.end_block - s.first_block,
+                tuple(block_hashes[s.first_block : s.end_block]),
+                s.tiers,
+            )  # fmt: skip
+            for s in stored[:num_chunks]
+        ]
         return LoadPlan(stored[num_chunks - 1].end_block - start, chunks)
 
     def _find(self, block_hashes: Sequence[bytes], start: int, max_blocks: int) -> list[_Stored]:
-        """The run of chunks, from the one holding block ``start``, that every layer group
-        of is in some tier."""
-        c, groups = self.chunk_blocks, self.fmt.layer_groups
-        firsts = range(start // c * c, max_blocks, c)
-        located = self._locate([k for f in firsts for k in self._keys(block_hashes[f])])
-        stored = []
-        for i, first in enumerate(firsts):
-            tiers = located[i * groups : (i + 1) * groups]
+        """The stored entries that continue block ``start``, in order: every block up to
+        ``max_blocks`` that an entry ends with (layer group 0 asked first, for all of them),
+        as long as every layer group of it is in some tier."""
+        fmt, groups = self.fmt, self.fmt.layer_groups
+        ends = range(start, max_blocks)
+        located = self._locate([fmt.entry_key(block_hashes[e], 0) for e in ends])
+        present = [(e, tier) for e, tier in zip(ends, located) if tier is not None]
+        rest: list[KVStore | None] = []
+        if groups > 1 and present:
+            rest = self._locate(
+                [fmt.entry_key(block_hashes[e], g) for e, _ in present for g in range(1, groups)]
+            )
+        stored, first = [], start
+        for i, (end, tier) in enumerate(present):
+            tiers = [tier, *rest[i * (groups - 1) : (i + 1) * (groups - 1)]]
             if any(t is None for t in tiers):
                 break
-            end = min(first + c, max_blocks)
             # an entry holds at least the blocks this prompt would use from it
-            num_bytes = sum(self.fmt.entry_bytes(g, end - first) for g in range(groups))
-            stored.append(_Stored(first, end, tuple(t.name for t in tiers), num_bytes))
+            num_bytes = sum(fmt.entry_bytes(g, end + 1 - first) for g in range(groups))
+            stored.append(_Stored(first, end + 1, tuple(t.name for t in tiers), num_bytes))
+            first = end + 1
         return stored
 
     def _decide(
@@ -194,37 +215,41 @@ class ChunkPlanner:
         return m
 
     def roll_back(self, plan: LoadPlan, num_loaded_blocks: int) -> None:
-        """``KVTierPlanner.roll_back``: forget every chunk of ``plan`` not delivered whole
+        """``KVTierPlanner.roll_back``: forget every entry of ``plan`` not delivered whole
         (the first ``num_loaded_blocks`` blocks of the plan were)."""
         num_blocks = 0
         for chunk in plan.chunks:
             num_blocks += chunk.num_blocks
             if num_blocks > num_loaded_blocks:
-                self.known.forget(chunk.block_hashes[0])
+                self.known.forget(chunk.key)
 
     # ---- writes and sessions ------------------------------------------------------------
 
-    def plan_writes(self, block_hashes: Sequence[bytes], num_full_blocks: int) -> list[ChunkWrite]:
-        """Chunks of a finished (or preempted) sequence that the tiers do not hold yet."""
-        if not self.tiers or num_full_blocks * self.fmt.block_size < self.min_tokens:
+    def plan_writes(
+        self, block_hashes: Sequence[bytes], num_full_blocks: int, cuts: Sequence[int] = ()
+    ) -> list[ChunkWrite]:
+        """``KVTierPlanner.plan_writes``: the entries of a finished (or preempted) sequence
+        that the tiers do not hold yet, cut at multiples of ``chunk_blocks``, at
+        ``num_full_blocks`` and at ``cuts``."""
+        n = num_full_blocks
+        if not self.tiers or n * self.fmt.block_size < self.min_tokens:
             return []
-        c, writes = self.chunk_blocks, []
-        for first in range(0, num_full_blocks, c):
-            hashes = tuple(block_hashes[first : min(first + c, num_full_blocks)])
-            last, missing_above = self.known.get(hashes[0])
-            if last == hashes[-1] and not missing_above:
-                continue
-            self.known.remember(hashes[0], hashes[-1])
-            writes.append(ChunkWrite(first, hashes, missing_above if last == hashes[-1] else None))
+        ends = sorted({*range(self.chunk_blocks, n, self.chunk_blocks), n}
+                      | {x for x in cuts if 0 < x < n})  # fmt: skip
+        writes, first = [], 0
+        for end in ends:
+            hashes = tuple(block_hashes[first:end])
+            missing_above = self.known.get(hashes[-1])
+            if missing_above != 0:  # unknown (None: every tier) or lacking in the top tiers
+                self.known.remember(hashes[-1])
+                writes.append(ChunkWrite(first, hashes, missing_above))
+            first = end
         return writes
 
     def num_stored_blocks(self, block_hashes: Sequence[bytes], num_full_blocks: int) -> int:
         """Leading blocks of a sequence that the tiers hold, every layer group."""
         stored = self._find(block_hashes, 0, num_full_blocks)
         return stored[-1].end_block if stored else 0
-
-    def _keys(self, first_block_hash: bytes) -> list[bytes]:
-        return [self.fmt.entry_key(first_block_hash, g) for g in range(self.fmt.layer_groups)]
 
     def _locate(self, keys: list[bytes]) -> list[KVStore | None]:
         """The first tier holding each key (None: in no tier)."""

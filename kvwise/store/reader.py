@@ -3,16 +3,19 @@
 The engine's loader thread calls ``read_group`` once per layer group while the step runs.
 
 Contract:
-- ``read_group`` reads the group's entry of every planned chunk from the tier the plan names
-  for it, in a few parallel parts, and opens each entry (checks its header and tag and
-  decrypts it: ``serde.open_parts`` in place where a ``ReadsInPlace`` tier read it straight
-  into the caller's buffers, else ``serde.open_into`` those buffers, or ``serde.unpack``
-  without them) and matches its block hashes against the prompt's: ``usable`` is how many leading blocks of the entry are
-  verified and the prompt's own. It never raises for a tier fault or a bad entry: a miss,
-  a fault or a corrupt entry gives ``usable`` 0.
-- A corrupt entry (fails its checks, or holds another chunk than the plan's) is a fault of
-  its tier: counted and logged once per kind, deleted from the tier, and its chunk forgotten
-  in the known map, so that it is written again.
+- ``read_group`` reads the group's entry of every planned chunk (the entry that ends with
+  the chunk's last block) from the tier the plan names for it, in a few parallel parts, and
+  opens each entry (checks its header and tag and decrypts it: ``serde.open_parts`` in place
+  where a ``ReadsInPlace`` tier read it straight into the caller's buffers, else
+  ``serde.open_into`` those buffers, or ``serde.unpack`` without them). ``usable`` is how
+  many of the chunk's blocks the entry holds, verified against the prompt's hashes; ``skip``
+  how many of the entry's leading blocks come before the chunk. It never raises for a tier
+  fault or a bad entry: a miss, a fault, a corrupt entry or one that starts after the
+  chunk's first block gives ``usable`` 0.
+- A corrupt entry (fails its checks, or ends elsewhere than its key says) is a fault of its
+  tier: counted and logged once per kind, deleted from the tier, and forgotten in the known
+  map, so that it is written again. An entry that starts too late is no fault (another
+  writer cut the sequence elsewhere): a miss.
 - Promotion: a hit in layer group 0 is remembered as stored. A hit below the top tier is
   promoted to the tiers above: at once (``promote``) when its bytes were read into memory,
   else (read in place) by the request's own write when it leaves the pool, which the known
@@ -37,19 +40,21 @@ from kvwise.store.planner import KnownChunks
 _READ_PARTS = 4  # a tier's share of one read runs (and is checked) in this many parallel parts
 
 # dest(i, entry_blocks): the payload buffers for planned chunk i's entry of that many blocks
-Dest = Callable[[int, int], list]
+# (None: the entry is too short to hold the chunk)
+Dest = Callable[[int, int], list | None]
 # promote(tier_index, key, entry): put an entry read from that tier into the tiers above it
 PromoteFn = Callable[[int, bytes, bytes], object]
 
 
 @dataclass(frozen=True)
 class GroupRead:
-    """One layer group of one planned chunk, as read: ``usable`` leading blocks of the entry
-    (counted from the chunk's first block) are verified and match the prompt."""
+    """One layer group of one planned chunk, as read: ``usable`` leading blocks of the chunk
+    are verified and match the prompt; they are the entry's blocks from ``skip`` on."""
 
     payload: memoryview | None
     entry_blocks: int
     usable: int
+    skip: int = 0
     in_place: bool = False  # opened straight into the device blocks ``dest`` gave
 
 
@@ -98,9 +103,9 @@ class Reader:
         ``dest(i, entry_blocks)``, when given, returns the payload buffers for chunk ``i``
         (``worker.kv_cache.payload_views``): ``ReadsInPlace`` tiers read straight into them.
         A chunk's ``usable`` is 0 for a miss, a fault or a bad entry, and short of
-        ``skip + num_blocks`` when the entry stops matching the prompt.
+        ``num_blocks`` when the entry stops matching the prompt.
         """
-        keys = [self.fmt.entry_key(ch.block_hashes[0], group) for ch in chunks]
+        keys = [self.fmt.entry_key(ch.key, group) for ch in chunks]
         out = [_MISS] * len(chunks)
         for tier_index, tier in enumerate(self.tiers):
             idx = [i for i, ch in enumerate(chunks) if ch.tiers[group] == tier.name]
@@ -138,7 +143,11 @@ class Reader:
                     if num_blocks is None:
                         return None
                     head = bytearray(self.fmt.head_bytes(num_blocks))
-                    return [head, *dest(i, num_blocks), bytearray(serde.TAG_SIZE)]
+                    return [
+                        head,
+                        *self._into(dest, i, group, num_blocks),
+                        bytearray(serde.TAG_SIZE),
+                    ]
 
                 return make
 
@@ -157,10 +166,18 @@ class Reader:
             num_blocks = serde.entry_blocks_from_size(self.fmt, group, len(value))
             if num_blocks is None:
                 raise serde.CorruptEntry("entry size")
-            buffers = [bytearray(32 * num_blocks), *dest(i, num_blocks)]
+            buffers = [bytearray(32 * num_blocks), *self._into(dest, i, group, num_blocks)]
             return _Got(len(value), serde.open_into(self.fmt, key, value, buffers), value)
         except serde.CorruptEntry as e:
             return _Got(len(value), e, value)
+
+    def _into(self, dest: Dest, i: int, group: int, num_blocks: int) -> list:
+        """``dest``'s buffers for an entry of ``num_blocks``, or a scratch buffer when it
+        is too short for the chunk (opened all the same, then found to start too late)."""
+        buffers = dest(i, num_blocks)
+        if buffers is None:
+            return [bytearray(num_blocks * self.fmt.group_block_bytes(group))]
+        return buffers
 
     def _open_parts(self, key: bytes, buffers: list | None) -> _Got:
         if buffers is None:
@@ -178,21 +195,27 @@ class Reader:
         entry, value, tier = read.entry, read.value, self.tiers[tier_index]
         if entry is None:
             return _MISS
-        if isinstance(entry, serde.CorruptEntry) or entry.first_block != chunk.first_block:
-            reason = entry if isinstance(entry, serde.CorruptEntry) else "misplaced chunk"
+        end = chunk.first_block + chunk.num_blocks
+        if isinstance(entry, serde.CorruptEntry) or entry.first_block + entry.num_blocks != end:
+            reason = entry if isinstance(entry, serde.CorruptEntry) else "misplaced entry"
             self._faults[tier.name].corrupt(reason)
             tier.delete([key])
-            self.known.forget(chunk.block_hashes[0])
+            self.known.forget(chunk.key)
             return _MISS
-        limit = min(entry.num_blocks, len(chunk.block_hashes))
+        skip = chunk.first_block - entry.first_block
+        if skip < 0:  # it starts after the chunk's first block: no use to this prompt
+            return _MISS
         usable = 0
-        while usable < limit and entry.block_hashes[usable] == chunk.block_hashes[usable]:
+        while usable < chunk.num_blocks and (
+            entry.block_hashes[skip + usable] == chunk.block_hashes[usable]
+        ):
             usable += 1
         if entry.group == 0:
             # a hit below the top tier is promoted: at once when we hold its bytes, else by
             # the request's own write when it finishes (to the tiers above this one only)
             promote_later = tier_index if value is None else 0
-            self.known.remember(chunk.block_hashes[0], entry.block_hashes[-1], promote_later)
+            self.known.remember(chunk.key, promote_later)
         if tier_index and value is not None:
             self._promote(tier_index, key, value)
-        return GroupRead(entry.payload, entry.num_blocks, usable, in_place=entry.payload is None)
+        in_place = entry.payload is None
+        return GroupRead(entry.payload, entry.num_blocks, usable, skip, in_place)

@@ -7,11 +7,12 @@ starting at block index ``first_block`` of that sequence: a C-contiguous array
 a chunk by layer groups lets a load stream in layer order: the model runs its first layers
 while later groups are still being read.
 
-An entry's key is derived from the chain hash of its first block and its group
-(``EntryFormat.entry_key``: an HMAC under the store secret), so the tenant and salt in the
-chain are in every key, and nobody without the secret can compute the key of a given prompt.
-It lists the chain hashes of all its blocks, so a request that shares only the first few of
-them can still use those.
+An entry's key is derived from the chain hash of its *last* block and its group
+(``EntryFormat.entry_key``: an HMAC under the store secret). A chain hash covers every token
+before it, so the key names the whole prefix the entry ends: two sequences that share only
+the entry's first blocks have different keys and never overwrite each other's entries. The
+tenant and salt in the chain are in every key, and nobody without the secret can compute the
+key of a given prompt. The entry lists the chain hashes of its blocks (checked on load).
 
 Sealing: the block hashes and the payload are encrypted and authenticated with AES-256-GCM
 under a key derived from the store secret, with a fresh random 96-bit nonce per entry and the
@@ -71,11 +72,11 @@ class EntryFormat:
     # (probe for, or plant) the key of a given prompt's entry; b"": plain hashes
     secret: bytes = field(default=b"", repr=False)
 
-    def entry_key(self, first_block_hash: bytes, group: int) -> bytes:
-        """The key of one layer group of the chunk whose first block has this chain hash."""
+    def entry_key(self, last_block_hash: bytes, group: int) -> bytes:
+        """The key of one layer group of the entry whose last block has this chain hash."""
         if not self.secret:
-            return entry_key(first_block_hash, group)
-        message = b"kvwise.entry.v3" + first_block_hash + group.to_bytes(2, "little")
+            return entry_key(last_block_hash, group)
+        message = b"kvwise.entry.v4" + last_block_hash + group.to_bytes(2, "little")
         return hmac.new(self.secret, message, hashlib.sha256).digest()
 
     @functools.cached_property
@@ -136,10 +137,11 @@ class EntryFormat:
         return self.head_bytes(num_blocks) + num_blocks * self.group_block_bytes(group) + TAG_SIZE
 
 
-def entry_key(first_block_hash: bytes, group: int) -> bytes:
-    """The key of one layer group of the chunk whose first block has this chain hash."""
+def entry_key(last_block_hash: bytes, group: int) -> bytes:
+    """The key of one layer group of the entry whose last block has this chain hash (no
+    secret: anyone can compute it)."""
     return hashlib.sha256(
-        b"kvwise.entry.v2" + first_block_hash + group.to_bytes(2, "little")
+        b"kvwise.entry.v4" + last_block_hash + group.to_bytes(2, "little")
     ).digest()
 
 
@@ -160,8 +162,8 @@ class Entry:
 def pack(
     fmt: EntryFormat, block_hashes: list[bytes], first_block: int, group: int, payload
 ) -> bytes:
-    """One layer group of a chunk as a sealed entry, for
-    ``fmt.entry_key(block_hashes[0], group)``.
+    """One layer group of a run of blocks as a sealed entry, for
+    ``fmt.entry_key(block_hashes[-1], group)``.
 
     ``payload``: a C-contiguous buffer ``(group_layers, 2, num_blocks, block_size, ...)``.
     """
@@ -180,7 +182,7 @@ def pack(
         MAGIC,
         VERSION,
         HEADER_SIZE,
-        fmt.entry_key(block_hashes[0], group),
+        fmt.entry_key(block_hashes[-1], group),
         fmt.model_digest,
         fmt.spec.dtype.encode(),
         fmt.spec.num_layers,
@@ -345,6 +347,6 @@ def _open(fmt: EntryFormat, key: bytes, header, sources: list, dests: list, tag)
         ) from None
     hashes = memoryview(dests[0])
     block_hashes = [bytes(hashes[i : i + 32]) for i in range(0, hashes.nbytes, 32)]
-    if fmt.entry_key(block_hashes[0], h.group) != key:
-        raise CorruptEntry("entry's first block and group do not make its key")
+    if fmt.entry_key(block_hashes[-1], h.group) != key:
+        raise CorruptEntry("entry's last block and group do not make its key")
     return Entry(h.first_block, h.group, block_hashes, None)

@@ -139,9 +139,12 @@ class TieredStore:
         chunks after those are stored, so the recomputed blocks are written again."""
         self._planner.roll_back(plan, num_loaded_blocks)
 
-    def plan_writes(self, block_hashes: Sequence[bytes], num_full_blocks: int) -> list[ChunkWrite]:
-        """Chunks of a finished (or preempted) sequence that the tiers do not hold yet."""
-        return self._planner.plan_writes(block_hashes, num_full_blocks)
+    def plan_writes(
+        self, block_hashes: Sequence[bytes], num_full_blocks: int, cuts: Sequence[int] = ()
+    ) -> list[ChunkWrite]:
+        """Entries of a finished (or preempted) sequence that the tiers do not hold yet, cut at
+        multiples of ``chunk_blocks``, at ``num_full_blocks`` and at ``cuts``."""
+        return self._planner.plan_writes(block_hashes, num_full_blocks, cuts)
 
     # ---- loads (the engine's loader thread, while the step runs) ------------------------
 
@@ -153,7 +156,7 @@ class TieredStore:
         ``dest(i, entry_blocks)``, when given, returns the payload buffers for chunk ``i``:
         tiers that read in place (disk) read straight into them. Never raises for a tier
         fault or a bad entry: that chunk's ``usable`` is 0 then (or short of
-        ``skip + num_blocks`` when the entry stops matching the prompt).
+        ``num_blocks`` when the entry stops matching the prompt).
         """
         return self._reader.read_group(chunks, group, dest)
 

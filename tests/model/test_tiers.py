@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvwise.store import serde
 from tests.tiers_util import PROMPT, evict_device, run
 
 pytestmark = pytest.mark.slow
@@ -94,9 +95,13 @@ def test_damaged_disk_entries_are_misses(tiered, tmp_path, reference, damage, la
     engine = tiered(kv_disk_path=str(tmp_path), kv_layer_groups=layer_groups)
     run(engine)
     evict_device(engine)
-    files = sorted(tmp_path.rglob("*.kv"))
-    assert files
-    victim = files[len(files) // 2]
+    fmt = engine.store.fmt
+    first_blocks = {  # every entry file -> its first block (the header is in the clear)
+        path: serde.unpack(fmt, bytes.fromhex(path.stem), path.read_bytes()).first_block
+        for path in sorted(tmp_path.rglob("*.kv"))
+    }
+    second = sorted(set(first_blocks.values()))[1]  # the prompt's second entry
+    victim = next(path for path, first in first_blocks.items() if first == second)
     data = bytearray(victim.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0xFF
@@ -241,8 +246,6 @@ def test_stored_entries_do_not_reveal_layer0_values(tiered, tmp_path):
     (each token's value vector, which maps back to its vocabulary entry). Sealed entries hold
     no row within 1e-3 of one, at any byte alignment; the opened payloads (control) do."""
     import torch
-
-    from kvwise.store import serde
 
     engine = tiered(kv_disk_path=str(tmp_path), kv_store_secret="a secret of sixteen+ chars")
     run(engine)

@@ -117,6 +117,41 @@ def test_park_moves_a_session_to_the_tiers_and_its_next_turn_loads_it():
         engine.park("s1", tenant="alice")
 
 
+SYSTEM = "system: You are a careful assistant. Answer briefly, and say where facts come from.\n"
+CONVERSATIONS = {
+    "a": SYSTEM + "user: What do cats eat when nobody is watching them at night?\nassistant: ",
+    "b": SYSTEM + "user: Why do the tides follow the moon and not the sun, mostly?\nassistant: ",
+}
+
+
+@pytest.mark.parametrize("how", ["park", "restart"])
+def test_conversations_sharing_a_system_prompt_both_load_their_whole_history(tmp_path, how):
+    """Issue 10's clobbering: entries were keyed by their first block, so two conversations
+    whose stored chunk starts inside a shared system prompt overwrote each other's, and only
+    the last writer loaded its history. Keyed by their last block, both load it all."""
+    config = {"kv_store_min_tokens": 8, "kv_load_policy": "always", "kv_chunk_blocks": 8}
+    tier = {"kv_host_memory": "4MiB"} if how == "park" else {"kv_disk_path": str(tmp_path)}
+    engine = fake_engine(num_blocks=256, **tier, **config)
+    firsts = {}
+    for name, prompt in CONVERSATIONS.items():
+        firsts[name] = run(engine, [prompt], options=RequestOptions(session_id=name))[0]
+    if how == "park":
+        for name in CONVERSATIONS:
+            assert engine.park(name) > 0
+        evict_device(engine)
+    else:
+        engine.close()
+        engine = fake_engine(num_blocks=256, **tier, **config)
+    for name, prompt in CONVERSATIONS.items():
+        evict_device(engine)  # what the other turn left on the device does not count
+        turn2 = prompt + firsts[name].text + "\nuser: And then?\nassistant: "
+        out = run(engine, [turn2], options=RequestOptions(session_id=name))[0]
+        history = (len(prompt) - 1) // 4 * 4  # every full block of the first turn's prompt
+        assert out.num_loaded_tokens >= history, (name, out.num_loaded_tokens, history)
+        assert out.token_ids == run(fake_engine(), [turn2])[0].token_ids
+    engine.close()
+
+
 def test_admission_errors_are_typed():
     engine = fake_engine(num_blocks=8, max_waiting=1)
     with pytest.raises(ContextLengthExceeded, match="prompt: .* do not fit the KV cache"):

@@ -31,16 +31,15 @@ class FakePlanner:
             return None
         chunks = []
         for first in range(num_device_blocks // CHUNK * CHUNK, end, CHUNK):
-            skip = max(num_device_blocks - first, 0)
-            stop = min(first + CHUNK, end)
-            hashes = tuple(block_hashes[first:stop])
-            chunks.append(PlannedChunk(first, skip, stop - first - skip, hashes, ("fake",)))
+            start, stop = max(first, num_device_blocks), min(first + CHUNK, end)
+            hashes = tuple(block_hashes[start:stop])
+            chunks.append(PlannedChunk(start, stop - start, hashes, ("fake",)))
         return LoadPlan(end - num_device_blocks, chunks)
 
     def roll_back(self, plan, num_loaded_blocks):
         self.rollbacks.append((plan.num_blocks, num_loaded_blocks))
 
-    def plan_writes(self, block_hashes, num_full_blocks):
+    def plan_writes(self, block_hashes, num_full_blocks, cuts=()):
         writes = [
             ChunkWrite(first, tuple(block_hashes[first : min(first + CHUNK, num_full_blocks)]))
             for first in range(0, num_full_blocks, CHUNK)

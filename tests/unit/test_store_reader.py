@@ -1,7 +1,10 @@
-"""The tiered store's reader on its own: checks and matching, corrupt entries as faults,
-promotion, and reading in place (``ReadsInPlace``: disk is one, host and Redis are not)."""
+"""The tiered store's reader on its own: checks and matching, corrupt and misplaced entries
+as faults, entries that start too late as misses, promotion, and reading in place
+(``ReadsInPlace``: disk is one, host and Redis are not)."""
 
 from __future__ import annotations
+
+import pytest
 
 from kvwise.core.kv_tiers import PlannedChunk
 from kvwise.store import serde
@@ -17,19 +20,21 @@ from tests.store_util import chain, entry_format, payload
 FMT = entry_format()  # 2 layer groups (one layer each), 4-token blocks of 128 bytes
 
 
-def put_chunk(tier: KVStore, hashes: list[bytes], first_block: int = 0) -> None:
-    """Store a chunk as the writer would: one entry per layer group."""
+def put_entry(tier: KVStore, hashes: list[bytes], first_block: int = 0) -> None:
+    """Store an entry as the writer would: one per layer group, keyed by its last block."""
     data = payload(hashes)
     size = len(hashes) * FMT.group_block_bytes(0)
     tier.put([
-        (serde.entry_key(hashes[0], g),
+        (FMT.entry_key(hashes[-1], g),
          serde.pack(FMT, hashes, first_block, g, data[g * size : (g + 1) * size]))
         for g in (0, 1)
     ])  # fmt: skip
 
 
-def planned(hashes: list[bytes], first_block: int = 0, skip: int = 0, tiers=("host", "host")):
-    return PlannedChunk(first_block, skip, len(hashes) - skip, tuple(hashes), tiers)
+def planned(hashes: list[bytes], first_block: int = 0, tiers=("host", "host")) -> PlannedChunk:
+    """The run of blocks ``first_block ..`` with these hashes, read from the entry ending
+    with its last block."""
+    return PlannedChunk(first_block, len(hashes), tuple(hashes), tiers)
 
 
 class Setup:
@@ -43,46 +48,89 @@ class Setup:
 def test_reads_are_checked_and_matched_against_the_prompt():
     host = HostStore(1 << 20)
     h = chain(8)
-    put_chunk(host, h[0:4])
-    put_chunk(host, h[4:8], first_block=4)
+    put_entry(host, h[0:4])
+    put_entry(host, h[4:8], first_block=4)
     s = Setup(host)
-    other = h[:6] + chain(2, "b")  # the second chunk matches two blocks only
-    reads = s.reader.read_group([planned(other[0:4], skip=1), planned(other[4:8], 4)], 0)
-    assert [(r.entry_blocks, r.usable, r.in_place) for r in reads] == [(4, 4, False), (4, 2, False)]
-    assert bytes(reads[0].payload) == payload(h[0:4])[:256]
-    # group 0 hits are remembered as stored: the entry's own last block
-    assert s.known.get(h[0]) == (h[3], 0) and s.known.get(h[4]) == (h[7], 0)
+    # blocks 1..3 of the first entry (block 0 is on the device); a prompt whose hash of
+    # block 6 differs from the stored one (no real chain meets again: a bad store could)
+    other = h[:6] + chain(7, "b")[6:7] + h[7:8]
+    reads = s.reader.read_group([planned(h[1:4], 1), planned(other[4:8], 4)], 0)
+    assert [(r.entry_blocks, r.skip, r.usable, r.in_place) for r in reads] == [
+        (4, 1, 3, False),
+        (4, 0, 2, False),
+    ]
+    assert bytes(reads[0].payload) == payload(h[0:4])[:256]  # the whole entry's layer 0
+    # group 0 hits are remembered as stored, by their last block
+    assert s.known.get(h[3]) == 0 and s.known.get(h[7]) == 0
     assert s.promoted == []  # a top-tier hit is not promoted
+    assert host.stats.faults == 0
     s.reader.close()
 
 
 def test_a_corrupt_entry_is_a_fault_deleted_and_forgotten():
     host = HostStore(1 << 20)
     h = chain(4)
-    put_chunk(host, h)
-    key = serde.entry_key(h[0], 1)
+    put_entry(host, h)
+    key = FMT.entry_key(h[3], 1)
     (value,) = host.get([key])
-    host.put([(key, value[:-1] + bytes([value[-1] ^ 1]))])  # a flipped payload bit
+    host.put([(key, value[:-1] + bytes([value[-1] ^ 1]))])  # a flipped tag bit
     s = Setup(host)
     chunk = planned(h)
     assert s.reader.read_group([chunk], 0)[0].usable == 4
-    assert s.known.get(h[0]) == (h[3], 0)
+    assert s.known.get(h[3]) == 0
     hits = host.stats.hits
     (read,) = s.reader.read_group([chunk], 1)
     assert (read.payload, read.usable) == (None, 0)
     assert host.stats.faults == 1 and host.stats.hits == hits  # a fault, not also a hit
     assert host.contains([key]) == [False]  # deleted
-    assert s.known.get(h[0]) == (None, 0)  # forgotten: the chunk gets written again
+    assert s.known.get(h[3]) is None  # forgotten: the entry gets written again
     s.reader.close()
 
 
-def test_an_entry_of_another_chunk_is_a_fault():
+def test_an_entry_ending_elsewhere_than_the_run_is_a_fault():
     host = HostStore(1 << 20)
     h = chain(4)
-    put_chunk(host, h, first_block=8)  # stored as blocks 8.. of some sequence
+    put_entry(host, h, first_block=8)  # stored as blocks 8..11 of some sequence
     s = Setup(host)
-    assert s.reader.read_group([planned(h)], 0)[0].usable == 0
-    assert host.stats.faults == 1 and host.contains([serde.entry_key(h[0], 0)]) == [False]
+    assert s.reader.read_group([planned(h)], 0)[0].usable == 0  # the run ends at block 3
+    assert host.stats.faults == 1 and host.contains([FMT.entry_key(h[3], 0)]) == [False]
+    s.reader.close()
+
+
+def dest_for(chunks: list[PlannedChunk]):
+    """Buffers for each run's entry, as the engine's: K and V of one layer, the entry's
+    leading blocks included; None when the entry is too short to hold the run."""
+
+    def dest(i: int, entry_blocks: int) -> list[bytearray] | None:
+        if entry_blocks < chunks[i].num_blocks:
+            return None
+        return [bytearray(entry_blocks * 32) for _ in range(2)]
+
+    return dest
+
+
+@pytest.mark.parametrize("reads", ["into memory", "into buffers", "in place"])
+def test_an_entry_that_starts_after_the_run_is_a_miss_not_a_fault(tmp_path, reads):
+    tier = DiskStore(tmp_path, 1 << 20) if reads == "in place" else HostStore(1 << 20)
+    h = chain(4)
+    put_entry(tier, h[2:4], first_block=2)  # another writer cut the sequence after block 1
+    s = Setup(tier)
+    chunks = [planned(h, tiers=(tier.name, tier.name))]  # blocks 0..3
+    dest = None if reads == "into memory" else dest_for(chunks)
+    for group in (0, 1):
+        (read,) = s.reader.read_group(chunks, group, dest)
+        assert (read.payload, read.usable, read.skip) == (None, 0, 0)
+    assert tier.stats.faults == 0
+    assert tier.contains([FMT.entry_key(h[3], g) for g in (0, 1)]) == [True, True]  # kept
+    assert s.known.get(h[3]) is None  # not remembered as a hit either
+    # the same entry serves a run that starts where it does
+    chunks = [planned(h[2:4], 2, (tier.name, tier.name))]
+    dest = None if reads == "into memory" else dest_for(chunks)
+    (read,) = s.reader.read_group(chunks, 0, dest)
+    assert (read.usable, read.skip, read.in_place) == (2, 0, dest is not None)
+    assert s.known.get(h[3]) == 0
+    s.reader.close()
+    tier.close()
 
 
 def test_a_miss_is_not_a_fault():
@@ -95,13 +143,13 @@ def test_a_miss_is_not_a_fault():
 def test_lower_tier_hits_are_promoted_now_or_by_the_next_write(tmp_path):
     host, disk = HostStore(1 << 20), DiskStore(tmp_path, 1 << 20)
     h = chain(8)
-    put_chunk(disk, h[0:4])
-    put_chunk(disk, h[4:8], first_block=4)
+    put_entry(disk, h[0:4])
+    put_entry(disk, h[4:8], first_block=4)
     s = Setup(host, disk)
     chunks = [planned(h[0:4], tiers=("disk", "disk")), planned(h[4:8], 4, tiers=("disk", "disk"))]
     s.reader.read_group(chunks[:1], 0)  # read into memory: promoted at once
-    assert s.promoted == [(1, serde.entry_key(h[0], 0))]
-    assert s.known.get(h[0]) == (h[3], 0)
+    assert s.promoted == [(1, FMT.entry_key(h[3], 0))]
+    assert s.known.get(h[3]) == 0
 
     def dest(i: int, entry_blocks: int) -> list[bytearray]:
         return [bytearray(entry_blocks * 32) for _ in range(2)]  # K, V of one layer
@@ -109,7 +157,7 @@ def test_lower_tier_hits_are_promoted_now_or_by_the_next_write(tmp_path):
     (read,) = s.reader.read_group(chunks[1:], 0, dest)  # in place: nothing to promote now
     assert read.in_place and read.usable == 4
     assert len(s.promoted) == 1
-    assert s.known.get(h[4]) == (h[7], 1)  # ... the request's write fills the tier above
+    assert s.known.get(h[7]) == 1  # ... the request's write fills the tier above
     s.reader.close()
     disk.close()
 
@@ -117,11 +165,12 @@ def test_lower_tier_hits_are_promoted_now_or_by_the_next_write(tmp_path):
 def test_in_place_reads_of_an_entry_of_no_whole_size_are_faults(tmp_path):
     disk = DiskStore(tmp_path, 1 << 20)
     h = chain(4)
-    disk.put([(serde.entry_key(h[0], 0), b"x" * 100)])
+    key = FMT.entry_key(h[3], 0)
+    disk.put([(key, b"x" * 100)])
     s = Setup(disk)
     (read,) = s.reader.read_group([planned(h, tiers=("disk", "disk"))], 0, lambda i, n: [])
     assert read.usable == 0 and (disk.stats.faults, disk.stats.hits) == (1, 0)
-    assert disk.contains([serde.entry_key(h[0], 0)]) == [False]
+    assert disk.contains([key]) == [False]
     disk.close()
 
 

@@ -27,21 +27,25 @@ def _entry() -> bytes:
 
 def test_an_entry_opens_only_under_its_own_key_and_secret():
     value = _entry()
-    key = FMT.entry_key(b"a" * 32, 0)
+    key = FMT.entry_key(b"b" * 32, 0)  # the key of its last block
     entry = serde.unpack(FMT, key, value)
     assert bytes(entry.payload) == bytes(range(2 * FMT.group_block_bytes(0)))
     assert entry.block_hashes == [b"a" * 32, b"b" * 32]
     other = serde.EntryFormat(FMT.spec, "model", secret=b"t" * 32)
     with pytest.raises(serde.CorruptEntry, match="authentication failed"):
         serde.unpack(other, key, value)  # another installation's secret
+    for moved in (b"a" * 32, b"c" * 32):  # its first block's key, or any other
+        with pytest.raises(serde.CorruptEntry, match="another key"):
+            serde.unpack(FMT, FMT.entry_key(moved, 0), value)
     with pytest.raises(serde.CorruptEntry, match="another key"):
-        serde.unpack(FMT, FMT.entry_key(b"c" * 32, 0), value)  # moved to another key
+        serde.unpack(FMT, FMT.entry_key(b"b" * 32, 1), value)  # another layer group's key
     assert _entry() != value  # a fresh nonce each time: equal KV, unequal bytes
 
 
 def test_no_byte_of_the_sealed_part_can_change():
     value = _entry()
-    key = FMT.entry_key(b"a" * 32, 0)
+    key = FMT.entry_key(b"b" * 32, 0)
+    assert serde.unpack(FMT, key, value).block_hashes == [b"a" * 32, b"b" * 32]  # the control
     for i in range(serde.HEADER_SIZE - 12, len(value)):  # the nonce, the sealed part, the tag
         damaged = bytearray(value)
         damaged[i] ^= 0x01

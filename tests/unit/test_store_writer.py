@@ -36,7 +36,7 @@ def test_a_chunk_is_packed_per_layer_group_and_written_to_its_tiers():
     writer = Writer([top, bottom], FMT, background=False)
     h = chain(4)
     assert writer.submit(chunk_job(h, num_tiers=1))
-    keys = [serde.entry_key(h[0], g) for g in (0, 1)]
+    keys = [FMT.entry_key(h[3], g) for g in (0, 1)]  # keyed by the entry's last block
     assert top.contains(keys) == [True, True] and bottom.contains(keys) == [False, False]
     # group g holds layer g: K then V of the 4 blocks, 32 bytes each, as the payload lays out
     for g, value in enumerate(top.get(keys)):
@@ -98,7 +98,7 @@ def test_close_flushes_is_idempotent_and_then_drops():
     writer.submit(chunk_job(h))
     writer.close()
     writer.close()
-    assert host.contains([serde.entry_key(h[0], 0)]) == [True]
+    assert host.contains([FMT.entry_key(h[3], 0)]) == [True]
     assert not writer.submit(chunk_job(chain(4, "b")))
     assert writer.writes_dropped == 1
 
@@ -131,7 +131,7 @@ def test_a_chunk_a_tier_fails_to_store_is_handed_back():
     job = chunk_job(chain(4))
     assert writer.submit(job)
     assert lost == [job.chunk]
-    keys = [serde.entry_key(job.chunk.key, g) for g in (0, 1)]
+    keys = [FMT.entry_key(job.chunk.key, g) for g in (0, 1)]
     assert fine.contains(keys) == [True, True]  # every tier stores what it can
     assert writer.submit(chunk_job(chain(4, "b"), num_tiers=1))  # the top tier alone: stored
     assert lost == [job.chunk]

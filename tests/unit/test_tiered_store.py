@@ -1,5 +1,6 @@
-"""TieredStore and CostModel without torch: entries, lookups across tiers, partial matches,
-faults as misses, promotion, write planning and the cost model's choices."""
+"""TieredStore and CostModel without torch: entries keyed by their last block, lookups
+across tiers, device hits mid-entry, sequences that share a prefix, cuts, faults as misses,
+promotion, write planning and the cost model's choices."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kvwise.store import serde
 from kvwise.store.costmodel import CostModel, OnlineFit
 from kvwise.store.host import HostStore
 from kvwise.store.tiered import TieredStore
-from tests.store_util import chain, entry_format, payload
+from tests.store_util import chain, entry_format, fork, payload
 
 FMT = entry_format()  # 2 layers in 2 groups, 4-token blocks of 128 bytes
 
@@ -42,20 +43,23 @@ def make_store(*tiers, chunk_blocks=4, min_tokens=4, policy="always") -> TieredS
     )
 
 
-def load(store: TieredStore, hashes, device: int, max_blocks: int, prompt_tokens: int, dest=None):
-    """Plan a load and read every layer group, as the engine's loader does (without torch).
+def load(store: TieredStore, hashes, device: int, max_blocks: int, prompt_tokens: int,
+         dest_for=None):  # fmt: skip
+    """Plan a load and read every layer group, as the engine's loader does (without torch);
+    ``dest_for(plan)`` gives the ``dest`` to read into (None: into memory).
 
     Returns (plan, blocks loaded, reads per group)."""
     plan = store.plan_load("r", hashes, device, max_blocks, prompt_tokens)
     if plan is None:
         return None, 0, []
+    dest = dest_for(plan) if dest_for else None
     loaded = [ch.num_blocks for ch in plan.chunks]
     reads = []
     for g in range(store.layer_groups):
         got = store.read_group(plan.chunks, g, dest)
         reads.append(got)
-        for i, (ch, r) in enumerate(zip(plan.chunks, got)):
-            loaded[i] = min(loaded[i], max(0, r.usable - ch.skip))
+        for i, r in enumerate(got):
+            loaded[i] = min(loaded[i], r.usable)
     total = 0
     for ch, n in zip(plan.chunks, loaded):
         total += n
@@ -64,26 +68,32 @@ def load(store: TieredStore, hashes, device: int, max_blocks: int, prompt_tokens
     return plan, total, reads
 
 
-def write_all(store: TieredStore, hashes: list[bytes], ttl_s=None) -> list:
-    writes = store.plan_writes(hashes, len(hashes))
+def write_all(store: TieredStore, hashes: list[bytes], ttl_s=None, cuts=()) -> list:
+    writes = store.plan_writes(hashes, len(hashes), cuts)
     for w in writes:
         store.write(w, payload(list(w.block_hashes)), ttl_s)
     return writes
 
 
-def test_writes_are_aligned_chunks_keyed_by_their_first_block():
+def test_writes_are_aligned_entries_keyed_by_their_last_block():
     store = make_store(HostStore(1 << 20))
     h = chain(10)
     writes = write_all(store, h)
     assert [(w.first_block, len(w.block_hashes)) for w in writes] == [(0, 4), (4, 4), (8, 2)]
-    assert [w.key for w in writes] == [h[0], h[4], h[8]]
-    # each chunk is stored as one entry per layer group, under keys derived from its first block
-    assert store.tiers[0].contains([serde.entry_key(h[4], g) for g in (0, 1)]) == [True, True]
-    assert store.tiers[0].contains([h[4]]) == [False]
-    # the same sequence again: nothing new to write; grown by a block: only its last chunk
+    assert [w.key for w in writes] == [h[3], h[7], h[9]]
+    # each entry is stored once per layer group, under keys derived from its last block
+    host = store.tiers[0]
+    assert host.contains([FMT.entry_key(h[7], g) for g in (0, 1)]) == [True, True]
+    assert host.contains([FMT.entry_key(h[4], 0), h[7]]) == [False, False]
+    # the same sequence again: nothing new to write; grown by a block: only its new last
+    # entry, beside (not over) the old one
     assert store.plan_writes(h, 10) == []
-    grown = chain(11)
-    assert [(w.first_block, len(w.block_hashes)) for w in store.plan_writes(grown, 11)] == [(8, 3)]
+    grown = h + chain(11)[10:]
+    writes = write_all(store, grown)
+    assert [(w.first_block, len(w.block_hashes), w.key) for w in writes] == [(8, 3, grown[10])]
+    assert host.contains([FMT.entry_key(h[9], 0), FMT.entry_key(grown[10], 0)]) == [True, True]
+    assert load(store, h, 0, 10, 41)[1] == 10
+    assert load(store, grown, 0, 11, 45)[1] == 11
 
 
 def test_short_sequences_are_not_written():
@@ -92,28 +102,112 @@ def test_short_sequences_are_not_written():
     assert len(store.plan_writes(chain(5), 5)) == 2
 
 
-def test_load_continues_a_device_hit_mid_chunk_and_stops_where_entries_stop_matching():
+def test_a_device_hit_mid_entry_loads_the_rest_of_it_and_a_divergence_mid_entry_misses_it():
     store = make_store(HostStore(1 << 20))
     h = chain(10)
     write_all(store, h)
-    other = h[:6] + chain(4, "b")  # shares 6 blocks, then diverges
-    plan, loaded, reads = load(store, other, device=2, max_blocks=10, prompt_tokens=41)
-    # the plan trusts the keys (chunks 0 and 4 exist for this prefix) ...
-    assert [(c.first_block, c.skip, c.num_blocks) for c in plan.chunks] == [(0, 2, 2), (4, 0, 4)]
-    # ... the reads find that chunk 4's entry stops matching after two blocks
-    assert loaded == 4  # blocks 2..5
-    assert [r.usable for r in reads[0]] == [4, 2]
-    first_layer_bytes = 4 * 32  # layer 0 of chunk 0: K of 4 blocks (32 bytes each), then V
+    # the same prompt, its first 2 blocks on the device: the rest of the first entry (its
+    # 2 leading blocks skipped), then the other entries whole
+    plan, loaded, reads = load(store, h, device=2, max_blocks=10, prompt_tokens=41)
+    assert [(c.first_block, c.num_blocks) for c in plan.chunks] == [(2, 2), (4, 4), (8, 2)]
+    assert loaded == 8  # blocks 2..9
+    for group in reads:
+        assert [(r.entry_blocks, r.skip, r.usable) for r in group] == [
+            (4, 2, 2),
+            (4, 0, 4),
+            (2, 0, 2),
+        ]
+    first_layer_bytes = 4 * 32  # layer 0 of the first entry: K of 4 blocks (32 bytes each)
     assert bytes(reads[0][0].payload[:first_layer_bytes]) == payload(h[0:4])[:first_layer_bytes]
+    # a prompt that shares 6 blocks, then diverges inside the entry of blocks 4..7: no entry
+    # of it ends with the prompt's block 7, so its plan stops before that entry
+    other = fork(h, 6, "b")
+    plan, loaded, reads = load(store, other, device=2, max_blocks=10, prompt_tokens=41)
+    assert [(c.first_block, c.num_blocks, c.key) for c in plan.chunks] == [(2, 2, h[3])]
+    assert plan.num_blocks == 2 and loaded == 2
+    assert [(r.skip, r.usable) for r in reads[0]] == [(2, 2)]
+    assert store.tiers[0].stats.faults == 0
 
 
-def test_load_respects_max_blocks_and_a_missing_chunk():
+def test_sequences_sharing_their_first_blocks_keep_their_own_entries():
+    host = HostStore(1 << 20)
+    store = make_store(host)
+    a = chain(10)
+    b = fork(a, 6, "b")  # shares blocks 0..5, so the entry of blocks 4..7 differs
+    write_all(store, a)
+    # b's entry of blocks 0..3 is a's (the same prefix); the others are b's own
+    assert [(w.first_block, w.key) for w in write_all(store, b)] == [(4, b[7]), (8, b[9])]
+    ends = [a[3], a[7], a[9], b[7], b[9]]  # nothing overwritten: 5 entries, 2 groups each
+    assert host.contains([FMT.entry_key(e, g) for e in ends for g in (0, 1)]) == [True] * 10
+    for seq in (a, b):
+        plan, loaded, reads = load(store, seq, 0, 10, 41)
+        assert loaded == 10 and [c.key for c in plan.chunks] == [seq[3], seq[7], seq[9]]
+        for i, (first, end) in enumerate(((0, 4), (4, 8), (8, 10))):
+            layer0 = (end - first) * 2 * 32  # K and V of layer 0, 32 bytes a block
+            assert bytes(reads[0][i].payload) == payload(seq[first:end])[:layer0]
+    # and a fresh store over the same tier (no known map) finds both whole
+    fresh = make_store(host)
+    assert load(fresh, a, 0, 10, 41)[1] == load(fresh, b, 0, 10, 41)[1] == 10
+    assert host.stats.faults == 0
+
+
+def test_a_cut_lets_a_prompt_sharing_exactly_the_blocks_before_it_load_them():
+    store = make_store(HostStore(1 << 20))
+    h = chain(10)
+    writes = write_all(store, h, cuts=(6,))  # e.g. the writer's prompt ended after block 5
+    assert [(w.first_block, len(w.block_hashes)) for w in writes] == [
+        (0, 4),
+        (4, 2),
+        (6, 2),
+        (8, 2),
+    ]
+    other = fork(h, 6, "b")
+    plan, loaded, reads = load(store, other, 0, 10, 41)
+    assert [(c.first_block, c.num_blocks, c.key) for c in plan.chunks] == [
+        (0, 4, h[3]),
+        (4, 2, h[5]),
+    ]
+    assert plan.num_blocks == loaded == 6
+    assert [(r.skip, r.usable) for r in reads[1]] == [(0, 4), (0, 2)]
+    # the sequence itself loads whole, through every end
+    plan, loaded, _ = load(store, h, 0, 10, 41)
+    assert loaded == 10 and [c.key for c in plan.chunks] == [h[3], h[5], h[7], h[9]]
+    # without the cut, the prompt finds the first entry only
+    uncut = make_store(HostStore(1 << 20))
+    write_all(uncut, h)
+    assert load(uncut, other, 0, 10, 41)[1] == 4
+
+
+def test_an_entry_that_starts_after_the_planned_run_is_a_miss_not_a_fault():
+    host = HostStore(1 << 20)
+    store = make_store(host)
+    h = chain(8)
+    write_all(store, h, cuts=(2,))  # entries of blocks 0..1, 2..3, 4..7
+    host.delete([FMT.entry_key(h[1], g) for g in (0, 1)])  # evicted, say
+    plan, loaded, reads = load(store, h, 0, 8, 33)
+    # the planner cannot tell where an entry starts: it takes the one ending at block 3 ...
+    assert [(c.first_block, c.num_blocks, c.key) for c in plan.chunks] == [
+        (0, 4, h[3]),
+        (4, 4, h[7]),
+    ]
+    # ... which starts at block 2: nothing of it is usable, and nothing is loaded after it
+    assert [r.usable for group in reads for r in group] == [0, 4, 0, 4]
+    assert loaded == 0
+    assert host.stats.faults == 0
+    assert host.contains([FMT.entry_key(h[3], g) for g in (0, 1)]) == [True, True]  # kept
+    # a device hit of 2 blocks still gets the rest from it
+    assert load(store, h, 2, 8, 33)[1] == 6
+
+
+def test_load_respects_max_blocks_and_a_missing_entry():
     host = HostStore(1 << 20)
     store = make_store(host)
     h = chain(12)
     write_all(store, h)
-    assert load(store, h, 0, max_blocks=6, prompt_tokens=25)[1] == 6
-    host.delete([serde.entry_key(h[4], 1)])  # one layer group of the second chunk
+    assert load(store, h, 0, max_blocks=8, prompt_tokens=33)[1] == 8
+    # an entry that ends past max_blocks is not used in part
+    assert load(store, h, 0, max_blocks=7, prompt_tokens=29)[1] == 4
+    host.delete([FMT.entry_key(h[7], 1)])  # one layer group of the second entry
     plan, loaded, _ = load(store, h, 0, max_blocks=12, prompt_tokens=49)
     assert plan.num_blocks == 4 and loaded == 4
 
@@ -128,23 +222,29 @@ def test_disk_reads_land_straight_in_the_destination(tmp_path):
     layer_bytes = 32  # one block's K (or V) in one layer
     targets: dict[tuple[int, int], list[list[bytearray]]] = {}
 
-    def dest(i: int, entry_blocks: int) -> list[bytearray]:
-        views = [bytearray(entry_blocks * layer_bytes) for _ in range(2)]  # K, V of 1 layer
-        targets.setdefault((i, entry_blocks), []).append(views)  # group 0 first, then 1
-        return views
+    def dest_for(plan):
+        def dest(i: int, entry_blocks: int) -> list[bytearray] | None:
+            if entry_blocks < plan.chunks[i].num_blocks:
+                return None  # too short to hold the run (as the engine's dest)
+            views = [bytearray(entry_blocks * layer_bytes) for _ in range(2)]  # K, V: 1 layer
+            targets.setdefault((i, entry_blocks), []).append(views)  # group 0 first, then 1
+            return views
 
-    plan, loaded, reads = load(store, h, 1, 8, 33, dest=dest)
+        return dest
+
+    plan, loaded, reads = load(store, h, 1, 8, 33, dest_for)
     assert loaded == 7 and all(r.in_place for group in reads for r in group)
-    # chunk 0, layer group 0 (layer 0): K then V of its 4 blocks
+    assert [r.skip for r in reads[0]] == [1, 0]
+    # the first entry, layer group 0 (layer 0): K then V of its 4 blocks, block 0 included
     k0, v0 = targets[(0, 4)][0]
     expected = payload(h[0:4])  # 4 blocks × 128 bytes: layer 0 K, layer 0 V, layer 1 K, ...
     assert bytes(k0) + bytes(v0) == expected[: 2 * 4 * layer_bytes]
     # a flipped byte on disk is caught where the bytes landed
-    path = disk.file_path(serde.entry_key(h[4], 1))
+    path = disk.file_path(FMT.entry_key(h[7], 1))
     data = bytearray(open(path, "rb").read())
     data[-1] ^= 1
     open(path, "wb").write(bytes(data))
-    _, loaded, _ = load(store, h, 1, 8, 33, dest=dest)
+    _, loaded, _ = load(store, h, 1, 8, 33, dest_for)
     assert loaded == 3 and disk.stats.faults == 1
 
 
@@ -167,10 +267,10 @@ def test_a_damaged_entry_is_a_fault_and_a_miss(damage):
     store = make_store(host)
     h = chain(8)
     write_all(store, h)
-    key = serde.entry_key(h[4], 0)
+    key = FMT.entry_key(h[7], 0)
     (value,) = host.get([key])
     host.put([(key, damage(bytes(value)))])
-    assert load(store, h, 0, 8, 33)[1] == 4  # the first chunk only
+    assert load(store, h, 0, 8, 33)[1] == 4  # the first entry only
     assert host.stats.faults == 1
     assert host.contains([key]) == [False]  # deleted
 
@@ -181,7 +281,7 @@ def test_entry_of_another_model_is_refused():
     other_fmt = entry_format("model-y")
     for g in range(2):
         part = payload(h)[g * 256 : (g + 1) * 256]  # one layer of 4 blocks
-        host.put([(serde.entry_key(h[0], g), serde.pack(other_fmt, h, 0, g, part))])
+        host.put([(FMT.entry_key(h[3], g), serde.pack(other_fmt, h, 0, g, part))])
     store = make_store(host)
     assert load(store, h + chain(1, "z"), 0, 4, 17)[1] == 0
     assert host.stats.faults == 2
@@ -192,7 +292,7 @@ def test_lower_tier_hits_are_promoted_and_dead_tiers_are_misses():
     store = make_store(upper, lower)
     h = chain(8)
     write_all(store, h)
-    keys = [serde.entry_key(h[f], g) for f in (0, 4) for g in (0, 1)]
+    keys = [FMT.entry_key(h[e], g) for e in (3, 7) for g in (0, 1)]
     upper.delete(keys)
     plan, loaded, _ = load(store, h, 0, 8, 33)
     assert loaded == 8 and {t for c in plan.chunks for t in c.tiers} == {"disk"}
@@ -240,7 +340,7 @@ def test_background_writer_flushes_on_close_and_drops_when_full():
     assert store.stats().writes_dropped >= 1
     gate.set()
     store.flush()
-    assert host.contains([serde.entry_key(h[0], 0), serde.entry_key(h[0], 1)]) == [True, True]
+    assert host.contains([FMT.entry_key(h[3], 0), FMT.entry_key(h[3], 1)]) == [True, True]
     assert store.stats().chunks_written == 1
     store.close()
     store.close()  # idempotent
@@ -252,7 +352,8 @@ def test_num_stored_blocks_counts_the_leading_stored_run():
     h = chain(10)
     write_all(store, h)
     assert store.num_stored_blocks(h, 10) == 10
-    host.delete([serde.entry_key(h[4], 1)])
+    assert store.num_stored_blocks(h, 9) == 8  # the last entry ends at block 9
+    host.delete([FMT.entry_key(h[7], 1)])
     assert store.num_stored_blocks(h, 10) == 4
 
 
@@ -309,18 +410,18 @@ def test_roll_back_makes_the_undelivered_chunks_writable_again():
     assert store.plan_writes(h, 12) == []
     plan = store.plan_load("r", h, 0, 12, 49)
     assert [c.first_block for c in plan.chunks] == [0, 4, 8]
-    store.roll_back(plan, 5)  # chunk 0 arrived whole, chunk 4 only in part, chunk 8 not
+    store.roll_back(plan, 5)  # blocks 0..3 arrived whole, 4..7 only in part, 8..11 not
     writes = store.plan_writes(h, 12)
     assert [(w.first_block, w.num_tiers) for w in writes] == [(4, None), (8, None)]
     assert store.plan_writes(h, 12) == []  # remembered as written again
 
 
-def test_a_corrupt_entry_is_forgotten_so_the_chunk_is_written_again():
+def test_a_corrupt_entry_is_forgotten_so_it_is_written_again():
     host = HostStore(1 << 20)
     store = make_store(host)
     h = chain(8)
     write_all(store, h)
-    key = serde.entry_key(h[4], 1)
+    key = FMT.entry_key(h[7], 1)
     (value,) = host.get([key])
     host.put([(key, value[:-1] + bytes([value[-1] ^ 1]))])
     assert load(store, h, 0, 8, 33)[1] == 4
