@@ -23,6 +23,7 @@ class ByteTokenizer:
     render as ``role: content\\n`` lines."""
 
     vocab_size = 257
+    max_token_chars = 1
     eos_token_ids = frozenset({EOS})
     special_token_ids = frozenset({EOS})
 

@@ -56,7 +56,7 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         """A string, a chat message list or token ids → token ids (InvalidRequest on bad
         input)."""
-        return tokenize_prompt(self.tokenizer, prompt, self.runner.vocab_size)
+        return tokenize_prompt(self.tokenizer, prompt, self.runner.vocab_size, self.max_model_len)
 
     def add_request(
         self,

@@ -19,6 +19,7 @@ Sources, picked by `Tokenizer.from_path`:
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -226,6 +227,12 @@ class Tokenizer:
         """Ids that `decode(..., skip_special_tokens=True)` drops."""
         return self._special_token_ids
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its vocabulary entry's length
+        (a byte-level entry has one symbol per byte, and a character takes at least one)."""
+        return max(len(token) for token in self._backend.get_vocab(with_added_tokens=True))
+
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
@@ -240,7 +247,9 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise InvalidRequest("text", f"expected str, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch releases the GIL while it runs (encode does not): a huge prompt
+        # tokenized on the engine thread does not stall the server's event loop
+        ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._add_bos_token and ids[:1] != [self._bos_token_id]:
             ids.insert(0, self._bos_token_id)
         return ids

@@ -163,6 +163,19 @@ def test_admission_errors_are_typed():
         engine.add_request("hello", P, RequestOptions(retention="soon"))
 
 
+def test_text_too_long_for_the_context_is_refused_before_it_is_tokenized():
+    engine = fake_engine(max_model_len=64)
+
+    def never(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    engine.tokenizer.encode = engine.tokenizer.encode_chat = never
+    with pytest.raises(ContextLengthExceeded, match="prompt: 65 characters .* 64 tokens"):
+        engine.add_request("x" * 65, P)
+    with pytest.raises(ContextLengthExceeded, match="messages: 70 characters"):
+        engine.add_request([{"role": "user", "content": "y" * 70}], P)
+
+
 def test_stop_strings_and_abort_free_every_block():
     engine = fake_engine()
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)

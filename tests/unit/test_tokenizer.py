@@ -310,3 +310,38 @@ def test_gguf_rejects_unsupported(tmp_path) -> None:
     path, _ = _write_gguf(tmp_path / "odd.gguf", "gpt2", "mystery")
     with pytest.raises(ValueError, match="^path: GGUF pre-tokenizer 'mystery'"):
         Tokenizer.from_path(path)
+
+
+def test_encoding_a_huge_text_lets_other_threads_run(tok: Tokenizer) -> None:
+    """A huge prompt is tokenized on the engine thread; the server's event loop must keep
+    answering meanwhile (``tokenizers``' plain ``encode`` holds the GIL throughout)."""
+    import threading
+    import time
+
+    text = "lorem ipsum dolor sit amet consectetur " * 30_000  # 1.2 MB: ~0.5 s to encode
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    start = time.perf_counter()
+    ids = tok.encode(text)
+    took = time.perf_counter() - start
+    done.set()
+    ticker.join()
+    assert len(ids) > 100_000 and took > 0.1
+    assert max(gaps) < took / 2, (max(gaps), took)  # the ticker ran all along
+
+
+def test_max_token_chars_bounds_every_token(tok: Tokenizer) -> None:
+    assert tok.max_token_chars >= len("<|im_start|>")
+    for text in TEXTS:
+        assert len(text) <= len(tok.encode(text, add_special_tokens=False)) * tok.max_token_chars
