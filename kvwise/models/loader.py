@@ -50,8 +50,14 @@ class LoadedModel:
     gguf_reader: Any = None  # the open GGUF, so the tokenizer need not parse it again
 
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
 def load_model(
-    path: str | Path | None = None, dtype: torch.dtype = torch.float32, progress: bool = True
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    quantization: str | None = "none",
 ) -> LoadedModel:
     """Load the weights at `path` into a `LlamaForCausalLM` in eval mode.
 
@@ -60,6 +66,9 @@ def load_model(
             or None for the default model.
         dtype: parameter dtype (float32, bfloat16 or float16).
         progress: show a tqdm bar over tensors.
+        quantization: "none" (or None) dequantizes every weight to `dtype`; "auto" runs a
+            quantized GGUF on quantized kernels and an HF checkpoint in `dtype`; "int8" /
+            "int4" quantize the linear weights at load.
 
     Raises:
         ValueError: the path does not exist or holds no model; the architecture, rope type
@@ -67,6 +76,11 @@ def load_model(
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    quantization = "none" if quantization is None else quantization
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: expected one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization != "none":
+        raise ValueError(f"quantization: {quantization!r} is not built yet")
     source = default_model_path() if path is None else Path(path).expanduser()
     if not source.exists():
         raise ValueError(f"model: path '{source}' does not exist")
