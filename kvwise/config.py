@@ -15,12 +15,16 @@ from kvwise.core.kv_spec import STORAGE_DTYPES
 from kvwise.utils import parse_bytes, parse_duration
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     dtype: str = "float32"  # the compute dtype of weights and activations
+    # "auto": a quantized GGUF on quantized kernels, an HF checkpoint in `dtype`; "none":
+    # every weight dequantized to `dtype` (the reference); "int8" / "int4": quantize at load
+    quantization: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
 
@@ -33,6 +37,12 @@ class ModelConfig:
                 raise ValueError(f"model: path '{self.model}' does not exist")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.quantization is None:
+            object.__setattr__(self, "quantization", "none")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization: expected one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         _positive_or_none("max_model_len", self.max_model_len)
         _positive_or_none("num_threads", self.num_threads)
 

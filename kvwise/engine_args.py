@@ -23,6 +23,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="compute dtype of weights and activations",
     )
     g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="auto: a quantized GGUF runs on int4/int8 kernels, an HF checkpoint in --dtype; "
+        "none: every weight dequantized to --dtype (the reference); int8 / int4: quantize "
+        "the weights at load",
+    )
+    g.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
@@ -196,6 +204,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return {
         "model": args.model,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,

@@ -13,7 +13,8 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvwise-test-cache-")
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The default SmolLM2-135M-Instruct GGUF, loaded by kvwise in float32."""
+    """The default SmolLM2-135M-Instruct GGUF, loaded by kvwise in float32 (dequantized: the
+    reference path)."""
     import torch
 
     from kvwise.models.loader import load_model
@@ -28,12 +29,14 @@ def make_engine(smollm2):
     from kvwise.engine.builder import build_engine
     from kvwise.engine.llm_engine import LLMEngine
 
-    def make(**kwargs) -> LLMEngine:
+    def make(loaded=None, **kwargs) -> LLMEngine:
+        """``loaded``: other weights (e.g. quantized) than the shared float32 ones."""
         kwargs.setdefault("kv_cache_memory", "256MiB")
         # the slower KV tiers only where a test asks for them (none leak between tests)
         kwargs.setdefault("kv_host_memory", "off")
         kwargs.setdefault("kv_disk_path", "off")
-        return build_engine(EngineConfig.from_kwargs(**kwargs), progress=False, loaded=smollm2)
+        config = EngineConfig.from_kwargs(**kwargs)
+        return build_engine(config, progress=False, loaded=loaded or smollm2)
 
     return make
 

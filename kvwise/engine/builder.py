@@ -26,7 +26,12 @@ logger = logging.getLogger("kvwise")
 def load_for(config: EngineConfig, progress: bool = True) -> LoadedModel:
     """The weights ``config`` names, in its compute dtype (share them across engines with
     ``build_engine(..., loaded=)``)."""
-    return load_model(config.model.model, dtype=TORCH_DTYPES[config.model.dtype], progress=progress)
+    return load_model(
+        config.model.model,
+        dtype=TORCH_DTYPES[config.model.dtype],
+        progress=progress,
+        quantization=config.model.quantization,
+    )
 
 
 @dataclass(frozen=True)
@@ -58,11 +63,13 @@ def build_model_parts(
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
     loaded = loaded or load_for(config, progress)
+    logger.info(
+        "weights: %s; %s resident",
+        _WEIGHT_FORMATS.get(loaded.weight_format, config.model.dtype),
+        format_bytes(loaded.model.weight_bytes()),
+    )
     arch = loaded.arch
-    if loaded.gguf_reader is not None:
-        tokenizer = Tokenizer.from_gguf(loaded.gguf_reader)
-    else:
-        tokenizer = Tokenizer.from_path(loaded.source)
+    tokenizer = tokenizer_for(loaded)
     kv_dtype = config.cache.kv_cache_dtype
     spec = KVSpec(
         arch.num_layers,
@@ -86,12 +93,28 @@ def build_model_parts(
     )
 
 
+_WEIGHT_FORMATS = {
+    "int4": "linear layers int4 (groups of 32, bfloat16 scales; GGUF Q4_0/Q4_1 as they are), "
+    "embedding and LM head int8 per row, norms float32, activations into the kernels bfloat16",
+    "int8": "linear layers int8 per output channel, embedding and LM head int8 per row, norms "
+    "float32, activations into the kernels bfloat16",
+}
+
+
 def build_engine(
     config: EngineConfig | None = None, *, progress: bool = True, loaded: LoadedModel | None = None
 ) -> LLMEngine:
     """Load the model, size the KV pool and assemble the engine."""
     config = config or EngineConfig()
     return build_model_parts(config, progress=progress, loaded=loaded).assemble(config)
+
+
+def tokenizer_for(loaded: LoadedModel) -> Tokenizer:
+    """The model's own tokenizer: from the GGUF it was loaded from (already open), or from the
+    HF directory."""
+    if loaded.gguf_reader is not None:
+        return Tokenizer.from_gguf(loaded.gguf_reader)
+    return Tokenizer.from_path(loaded.source)
 
 
 def _max_model_len(config: EngineConfig, arch) -> int:

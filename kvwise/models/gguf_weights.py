@@ -20,6 +20,9 @@ import torch
 from gguf.quants import dequantize
 
 from kvwise.models.arch import ModelArchConfig
+from kvwise.models.quant import q4_groups
+
+NATIVE_INT4 = ("Q4_0", "Q4_1")  # GGUF types that map exactly onto the int4 kernel's groups
 
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -111,23 +114,35 @@ def iter_gguf_weights(
     reader: gguf.GGUFReader,
     arch: ModelArchConfig,
     tensors: Iterable[gguf.ReaderTensor] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    native_int4: Iterable[str] = (),
+) -> Iterator[tuple[str, torch.Tensor | tuple[torch.Tensor, ...]]]:
     """Yield `(hf_name, float32 tensor)` for every weight in `reader`.
 
     `tensors` (default `reader.tensors`) lets the caller wrap them, e.g. in a progress bar.
+    Tensors named in `native_int4` that are Q4_0 / Q4_1 come as int4 groups instead:
+    `(codes, scales, zeros)` (``quant.q4_groups``), rows in HF order like the floats.
 
     Raises:
         ValueError: an unknown tensor name.
     """
     gguf_arch = str(reader.fields["general.architecture"].contents())
     permuted = gguf_arch == "llama"
+    native = set(native_int4)
     for tensor in reader.tensors if tensors is None else tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
-        weight = tensor_to_torch(tensor)
-        if permuted and ".self_attn.q_proj." in name:
-            weight = unpermute_rope_rows(weight, arch.num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            weight = unpermute_rope_rows(weight, arch.num_kv_heads)
-        yield name, weight
+        if name in native and tensor.tensor_type.name in NATIVE_INT4:
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # (out, in)
+            parts = q4_groups(tensor.data, tensor.tensor_type.name, shape)
+            yield name, tuple(_unpermuted(name, part, arch, permuted) for part in parts)
+            continue
+        yield name, _unpermuted(name, tensor_to_torch(tensor), arch, permuted)
+
+
+def _unpermuted(name: str, rows: torch.Tensor, arch: ModelArchConfig, permuted: bool):
+    if permuted and ".self_attn.q_proj." in name:
+        return unpermute_rope_rows(rows, arch.num_heads)
+    if permuted and ".self_attn.k_proj." in name:
+        return unpermute_rope_rows(rows, arch.num_kv_heads)
+    return rows

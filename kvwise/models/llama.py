@@ -16,6 +16,14 @@ Layout, chosen for memory-bound CPU decode:
 - residual adds are fused into the o_proj / down_proj matmuls (`residual.addmm_`);
 - with tied embeddings, `embed` `[vocab, hidden]` serves lookup and `lm_head` `[hidden, vocab]`
   is a separate transposed copy for logits.
+
+Quantized weights (``models/quant.py``, installed by ``load_quantized``) replace the four
+linear weights of every layer and the embedding / LM head. The step then stays float32 where
+precision matters (the residual stream, norms, rotary, attention, logits) and feeds the
+quantized kernels bfloat16 (their fast path); the MLP's activation runs in bfloat16 between two
+kernels. The LM head's bfloat16 output is refined: the top ``_EXACT_TOP_K`` logits of each row
+are recomputed in float32 from the dequantized rows, so greedy picks and the head of the
+distribution are as precise as the float path's.
 """
 
 from __future__ import annotations
@@ -28,11 +36,21 @@ from torch import nn
 
 from kvwise.models.arch import ModelArchConfig
 from kvwise.models.layers import apply_rope, rms_norm, rope_table
+from kvwise.models.quant import Int8Weight, QuantWeight
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # HF checkpoint names that carry no weights we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# the logits recomputed in float32 after the quantized LM head (per row)
+_EXACT_TOP_K = 64
+# the linear weights of a layer, by the HF names of their parts (fused in this order)
+LINEAR_PARTS = {
+    "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o_proj": ("self_attn.o_proj.weight",),
+    "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down_proj": ("mlp.down_proj.weight",),
+}
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -66,6 +84,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_norm = _param(hidden, dtype=dtype)
         self.gate_up_proj = _param(hidden, 2 * inter, dtype=dtype)  # [in, gate | up]
         self.down_proj = _param(inter, hidden, dtype=dtype)
+        self.quant: dict[str, QuantWeight] | None = None  # LINEAR_PARTS name -> weight
+
+    def install_quantized(self, weights: dict[str, QuantWeight]) -> None:
+        """Replace the four linear weights with quantized ones (their float parameters go)."""
+        if set(weights) != set(LINEAR_PARTS):
+            raise ValueError(f"weights: expected {sorted(LINEAR_PARTS)}, got {sorted(weights)}")
+        for name, weight in weights.items():
+            expected = tuple(getattr(self, name).shape[::-1])  # [in, out] -> (out, in)
+            if (weight.out_features, weight.in_features) != expected:
+                raise ValueError(f"weights: {name} is {weight.out_features}x"
+                                 f"{weight.in_features}, expected {expected[0]}x{expected[1]}")  # fmt: skip
+            setattr(self, name, None)
+        self.quant = dict(weights)
 
     def forward(
         self,
@@ -76,6 +107,8 @@ class LlamaDecoderLayer(nn.Module):
         attn: AttentionFn,
     ) -> torch.Tensor:
         """Update `residual` `(T, hidden)` IN PLACE with this block's attention and MLP output."""
+        if self.quant is not None:
+            return self._forward_quantized(layer_idx, residual, rope_cos, rope_sin, attn)
         num_tokens = residual.shape[0]
         heads, qk_heads = self.num_heads, self.num_heads + self.num_kv_heads
         x = rms_norm(residual, self.input_norm, self.eps)  # (T, hidden)
@@ -99,6 +132,38 @@ class LlamaDecoderLayer(nn.Module):
         residual.addmm_(gate, self.down_proj)  # (T, hidden)
         return residual
 
+    def _forward_quantized(
+        self,
+        layer_idx: int,
+        residual: torch.Tensor,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        attn: AttentionFn,
+    ) -> torch.Tensor:
+        """``forward`` on quantized weights: float32 around bfloat16 kernels."""
+        quant = self.quant
+        num_tokens = residual.shape[0]
+        heads, qk_heads = self.num_heads, self.num_heads + self.num_kv_heads
+        x = rms_norm(residual, self.input_norm, self.eps)  # (T, hidden) f32
+        qkv = quant["qkv_proj"].mm(x).float()  # (T, q + 2kv)
+        if self.qkv_bias is not None:
+            qkv += self.qkv_bias
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, self.eps)  # (T, H + KV, D)
+        qk = apply_rope(qk, rope_cos, rope_sin)  # (T, H + KV, D)
+        out = attn(layer_idx, qk[:, :heads], qk[:, heads:], v)  # (T, H * D) f32
+        residual.add_(quant["o_proj"].mm(out))  # (T, hidden)
+        if self.o_bias is not None:
+            residual.add_(self.o_bias)
+        x = rms_norm(residual, self.post_attention_norm, self.eps)  # (T, hidden)
+        gate_up = quant["gate_up_proj"].mm(x)  # (T, 2 * inter) bf16
+        gate = F.silu(gate_up[:, : self.intermediate_size])  # (T, inter) bf16
+        gate.mul_(gate_up[:, self.intermediate_size :])
+        residual.add_(quant["down_proj"].mm(gate))  # (T, hidden)
+        return residual
+
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM. Weights start uninitialized: fill them with `load_weights`."""
@@ -115,6 +180,9 @@ class LlamaForCausalLM(nn.Module):
             arch.max_position_embeddings, arch.head_dim, arch.rope_theta, arch.rope_scaling
         )
         self.register_buffer("rope", table.to(dtype), persistent=False)  # (P, 2, D)
+        # quantized embedding (its rows) and LM head; tied: the same weight
+        self.embed_quant: Int8Weight | None = None
+        self.lm_head_quant: Int8Weight | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
@@ -132,19 +200,57 @@ class LlamaForCausalLM(nn.Module):
         """
         rope = self.rope[positions]  # (T, 2, D)
         rope_cos, rope_sin = rope[:, 0:1], rope[:, 1:2]  # (T, 1, D) each
-        residual = F.embedding(input_ids, self.embed)  # (T, hidden), a fresh tensor we own
+        if self.embed_quant is not None:
+            residual = self.embed_quant.rows(input_ids)  # (T, hidden), a fresh tensor we own
+        else:
+            residual = F.embedding(input_ids, self.embed)  # (T, hidden), a fresh tensor we own
         for layer_idx, layer in enumerate(self.layers):
             layer.forward(layer_idx, residual, rope_cos, rope_sin, attn)
         return rms_norm(residual, self.norm, self.arch.rms_norm_eps)  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`(N, hidden)` -> `(N, vocab)` float32 logits."""
-        return torch.mm(hidden, self.lm_head).float()  # (N, vocab)
+        head = self.lm_head_quant
+        if head is None:
+            return torch.mm(hidden, self.lm_head).float()  # (N, vocab)
+        logits = head.mm(hidden).float()  # (N, vocab), bfloat16 precision
+        top = logits.topk(min(_EXACT_TOP_K, logits.shape[-1]), dim=-1).indices  # (N, k)
+        exact = torch.einsum("nkh,nh->nk", head.rows(top), hidden.float())  # (N, k)
+        return logits.scatter_(1, top, exact)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def install_quantized(
+        self, layers: list[dict[str, QuantWeight]], embed: Int8Weight, lm_head: Int8Weight
+    ) -> None:
+        """Replace every layer's linear weights, the embedding and the LM head with quantized
+        ones (their float parameters go). The norms (and biases) stay float parameters."""
+        if len(layers) != len(self.layers):
+            raise ValueError(f"weights: {len(layers)} quantized layers for {len(self.layers)}")
+        for layer, weights in zip(self.layers, layers):
+            layer.install_quantized(weights)  # type: ignore[operator]
+        vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
+        for name, weight in (("embed", embed), ("lm_head", lm_head)):
+            if (weight.out_features, weight.in_features) != (vocab, hidden):
+                raise ValueError(f"weights: {name} is {weight.out_features}x"
+                                 f"{weight.in_features}, expected {vocab}x{hidden}")  # fmt: skip
+        self.embed_quant, self.lm_head_quant = embed, lm_head
+        self.embed = self.lm_head = None  # type: ignore[assignment]
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take (quantized ones at their packed size)."""
+        total = sum(p.nbytes for p in self.parameters())
+        for layer in self.layers:
+            total += sum(w.nbytes for w in (layer.quant or {}).values())
+        for head in {id(w): w for w in (self.embed_quant, self.lm_head_quant) if w}.values():
+            total += head.nbytes
+        return total
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], quantized: bool = False
+    ) -> None:
         """Copy Hugging Face-named, HF-layout (`[out, in]`) tensors into the fused parameters.
 
         With tied embeddings `lm_head.weight` is ignored and `lm_head` is copied from `embed`.
+        ``quantized``: only the weights ``install_quantized`` does not replace (norms, biases).
 
         Raises:
             ValueError: an unknown name, a shape mismatch, or weights missing at the end.
@@ -167,20 +273,23 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 dst.copy_(src)
             loaded.add(name)
-        missing = sorted(set(self.expected_weight_names()) - loaded)
+        missing = sorted(set(self.expected_weight_names(quantized)) - loaded)
         if missing:
             raise ValueError(
                 f"weights: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
             )
-        if self.arch.tie_word_embeddings:
+        if self.arch.tie_word_embeddings and not quantized:
             with torch.no_grad():
                 self.lm_head.copy_(self.embed.t())
 
-    def expected_weight_names(self) -> list[str]:
-        """HF names `load_weights` needs (biases and norms only where the arch has them)."""
+    def expected_weight_names(self, quantized: bool = False) -> list[str]:
+        """HF names `load_weights` needs (biases and norms only where the arch has them);
+        ``quantized``: without the linear weights, the embedding and the LM head."""
         arch = self.arch
-        names = ["model.embed_tokens.weight", "model.norm.weight"]
-        if not arch.tie_word_embeddings:
+        names = ["model.norm.weight"]
+        if not quantized:
+            names.append("model.embed_tokens.weight")
+        if not arch.tie_word_embeddings and not quantized:
             names.append("lm_head.weight")
         per_layer = [
             "input_layernorm.weight",
@@ -199,6 +308,9 @@ class LlamaForCausalLM(nn.Module):
             per_layer.append("self_attn.o_proj.bias")
         if arch.qk_norm:
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        if quantized:
+            linear = {part for parts in LINEAR_PARTS.values() for part in parts}
+            per_layer = [suffix for suffix in per_layer if suffix not in linear]
         for i in range(arch.num_layers):
             names += [f"model.layers.{i}.{suffix}" for suffix in per_layer]
         return names

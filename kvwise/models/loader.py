@@ -23,10 +23,12 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from kvwise.config import QUANTIZATIONS
 from kvwise.models.arch import ModelArchConfig
 from kvwise.models.default import default_model_path
 from kvwise.models.gguf_weights import iter_gguf_weights, open_gguf
-from kvwise.models.llama import LlamaForCausalLM
+from kvwise.models.llama import LINEAR_PARTS, LlamaForCausalLM
+from kvwise.models.quant import QK, Int4Weight, Int8Weight, QuantWeight
 from kvwise.models.registry import model_class
 
 _SAMPLE_BYTES = 1 << 20
@@ -48,9 +50,7 @@ class LoadedModel:
     generation_config: dict[str, Any] = field(default_factory=dict)
     is_gguf: bool = False
     gguf_reader: Any = None  # the open GGUF, so the tokenizer need not parse it again
-
-
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+    weight_format: str = "none"  # "none" (float `dtype`), "int4" or "int8"
 
 
 def load_model(
@@ -79,14 +79,12 @@ def load_model(
     quantization = "none" if quantization is None else quantization
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: expected one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization != "none":
-        raise ValueError(f"quantization: {quantization!r} is not built yet")
     source = default_model_path() if path is None else Path(path).expanduser()
     if not source.exists():
         raise ValueError(f"model: path '{source}' does not exist")
     if source.is_dir():
         if (source / "config.json").is_file():
-            return _load_hf_dir(source, dtype, progress)
+            return _load_hf_dir(source, dtype, progress, quantization)
         ggufs = sorted(source.glob("*.gguf"))
         if len(ggufs) != 1:
             found = "no .gguf file" if not ggufs else f"{len(ggufs)} .gguf files; pass one"
@@ -94,31 +92,109 @@ def load_model(
         source = ggufs[0]
     if source.suffix != ".gguf":
         raise ValueError(f"model: '{source}' is neither a model directory nor a .gguf file")
-    return _load_gguf(source, dtype, progress)
+    return _load_gguf(source, dtype, progress, quantization)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, quantization: str) -> LoadedModel:
     reader = open_gguf(path)
     arch = ModelArchConfig.from_gguf(reader)
     model = model_class(arch)(arch, dtype)
     tensors = _progress(reader.tensors, len(reader.tensors), path.name, progress)
-    model.load_weights(iter_gguf_weights(reader, arch, tensors))
-    fingerprint = _fingerprint("gguf", dtype, [path], b"")
-    return LoadedModel(model.eval(), arch, path, fingerprint, {}, is_gguf=True, gguf_reader=reader)
+    weight_format = "int4" if quantization == "auto" else quantization
+    if weight_format == "int4":  # Q4_0 / Q4_1 map onto the kernel as they are
+        linear = {f"model.layers.{i}.{part}" for i in range(arch.num_layers)
+                  for parts in LINEAR_PARTS.values() for part in parts}  # fmt: skip
+        _load_quantized(model, iter_gguf_weights(reader, arch, tensors, linear), "int4")
+    else:
+        model.load_weights(iter_gguf_weights(reader, arch, tensors))
+        if weight_format == "int8":
+            _quantize_loaded(model, "int8")
+    fingerprint = _fingerprint(f"gguf+{weight_format}", dtype, [path], b"")
+    return LoadedModel(
+        model.eval(), arch, path, fingerprint, {}, is_gguf=True, gguf_reader=reader,
+        weight_format=weight_format,
+    )  # fmt: skip
 
 
-def _load_hf_dir(directory: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
+def _load_quantized(model: LlamaForCausalLM, weights, weight_format: str) -> None:
+    """Load norms and biases as floats and everything else quantized to ``weight_format``
+    (int4 groups that come as such are kept as they are)."""
+    arch = model.arch
+    big: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
+    rest = []
+    for name, weight in weights:
+        linear = name.rsplit(".", 2)[-2] in {"q_proj", "k_proj", "v_proj", "o_proj",
+                                              "gate_proj", "up_proj", "down_proj"}  # fmt: skip
+        if name.endswith(".weight") and (linear or "embed_tokens" in name or "lm_head" in name):
+            big[name] = weight
+        else:
+            rest.append((name, weight))
+    model.load_weights(rest, quantized=True)
+    layers = []
+    for i in range(arch.num_layers):
+        fused = {}
+        for target, parts in LINEAR_PARTS.items():
+            fused[target] = _fuse([big.pop(f"model.layers.{i}.{p}") for p in parts], weight_format)
+        layers.append(fused)
+    embed = Int8Weight.quantize(big.pop("model.embed_tokens.weight"))
+    head = embed if arch.tie_word_embeddings else Int8Weight.quantize(big.pop("lm_head.weight"))
+    model.install_quantized(layers, embed, head)
+
+
+def _quantize_loaded(model: LlamaForCausalLM, weight_format: str) -> None:
+    """Quantize a loaded float model's linear weights, embedding and LM head."""
+    layers = [
+        {name: _fuse([getattr(layer, name).t()], weight_format) for name in LINEAR_PARTS}
+        for layer in model.layers
+    ]
+    embed = Int8Weight.quantize(model.embed)
+    tied = model.arch.tie_word_embeddings
+    head = embed if tied else Int8Weight.quantize(model.lm_head.t())
+    model.install_quantized(layers, embed, head)
+
+
+def _fuse(parts: list, weight_format: str) -> QuantWeight:
+    """One quantized weight from the row blocks of a fused weight: float tensors `(out, in)`
+    or int4 groups `(codes, scales, zeros)`."""
+    if weight_format == "int4" and all(isinstance(p, tuple) for p in parts):
+        codes, scales, zeros = (torch.cat(column) for column in zip(*parts))
+        return Int4Weight(codes, scales, zeros, QK)
+    floats = torch.cat([_dequantized(p) for p in parts])
+    if weight_format == "int4":
+        return Int4Weight.quantize(floats, QK)
+    return Int8Weight.quantize(floats)
+
+
+def _dequantized(part) -> torch.Tensor:
+    if not isinstance(part, tuple):
+        return part
+    codes, scales, zeros = part
+    group = codes.shape[1] // scales.shape[1]
+    return (codes.float() - 8) * scales.repeat_interleave(group, 1) + zeros.repeat_interleave(
+        group, 1
+    )
+
+
+def _load_hf_dir(
+    directory: Path, dtype: torch.dtype, progress: bool, quantization: str
+) -> LoadedModel:
     config_bytes = (directory / "config.json").read_bytes()
     arch = ModelArchConfig.from_hf_config(json.loads(config_bytes))
     files = _safetensors_files(directory)
     model = model_class(arch)(arch, dtype)
     model.load_weights(_iter_safetensors(files, directory.name, progress))
+    weight_format = "none" if quantization == "auto" else quantization  # auto: its own dtype
+    if weight_format != "none":
+        _quantize_loaded(model, weight_format)
     generation_config: dict[str, Any] = {}
     gen_path = directory / "generation_config.json"
     if gen_path.is_file():
         generation_config = json.loads(gen_path.read_text())
-    fingerprint = _fingerprint("hf", dtype, files, config_bytes)
-    return LoadedModel(model.eval(), arch, directory, fingerprint, generation_config, False)
+    fingerprint = _fingerprint(f"hf+{weight_format}", dtype, files, config_bytes)
+    return LoadedModel(
+        model.eval(), arch, directory, fingerprint, generation_config, False,
+        weight_format=weight_format,
+    )  # fmt: skip
 
 
 def _safetensors_files(directory: Path) -> list[Path]:

@@ -26,6 +26,7 @@ from tests.tiers_util import run
 url, tenants = sys.argv[1], sys.argv[2].split(",")
 engine = build_engine(EngineConfig.from_kwargs(
     kv_cache_memory="256MiB", kv_host_memory="off", kv_disk_path="off", kv_redis_url=url,
+    quantization="none",  # the float weights of the engine it shares the tier with
     kv_store_secret="a secret both engines share",
     kv_store_min_tokens=16), progress=False)
 for tenant in tenants:

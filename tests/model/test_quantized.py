@@ -1,0 +1,82 @@
+"""The quantized path: int4 / int8 models match a dequantize-then-matmul reference on random
+tiny models of every supported architecture, the default model's Q4_1 weights run natively,
+and greedy outputs on quantized weights are the same whether the prefix was computed cold,
+hit in the device pool or loaded from the disk tier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvwise.models.llama import LINEAR_PARTS
+from kvwise.models.loader import load_model
+from tests.model.test_models_tiny import CASES, SEQ_LEN, _dense, _run, _save_random_model
+from tests.tiers_util import evict_device, run
+
+pytestmark = pytest.mark.slow
+
+# quantized logits vs the same weights dequantized and run in float32: what bfloat16
+# activations into the kernels allow, as a fraction of the largest logit
+TOLERANCE = 0.03
+
+
+def _dequantized_reference(directory, quantized):
+    """The float model with every quantized weight replaced by its dequantized value."""
+    reference = load_model(directory, progress=False, quantization="none").model
+    with torch.no_grad():
+        for layer, qlayer in zip(reference.layers, quantized.layers):
+            for name in LINEAR_PARTS:
+                getattr(layer, name).copy_(qlayer.quant[name].dequantize().t())
+        reference.embed.copy_(quantized.embed_quant.dequantize())
+        reference.lm_head.copy_(quantized.lm_head_quant.dequantize().t())
+    return reference
+
+
+@pytest.mark.parametrize("weight_format", ["int4", "int8"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_quantized_tiny_models_match_a_dequantized_reference(tmp_path, name, weight_format):
+    config_name, overrides = CASES[name]
+    _save_random_model(config_name, overrides, tmp_path)
+    loaded = load_model(tmp_path, progress=False, quantization=weight_format)
+    assert loaded.weight_format == weight_format
+    model = loaded.model
+    assert all(layer.quant is not None for layer in model.layers)
+    reference = _dequantized_reference(tmp_path, model)
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, 128, (SEQ_LEN,))
+    attn = _dense(loaded.arch.sliding_window)
+    got = _run(model, input_ids, torch.arange(SEQ_LEN), attn)
+    want = _run(reference, input_ids, torch.arange(SEQ_LEN), attn)
+    assert got.dtype == torch.float32
+    diff = (got - want).abs().max().item()
+    assert diff <= TOLERANCE * want.abs().max().item(), f"{name} {weight_format}: {diff}"
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    # and the weights shrank: int4 < int8 < float32
+    assert model.weight_bytes() < reference.weight_bytes() / 2
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    return load_model(None, progress=False, quantization="auto")
+
+
+def test_the_default_gguf_runs_its_q4_1_weights_natively(quantized, smollm2):
+    assert quantized.weight_format == "int4"
+    assert quantized.model.weight_bytes() <= 120e6 < smollm2.model.weight_bytes()
+    assert quantized.fingerprint != smollm2.fingerprint  # KV of one is never served to other
+    layer = quantized.model.layers[0]
+    assert layer.qkv_proj is None and layer.quant["qkv_proj"].group_size == 32
+
+
+def test_greedy_tokens_are_the_same_cold_from_the_device_and_from_disk(
+    make_engine, quantized, tmp_path
+):
+    engine = make_engine(loaded=quantized, kv_disk_path=str(tmp_path), kv_store_min_tokens=16)
+    cold = run(engine)
+    device = run(engine)
+    assert device.num_cached_tokens > 0 and device.num_loaded_tokens == 0
+    evict_device(engine)
+    loaded = run(engine)
+    assert loaded.num_loaded_tokens > 0
+    assert cold.token_ids == device.token_ids == loaded.token_ids
+    engine.close()
