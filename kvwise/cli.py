@@ -1,4 +1,4 @@
-"""Command line: ``kvwise generate | chat | size | serve | bench``; each has ``--help``."""
+"""Command line: ``kvwise generate | chat | size | serve | bench | eval``; each has ``--help``."""
 
 from __future__ import annotations
 
@@ -189,6 +189,52 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return importlib.import_module(f"kvwise.bench.{args.bench}").main(args)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kvwise.bench.evaluate import run
+
+    run(
+        args.model,
+        args.quantization,
+        args.reference_quantization,
+        args.ctx,
+        stride=args.stride,
+        max_windows=args.max_windows,
+        text=args.text,
+        json_path=args.json,
+        self_check=args.self_check,
+        progress=not args.no_progress,
+    )
+    return 0
+
+
+def _add_eval_args(p: argparse.ArgumentParser) -> None:
+    from kvwise.config import QUANTIZATIONS
+
+    p.add_argument(
+        "--model", default=None, help="HF directory or .gguf (default: the default model)"
+    )
+    p.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default="auto", help="the candidate's weights"
+    )
+    p.add_argument(
+        "--reference-quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="the reference's weights; equal to --quantization: the comparison is skipped",
+    )
+    p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default: 512)")
+    p.add_argument("--stride", type=int, default=None, help="tokens between windows (ctx // 2)")
+    p.add_argument("--max-windows", type=int, default=None, help="stop after N windows (all)")
+    p.add_argument("--text", default=None, help="UTF-8 text file (default: Python's pydoc topics)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON here")
+    p.add_argument(
+        "--self-check",
+        action="store_true",
+        help="compare the candidate with itself (both forwards run): KL ~ 0, 100%% agreement",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvwise", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -295,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_breakeven_args(b)
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "eval", help="perplexity, KL divergence and top-1 agreement of a candidate vs a reference"
+    )
+    _add_eval_args(p)
+    p.set_defaults(func=cmd_eval)
     return parser
 
 

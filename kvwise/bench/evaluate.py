@@ -1,0 +1,356 @@
+"""``kvwise eval``: how far a numeric change (quantized weights, later quantized KV) moves the
+model's predictions, as llama.cpp's perplexity / KL-divergence tool measures it.
+
+A candidate model (``--quantization``) and a reference (``--reference-quantization``, float32 by
+default) read the same text in sliding windows. For every scored token we take the candidate's
+log-probability of the true next token (perplexity = exp(mean NLL)) and, against the reference,
+KL(reference || candidate) over the whole vocabulary and whether the two argmaxes agree.
+
+Windows of ``ctx`` tokens start every ``stride`` tokens; only tokens not scored by an earlier
+window are scored, so each token is scored once and the tokens before it in the window are its
+context (the standard sliding-window perplexity)::
+
+    tokens    0 ....................................................... n
+    window 0  [x s s s s s s s s s s s s s s s]          x: context only (nothing predicts it)
+    window 1          [c c c c c c c c s s s s s s s s]  c: context, s: scored
+    window 2                  [c c c c c c c c s s s s s s s s]
+              |<--- stride -->|<------------ ctx ------------>|
+
+With ``stride == ctx`` the windows do not overlap and each window's first token is context only.
+
+The text is tokenized without special tokens (no BOS per window): the figures compare models
+on the same token stream, which is what a numeric change is judged by.
+
+The model runs directly (no engine, no KV cache): ``model.forward`` over the window with dense
+causal attention, logits only for the scored rows, in slices of rows so that two models'
+``(rows, vocab)`` float32 logits stay a few hundred MB at most.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from kvwise.models.layers import dense_causal_attention
+from kvwise.models.loader import LoadedModel, load_model
+
+# Rows of logits per slice: 256 x 49,152 x 4 B = 48 MiB per tensor, a few tensors per model.
+ROWS_PER_SLICE = 256
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The text evaluated and what identifies it (the sha256 of its UTF-8 bytes)."""
+
+    name: str
+    text: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+    @classmethod
+    def default(cls) -> Corpus:
+        """The language reference that ships with the interpreter (``pydoc_data.topics``),
+        topics joined in sorted key order: real text we did not write, fixed for a given
+        Python version."""
+        from pydoc_data.topics import topics
+
+        text = "".join(topics[key] for key in sorted(topics))
+        return cls(f"pydoc_data.topics (Python {platform.python_version()})", text)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Corpus:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"text: cannot read '{path}' as UTF-8 text: {e}") from None
+        return cls(str(path), text)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Tokens ``[start, end)`` run through the model; those in ``[first_scored, end)`` are scored
+    (predicted from the window's tokens before them)."""
+
+    start: int
+    end: int
+    first_scored: int
+
+    @property
+    def num_scored(self) -> int:
+        return self.end - self.first_scored
+
+
+def check_window_settings(ctx: int, stride: int, max_windows: int | None) -> None:
+    """Raise ValueError unless ``ctx >= 2``, ``1 <= stride <= ctx`` and ``max_windows`` is None
+    or positive."""
+    if ctx < 2:
+        raise ValueError(f"ctx: must be at least 2 tokens, got {ctx}")
+    if not 1 <= stride <= ctx:
+        raise ValueError(f"stride: must be between 1 and ctx ({ctx}), got {stride}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows: must be at least 1, got {max_windows}")
+
+
+def plan_windows(
+    num_tokens: int, ctx: int, stride: int, max_windows: int | None = None
+) -> list[Window]:
+    """The sliding windows over ``num_tokens`` tokens (see the module docstring).
+
+    Raises:
+        ValueError: bad settings (``check_window_settings``) or fewer than two tokens.
+    """
+    check_window_settings(ctx, stride, max_windows)
+    if num_tokens < 2:
+        raise ValueError(f"text: {num_tokens} tokens; need at least 2 to score one")
+    windows: list[Window] = []
+    num_scored_tokens = 0  # tokens [0, num_scored_tokens) are scored or context-only already
+    start = 0
+    while True:
+        end = min(start + ctx, num_tokens)
+        first_scored = max(num_scored_tokens, start + 1)
+        if first_scored < end:
+            windows.append(Window(start, end, first_scored))
+        num_scored_tokens = end
+        if end == num_tokens or len(windows) == max_windows:
+            return windows
+        start += stride
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """What one evaluation measured. The comparison fields are None when it was skipped
+    (candidate and reference the same settings, no self-check)."""
+
+    ctx: int
+    stride: int
+    num_windows: int
+    num_scored_tokens: int
+    ppl: float
+    seconds: float
+    reference_ppl: float | None = None
+    delta_ppl_pct: float | None = None  # 100 * (ppl / reference_ppl - 1)
+    kl_mean: float | None = None  # KL(reference || candidate), nats per token
+    kl_p99: float | None = None
+    kl_max: float | None = None
+    top1_agreement_pct: float | None = None
+
+    @property
+    def compared(self) -> bool:
+        return self.kl_mean is not None
+
+
+def evaluate(
+    candidate: LoadedModel,
+    token_ids: list[int],
+    ctx: int,
+    stride: int | None = None,
+    max_windows: int | None = None,
+    reference: LoadedModel | None = None,
+    progress: bool = False,
+) -> EvalResult:
+    """Sliding-window perplexity of ``candidate`` on ``token_ids`` and, with ``reference``, its
+    KL divergence from and top-1 agreement with the reference at every scored token.
+
+    Args:
+        candidate: the model judged.
+        token_ids: the text, tokenized by the model's tokenizer.
+        ctx: window length in tokens, at most the model's ``max_position_embeddings``.
+        stride: tokens between window starts; default ``ctx // 2``.
+        max_windows: stop after this many windows (default: the whole text).
+        reference: the model compared against; may be ``candidate`` itself (a self-check: both
+            forwards run, so KL ~ 0 and 100% agreement confirm the comparison path).
+        progress: a tqdm bar over windows.
+
+    Raises:
+        ValueError: bad ``ctx`` / ``stride`` / ``max_windows``, or models that disagree on the
+            vocabulary.
+    """
+    arch = candidate.arch
+    stride = ctx // 2 if stride is None else stride
+    if ctx > arch.max_position_embeddings:
+        raise ValueError(
+            f"ctx: {ctx} exceeds the model's context of {arch.max_position_embeddings} tokens"
+        )
+    if reference is not None and reference.arch.vocab_size != arch.vocab_size:
+        raise ValueError(
+            f"reference: vocabulary of {reference.arch.vocab_size} tokens, the candidate's "
+            f"has {arch.vocab_size}"
+        )
+    windows = plan_windows(len(token_ids), ctx, stride, max_windows)
+    tokens = torch.tensor(token_ids, dtype=torch.int64)
+    nll_sum = ref_nll_sum = 0.0
+    num_agree = num_scored = 0
+    kls: list[torch.Tensor] = []
+    start_time = time.perf_counter()
+    bar = tqdm(windows, desc="eval", unit="window", disable=not progress)
+    with torch.inference_mode():
+        for window in bar:
+            ids = tokens[window.start : window.end]  # (T,)
+            # hidden row i predicts token start + i + 1: the scored targets' rows
+            rows = slice(window.first_scored - 1 - window.start, window.end - 1 - window.start)
+            targets = tokens[window.first_scored : window.end]  # (S,)
+            hidden = _hidden(candidate, ids)[rows]  # (S, hidden)
+            ref_hidden = _hidden(reference, ids)[rows] if reference is not None else None
+            for lo in range(0, len(targets), ROWS_PER_SLICE):
+                part = slice(lo, lo + ROWS_PER_SLICE)
+                logp = F.log_softmax(candidate.model.compute_logits(hidden[part]), dim=-1)
+                target = targets[part, None]  # (s, 1)
+                nll_sum -= logp.gather(-1, target).double().sum().item()
+                if ref_hidden is None:
+                    continue
+                ref_logp = F.log_softmax(reference.model.compute_logits(ref_hidden[part]), -1)
+                ref_nll_sum -= ref_logp.gather(-1, target).double().sum().item()
+                kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (s,)
+                kls.append(kl)
+                num_agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+            num_scored += len(targets)
+            bar.set_postfix(ppl=f"{math.exp(nll_sum / num_scored):.3f}", refresh=False)
+    seconds = time.perf_counter() - start_time
+    ppl = math.exp(nll_sum / num_scored)
+    result = EvalResult(ctx, stride, len(windows), num_scored, ppl, seconds)
+    if reference is None:
+        return result
+    kl_all = torch.cat(kls).double()  # (num_scored,)
+    reference_ppl = math.exp(ref_nll_sum / num_scored)
+    return replace(
+        result,
+        reference_ppl=reference_ppl,
+        delta_ppl_pct=100.0 * (ppl / reference_ppl - 1.0),
+        kl_mean=kl_all.mean().item(),
+        kl_p99=torch.quantile(kl_all, 0.99).item(),
+        kl_max=kl_all.max().item(),
+        top1_agreement_pct=100.0 * num_agree / num_scored,
+    )
+
+
+def _hidden(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+    """Final hidden states `(T, hidden)` of one window, with dense causal attention."""
+    window = loaded.arch.sliding_window
+
+    def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return dense_causal_attention(q, k, v, sliding_window=window)  # (T, H*D)
+
+    positions = torch.arange(len(ids), dtype=torch.int64)  # (T,)
+    return loaded.model.forward(ids, positions, attn)
+
+
+def run(
+    model: str | None,
+    quantization: str,
+    reference_quantization: str,
+    ctx: int,
+    stride: int | None = None,
+    max_windows: int | None = None,
+    text: str | None = None,
+    json_path: str | None = None,
+    self_check: bool = False,
+    progress: bool = True,
+) -> EvalResult:
+    """``kvwise eval``: load the model(s), tokenize the corpus, evaluate, print a table and
+    write ``json_path``. The candidate is loaded once; the reference is loaded too when its
+    quantization differs, else the comparison is skipped unless ``self_check`` compares the
+    candidate with itself.
+
+    Raises:
+        ValueError: a bad setting, or a model load_model refuses (named by its flag).
+    """
+    stride = ctx // 2 if stride is None else stride
+    check_window_settings(ctx, stride, max_windows)  # fail before loading
+    corpus = Corpus.from_file(text) if text else Corpus.default()
+    started = time.perf_counter()
+    candidate = _load(model, quantization, "--quantization", progress)
+    if self_check:
+        reference, mode = candidate, "self-check"
+    elif reference_quantization == quantization:
+        reference, mode = None, "skipped"
+    else:
+        reference = _load(model, reference_quantization, "--reference-quantization", progress)
+        mode = "reference"
+    load_seconds = time.perf_counter() - started
+
+    from kvwise.engine.builder import tokenizer_for
+
+    token_ids = tokenizer_for(candidate).encode(corpus.text, add_special_tokens=False)
+    result = evaluate(candidate, token_ids, ctx, stride, max_windows, reference, progress)
+    record = {
+        "model": str(candidate.source),
+        "fingerprint": candidate.fingerprint,
+        "quantization": quantization,
+        "weight_format": candidate.weight_format,  # what "auto" resolved to
+        "reference_quantization": quantization if self_check else reference_quantization,
+        "reference_weight_format": reference.weight_format if reference else None,
+        "reference_fingerprint": reference.fingerprint if reference else None,
+        "comparison": mode,
+        "corpus": {
+            "name": corpus.name,
+            "sha256": corpus.sha256,
+            "num_chars": len(corpus.text),
+            "num_tokens": len(token_ids),
+        },
+        "python_version": platform.python_version(),
+        "torch_version": torch.__version__,
+        "num_threads": torch.get_num_threads(),
+        "load_seconds": load_seconds,
+        **asdict(result),
+    }
+    print(format_table(result, record))
+    if json_path:
+        Path(json_path).write_text(json.dumps(record, indent=2) + "\n")
+    return result
+
+
+def _load(model: str | None, quantization: str, flag: str, progress: bool) -> LoadedModel:
+    try:
+        return load_model(model, dtype=torch.float32, progress=progress, quantization=quantization)
+    except ValueError as e:
+        raise ValueError(f"{flag} {quantization}: {e}") from None
+
+
+def format_table(result: EvalResult, record: dict) -> str:
+    """The human-readable summary (a Markdown table, to paste into BENCHMARKS.md)."""
+    q = _label(record["quantization"], record["weight_format"])
+    ref_q = _label(record["reference_quantization"], record["reference_weight_format"])
+    corpus = record["corpus"]
+    lines = [
+        f"model {Path(record['model']).name}; corpus {corpus['name']}: "
+        f"{corpus['num_tokens']:,} tokens, sha256 {corpus['sha256'][:12]}",
+        f"ctx {result.ctx}, stride {result.stride}, {result.num_windows} windows, "
+        f"{result.num_scored_tokens:,} scored tokens, {result.seconds:.1f} s",
+        "",
+        "| metric | value |",
+        "|---|---:|",
+        f"| perplexity, candidate ({q}) | {result.ppl:.4f} |",
+    ]
+    if not result.compared:
+        lines.append(f"| comparison | skipped: reference ({ref_q}) = candidate |")
+        return "\n".join(lines)
+    lines += [
+        f"| perplexity, reference ({ref_q}) | {result.reference_ppl:.4f} |",
+        f"| ΔPPL | {result.delta_ppl_pct:+.3f}% |",
+        f"| KL mean | {result.kl_mean:.6f} |",
+        f"| KL p99 | {result.kl_p99:.6f} |",
+        f"| KL max | {result.kl_max:.6f} |",
+        f"| top-1 agreement | {result.top1_agreement_pct:.2f}% |",
+    ]
+    if record["comparison"] == "self-check":
+        lines.append("| comparison | self-check: the candidate against itself |")
+    return "\n".join(lines)
+
+
+def _label(quantization: str, weight_format: str | None) -> str:
+    """``int8``, or ``auto: int4`` when the setting resolved to a format of another name."""
+    if weight_format is None or weight_format == quantization:
+        return quantization
+    return f"{quantization}: {weight_format}"
