@@ -139,11 +139,12 @@ class Bench:
     def decode_bound(self, bandwidth: float) -> dict[str, float]:
         """Seconds per decode step if it only had to stream weights and KV once."""
         model = self.engine.runner.model
-        weight_bytes = sum(
-            p.numel() * p.element_size()
-            for name, p in model.named_parameters()
-            if name != "embed"  # the lookup reads one row; lm_head streams the whole matrix
-        )
+        # the embedding lookup reads one row; the LM head streams its whole matrix
+        weight_bytes = model.weight_bytes()
+        if model.embed is not None:
+            weight_bytes -= model.embed.nbytes
+        elif model.embed_quant is not model.lm_head_quant:  # untied, quantized
+            weight_bytes -= model.embed_quant.nbytes
         ctx = len(self.decode_prompt) + self.args.decode_tokens // 2  # mean context length
         kv_bytes = ctx * self.engine.runner.spec.bytes_per_token
         return {
