@@ -246,6 +246,24 @@ def test_a_body_over_the_limit_is_413_before_it_is_parsed():
         assert fresh_stats(server).num_waiting == 0
 
 
+def test_health_answers_in_milliseconds_while_a_huge_prompt_is_refused():
+    """Issue 10: a 20 MB prompt used to stall /health for 23 s (tokenized on the event loop).
+    Now text longer than the context could hold is refused before it is tokenized."""
+    with serve(fake_engine()) as (server, client):
+        huge = completion("x" * 6_000_000)  # under the 8 MiB body limit
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.post, "/v1/completions", json=huge)
+            latencies = []
+            while not pending.done():
+                response = client.get("/health")
+                assert response.status_code == 200
+                latencies.append(response.elapsed.total_seconds())
+            refused = pending.result()
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+        assert latencies and max(latencies) < 0.5, latencies
+
+
 # ---- the HTTP app: backpressure, disconnects, failures --------------------------------------
 
 
