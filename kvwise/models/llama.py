@@ -109,19 +109,12 @@ class LlamaDecoderLayer(nn.Module):
         """Update `residual` `(T, hidden)` IN PLACE with this block's attention and MLP output."""
         if self.quant is not None:
             return self._forward_quantized(layer_idx, residual, rope_cos, rope_sin, attn)
-        num_tokens = residual.shape[0]
-        heads, qk_heads = self.num_heads, self.num_heads + self.num_kv_heads
         x = rms_norm(residual, self.input_norm, self.eps)  # (T, hidden)
         if self.qkv_bias is None:
             qkv = torch.mm(x, self.qkv_proj)  # (T, q + 2kv)
         else:
             qkv = torch.addmm(self.qkv_bias, x, self.qkv_proj)  # (T, q + 2kv)
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm is not None:
-            qk = rms_norm(qk, self.qk_norm, self.eps)  # (T, H + KV, D)
-        qk = apply_rope(qk, rope_cos, rope_sin)  # (T, H + KV, D)
-        out = attn(layer_idx, qk[:, :heads], qk[:, heads:], v)  # (T, H * D)
+        out = self._attend(layer_idx, qkv, rope_cos, rope_sin, attn)  # (T, H * D)
         residual.addmm_(out, self.o_proj)  # (T, hidden)
         if self.o_bias is not None:
             residual.add_(self.o_bias)
@@ -131,6 +124,24 @@ class LlamaDecoderLayer(nn.Module):
         gate.mul_(gate_up[:, self.intermediate_size :])
         residual.addmm_(gate, self.down_proj)  # (T, hidden)
         return residual
+
+    def _attend(
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        attn: AttentionFn,
+    ) -> torch.Tensor:
+        """q/k/v out of the fused projection `(T, q + 2kv)`, q/k norm, rotary, attention."""
+        num_tokens = qkv.shape[0]
+        heads, qk_heads = self.num_heads, self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, self.eps)  # (T, H + KV, D)
+        qk = apply_rope(qk, rope_cos, rope_sin)  # (T, H + KV, D)
+        return attn(layer_idx, qk[:, :heads], qk[:, heads:], v)  # (T, H * D)
 
     def _forward_quantized(
         self,
@@ -142,18 +153,11 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """``forward`` on quantized weights: float32 around bfloat16 kernels."""
         quant = self.quant
-        num_tokens = residual.shape[0]
-        heads, qk_heads = self.num_heads, self.num_heads + self.num_kv_heads
         x = rms_norm(residual, self.input_norm, self.eps)  # (T, hidden) f32
         qkv = quant["qkv_proj"].mm(x).float()  # (T, q + 2kv)
         if self.qkv_bias is not None:
             qkv += self.qkv_bias
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm is not None:
-            qk = rms_norm(qk, self.qk_norm, self.eps)  # (T, H + KV, D)
-        qk = apply_rope(qk, rope_cos, rope_sin)  # (T, H + KV, D)
-        out = attn(layer_idx, qk[:, :heads], qk[:, heads:], v)  # (T, H * D) f32
+        out = self._attend(layer_idx, qkv, rope_cos, rope_sin, attn)  # (T, H * D) f32
         residual.add_(quant["o_proj"].mm(out))  # (T, hidden)
         if self.o_bias is not None:
             residual.add_(self.o_bias)
