@@ -177,17 +177,8 @@ def evaluate(
         ValueError: bad ``ctx`` / ``stride`` / ``max_windows``, or models that disagree on the
             vocabulary.
     """
-    arch = candidate.arch
     stride = ctx // 2 if stride is None else stride
-    if ctx > arch.max_position_embeddings:
-        raise ValueError(
-            f"ctx: {ctx} exceeds the model's context of {arch.max_position_embeddings} tokens"
-        )
-    if reference is not None and reference.arch.vocab_size != arch.vocab_size:
-        raise ValueError(
-            f"reference: vocabulary of {reference.arch.vocab_size} tokens, the candidate's "
-            f"has {arch.vocab_size}"
-        )
+    _check_models(candidate, reference, ctx)
     windows = plan_windows(len(token_ids), ctx, stride, max_windows)
     tokens = torch.tensor(token_ids, dtype=torch.int64)
     nll_sum = ref_nll_sum = 0.0
@@ -205,16 +196,14 @@ def evaluate(
             ref_hidden = _hidden(reference, ids)[rows] if reference is not None else None
             for lo in range(0, len(targets), ROWS_PER_SLICE):
                 part = slice(lo, lo + ROWS_PER_SLICE)
-                logp = F.log_softmax(candidate.model.compute_logits(hidden[part]), dim=-1)
-                target = targets[part, None]  # (s, 1)
-                nll_sum -= logp.gather(-1, target).double().sum().item()
-                if ref_hidden is None:
-                    continue
-                ref_logp = F.log_softmax(reference.model.compute_logits(ref_hidden[part]), -1)
-                ref_nll_sum -= ref_logp.gather(-1, target).double().sum().item()
-                kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (s,)
-                kls.append(kl)
-                num_agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+                ref = None if ref_hidden is None else (reference, ref_hidden[part])
+                nll, scored = _score(candidate, hidden[part], targets[part], ref)
+                nll_sum += nll
+                if scored is not None:
+                    ref_nll, kl, agree = scored
+                    ref_nll_sum += ref_nll
+                    kls.append(kl)
+                    num_agree += agree
             num_scored += len(targets)
             bar.set_postfix(ppl=f"{math.exp(nll_sum / num_scored):.3f}", refresh=False)
     seconds = time.perf_counter() - start_time
@@ -233,6 +222,36 @@ def evaluate(
         kl_max=kl_all.max().item(),
         top1_agreement_pct=100.0 * num_agree / num_scored,
     )
+
+
+def _check_models(candidate: LoadedModel, reference: LoadedModel | None, ctx: int) -> None:
+    arch = candidate.arch
+    if ctx > arch.max_position_embeddings:
+        raise ValueError(
+            f"ctx: {ctx} exceeds the model's context of {arch.max_position_embeddings} tokens"
+        )
+    if reference is not None and reference.arch.vocab_size != arch.vocab_size:
+        raise ValueError(
+            f"reference: vocabulary of {reference.arch.vocab_size} tokens, the candidate's "
+            f"has {arch.vocab_size}"
+        )
+
+
+def _score(candidate: LoadedModel, hidden: torch.Tensor, targets: torch.Tensor, reference):
+    """One slice of scored rows: the candidate's summed NLL of ``targets`` and, with
+    ``reference`` = (model, its hidden rows), the reference's summed NLL, the per-row
+    KL(reference || candidate) and the number of rows whose argmaxes agree."""
+    logp = F.log_softmax(candidate.model.compute_logits(hidden), dim=-1)
+    target = targets[:, None]  # (s, 1)
+    nll = -logp.gather(-1, target).double().sum().item()
+    if reference is None:
+        return nll, None
+    model, ref_hidden = reference
+    ref_logp = F.log_softmax(model.model.compute_logits(ref_hidden), -1)
+    ref_nll = -ref_logp.gather(-1, target).double().sum().item()
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # (s,)
+    agree = int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+    return nll, (ref_nll, kl, agree)
 
 
 def _hidden(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
