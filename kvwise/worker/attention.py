@@ -4,8 +4,10 @@ The model calls ``attn(layer, q, k, v)`` once per layer with the new tokens of e
 scheduled request flattened into one dimension. The backend first writes all new K/V rows into
 their slots, then attends:
 
-- decode rows (one new token each) in one batched SDPA call over their gathered blocks,
-  with a padding mask when their context lengths differ;
+- decode rows (one new token each) in one call of kvwise's paged decode kernel
+  (``csrc/paged_attention.cpp``), which reads K/V where they lie in the pool; without the
+  kernel (no compiler, a non-float32 cache, ``paged_kernel=False``), in one batched SDPA call
+  over their gathered blocks, with a padding mask when their context lengths differ;
 - each prefill chunk in its own call: a chunk starting at position 0 attends to its own K/V
   with a causal mask; a later chunk attends to its gathered blocks with an offset causal mask.
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvwise.worker import kernels
 from kvwise.worker.kv_cache import PagedKVCache
 
 
@@ -42,16 +45,23 @@ class AttentionMetadata:
     decode_rows_contiguous: bool  # decode rows are 0..Bd-1
     prefills: list[PrefillChunk]
     decode_first_block: int | None = None  # one decode whose blocks are consecutive ids
+    decode_ctx_lens: torch.Tensor | None = None  # (Bd,) long: each decode's context length
 
 
 class TorchSDPAAttention:
     """The reference paged-attention backend. Stateless apart from the cache it is given."""
 
-    def __init__(self, kv_cache: PagedKVCache, num_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, kv_cache: PagedKVCache, num_heads: int, head_dim: int, paged_kernel: bool = True
+    ) -> None:
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.paged_kernel = (
+            paged_kernel and kv_cache.dtype == torch.float32 and not kv_cache._cast
+            and kernels.available()
+        )  # fmt: skip
 
     def bind(self, meta: AttentionMetadata, layer_ready: Callable[[int], None] | None = None):
         """Return the ``attn(layer, q, k, v)`` callable for one step.
@@ -80,7 +90,21 @@ class TorchSDPAAttention:
         num_tokens = q.shape[0]
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
 
-        if meta.decode_rows is not None:
+        if meta.decode_rows is not None and self.paged_kernel:
+            qd = (
+                q[: meta.decode_rows.shape[0]]
+                if meta.decode_rows_contiguous
+                else q[meta.decode_rows]
+            )
+            od = torch.ops.kvwise.paged_decode_attention(
+                qd, cache.kv[layer, 0], cache.kv[layer, 1], meta.decode_block_table,
+                meta.decode_ctx_lens, self.scale,
+            )  # (Bd, num_heads, head_dim)  # fmt: skip
+            if meta.decode_rows_contiguous:
+                out[: od.shape[0]] = od
+            else:
+                out[meta.decode_rows] = od
+        elif meta.decode_rows is not None:
             # (Bd, L, kv_heads, head_dim) each
             kc, vc = cache.gather(layer, meta.decode_block_table, meta.decode_first_block)
             ctx = meta.decode_ctx_len

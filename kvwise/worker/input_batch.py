@@ -59,13 +59,14 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
             sample_rows.append(row + n - 1)
             sample_requests.append(item)
 
-    decode_rows = decode_table = decode_mask = None
+    decode_rows = decode_table = decode_mask = decode_lens = None
     decode_ctx_len = 0
     if decodes:
         ctx_lens = [d.start_pos + 1 for d in decodes]
         decode_ctx_len = max(ctx_lens)
         max_blocks = -(-decode_ctx_len // block_size)
         decode_rows = torch.arange(len(decodes))
+        decode_lens = torch.tensor(ctx_lens, dtype=torch.long)
         decode_table = torch.tensor(
             [
                 d.block_ids[:max_blocks] + [0] * (max_blocks - len(d.block_ids[:max_blocks]))
@@ -90,6 +91,7 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
         decode_rows_contiguous=True,
         prefills=chunks,
         decode_first_block=decode_first_block,
+        decode_ctx_lens=decode_lens,
     )
     return InputBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),

@@ -1,0 +1,194 @@
+// The small steps between the quantized matmuls of a decoder layer, each fused into one op.
+//
+// In the quantized step (models/llama.py) a layer runs four int4 matmuls; around them, torch
+// would run ~30 small ops a layer (norm, casts, slices, q/k norm, rotary, SiLU), each costing
+// more in dispatch than in arithmetic at one token. These ops do the same arithmetic in one
+// pass each, in float32, and hand the next matmul bfloat16 (the int4 kernel's fast input):
+//
+//   rms_norm_bf16(x, w, eps)                 -> bf16 RMSNorm(x) * w
+//   add_rms_norm_bf16(residual!, y, w, eps)  -> residual += y; bf16 RMSNorm(residual) * w
+//   qkv_rope(qkv, bias?, qk_norm?, cos, sin, H, KVH, eps) -> q, k, v float32, rotary applied
+//   silu_mul_bf16(gate_up)                   -> bf16 silu(gate) * up
+//
+// Registered as torch.ops.kvwise.*; kvwise/worker/kernels.py builds them.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+
+namespace {
+
+using c10::BFloat16;
+
+// rows of at least this many elements each get their own task
+constexpr int64_t kGrain = 1 << 15;
+
+inline int64_t grain_rows(int64_t row_elems) {
+  return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, row_elems));
+}
+
+inline void norm_row(const float* x, const float* w, float eps, int64_t n, BFloat16* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = BFloat16(x[i] * inv * w[i]);
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
+              ": x must be a contiguous float32 (T, N) tensor");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kFloat &&
+                  w.is_contiguous(),
+              name, ": weight must be float32 (N,)");
+}
+
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w, "rms_norm_bf16");
+  const int64_t T = x.size(0), N = x.size(1);
+  at::Tensor out = at::empty({T, N}, x.options().dtype(at::kBFloat16));
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  BFloat16* op = out.data_ptr<BFloat16>();
+  at::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) norm_row(xp + t * N, wp, eps, N, op + t * N);
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm_bf16(at::Tensor& residual, const at::Tensor& y, const at::Tensor& w,
+                             double eps) {
+  check_rows(residual, w, "add_rms_norm_bf16");
+  TORCH_CHECK(y.sizes() == residual.sizes() && y.scalar_type() == at::kBFloat16 &&
+                  y.is_contiguous(),
+              "add_rms_norm_bf16: y must be contiguous bfloat16 shaped like residual");
+  const int64_t T = residual.size(0), N = residual.size(1);
+  at::Tensor out = at::empty({T, N}, residual.options().dtype(at::kBFloat16));
+  float* rp = residual.data_ptr<float>();
+  const BFloat16* yp = y.data_ptr<BFloat16>();
+  const float* wp = w.data_ptr<float>();
+  BFloat16* op = out.data_ptr<BFloat16>();
+  at::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* r = rp + t * N;
+      const BFloat16* yr = yp + t * N;
+      for (int64_t i = 0; i < N; ++i) r[i] += static_cast<float>(yr[i]);
+      norm_row(r, wp, eps, N, op + t * N);
+    }
+  });
+  return out;
+}
+
+// qkv: (T, (H + 2 KVH) D) bfloat16 or float32, the fused projection's output; cos, sin:
+// (T, 1, D) float32 views (any row stride), sin signed as in layers.rope_table. Returns q
+// (T, H, D), k and v (T, KVH, D), float32: bias added, q/k normed per head (Qwen3), rotary
+// applied to q and k ("rotate half": element i pairs with element (i + D/2) mod D).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(
+    const at::Tensor& qkv_in, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& qk_norm, const at::Tensor& cos, const at::Tensor& sin,
+    int64_t H, int64_t KVH, double eps_in) {
+  TORCH_CHECK(qkv_in.dim() == 2, "qkv_rope: qkv must be (T, (H + 2 KVH) D)");
+  const at::Tensor qkv = qkv_in.scalar_type() == at::kFloat ? qkv_in.contiguous()
+                                                            : qkv_in.to(at::kFloat).contiguous();
+  const int64_t T = qkv.size(0), W = qkv.size(1);
+  TORCH_CHECK(W % (H + 2 * KVH) == 0, "qkv_rope: width is not (H + 2 KVH) D");
+  const int64_t D = W / (H + 2 * KVH), half = D / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.size(0) == T && cos.size(-1) == D && cos.stride(-1) == 1 &&
+                  sin.stride(-1) == 1 && sin.stride(0) == cos.stride(0),
+              "qkv_rope: cos and sin must be float32 (T, 1, D) rows");
+  const float* bp = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->numel() == W && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "qkv_rope: bias must be float32 (W,)");
+    bp = bias->data_ptr<float>();
+  }
+  const float* np = nullptr;
+  if (qk_norm) {
+    TORCH_CHECK(qk_norm->numel() == (H + KVH) * D && qk_norm->scalar_type() == at::kFloat &&
+                    qk_norm->is_contiguous(),
+                "qkv_rope: qk_norm must be float32 (H + KVH, D)");
+    np = qk_norm->data_ptr<float>();
+  }
+  at::Tensor q = at::empty({T, H, D}, qkv.options().dtype(at::kFloat));
+  at::Tensor k = at::empty({T, KVH, D}, q.options());
+  at::Tensor v = at::empty({T, KVH, D}, q.options());
+  const float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t rope_stride = cos.stride(0);
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const float eps = static_cast<float>(eps_in);
+  at::parallel_for(0, T, grain_rows(W), [&](int64_t begin, int64_t end) {
+    float buf[1024];
+    TORCH_CHECK(D <= 1024, "qkv_rope: head_dim above 1024");
+    for (int64_t t = begin; t < end; ++t) {
+      const float* x = xp + t * W;
+      const float* c = cp + t * rope_stride;
+      const float* s = sp + t * rope_stride;
+      for (int64_t head = 0; head < H + KVH; ++head) {
+        const float* hx = x + head * D;
+        for (int64_t i = 0; i < D; ++i) buf[i] = hx[i] + (bp ? bp[head * D + i] : 0.f);
+        if (np) {
+          float ss = 0.f;
+          for (int64_t i = 0; i < D; ++i) ss += buf[i] * buf[i];
+          const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+          for (int64_t i = 0; i < D; ++i) buf[i] = np[head * D + i] * (buf[i] * inv);
+        }
+        float* o = head < H ? qp + (t * H + head) * D : kp + (t * KVH + head - H) * D;
+        for (int64_t i = 0; i < D; ++i) {
+          const float other = i < half ? buf[i + half] : buf[i - half];
+          o[i] = buf[i] * c[i] + other * s[i];
+        }
+      }
+      const float* xv = x + (H + KVH) * D;
+      float* ov = vp + t * KVH * D;
+      for (int64_t i = 0; i < KVH * D; ++i) ov[i] = xv[i] + (bp ? bp[(H + KVH) * D + i] : 0.f);
+    }
+  });
+  return {q, k, v};
+}
+
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 &&
+                  gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous(),
+              "silu_mul_bf16: gate_up must be contiguous bfloat16 (T, 2 I)");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const BFloat16* gp = gate_up.data_ptr<BFloat16>();
+  BFloat16* op = out.data_ptr<BFloat16>();
+  at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const BFloat16* g = gp + t * 2 * I;
+      const BFloat16* u = g + I;
+      BFloat16* o = op + t * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float gi = static_cast<float>(g[i]);
+        o[i] = BFloat16(gi / (1.f + std::exp(-gi)) * static_cast<float>(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvwise, m) {
+  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_bf16(Tensor(a!) residual, Tensor y, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "qkv_rope(Tensor qkv, Tensor? bias, Tensor? qk_norm, Tensor cos, Tensor sin, int num_heads, "
+      "int num_kv_heads, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
+  m.impl("rms_norm_bf16", &rms_norm_bf16);
+  m.impl("add_rms_norm_bf16", &add_rms_norm_bf16);
+  m.impl("qkv_rope", &qkv_rope);
+  m.impl("silu_mul_bf16", &silu_mul_bf16);
+}

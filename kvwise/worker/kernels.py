@@ -1,0 +1,75 @@
+"""kvwise's own CPU kernels (``csrc/*.cpp``), compiled on first use and cached.
+
+``available()`` builds the extension once per process (torch's ``cpp_extension`` with ninja
+and the system C++ compiler; about a minute the first time, then loaded from torch's
+extension cache, keyed by the sources and flags) and registers its ops under
+``torch.ops.kvwise``. When no compiler is there, the build fails, or ``KVWISE_KERNELS=0`` is
+set, it returns False with one warning and the callers keep their plain-torch paths, which
+compute the same results more slowly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "fused.cpp")]
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _cpu_flags() -> list[str]:
+    """AVX2/FMA code when this CPU reports both (never -march=native: some CPUs advertise
+    instructions they trap on)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set()
+    for line in info.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+
+
+def available() -> bool:
+    """True once ``torch.ops.kvwise`` holds the kernels (built or loaded on the first call)."""
+    if "ok" in _state:
+        return _state["ok"]
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _build()
+    return _state["ok"]
+
+
+def _build() -> bool:
+    if os.environ.get("KVWISE_KERNELS", "1") == "0":
+        log.info("kvwise kernels off (KVWISE_KERNELS=0): plain torch attention")
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        start = time.perf_counter()
+        cpp_extension.load(
+            name="kvwise_ops",
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *_cpu_flags()],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        torch.ops.kvwise.paged_decode_attention  # noqa: B018 - raises if registration failed
+        log.info("kvwise kernels ready in %.1f s", time.perf_counter() - start)
+        return True
+    except Exception as exc:  # a missing compiler or ninja: the torch paths still work
+        log.warning("kvwise kernels unavailable (%s): plain torch attention, slower decode",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)  # fmt: skip
+        return False

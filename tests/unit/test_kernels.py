@@ -1,0 +1,118 @@
+"""kvwise's C++ kernels (worker/csrc) against plain-torch references.
+
+The paged decode kernel must equal SDPA over the gathered blocks for any block table, any mix
+of context lengths, GQA groups and head sizes (the vectorised 64/128 paths and the scalar
+one); the fused layer steps must equal the torch ops they replace, up to bfloat16 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvwise.models.layers import apply_rope, rms_norm, rope_table
+from kvwise.worker import kernels
+
+if not kernels.available():
+    if os.environ.get("CI"):
+        pytest.fail("the kvwise kernels did not build in CI", pytrace=False)
+    pytest.skip("the kvwise kernels are unavailable here", allow_module_level=True)
+
+ops = torch.ops.kvwise
+
+
+def _reference(q, k_cache, v_cache, tables, lens):
+    block_size, kv_heads, dim = k_cache.shape[1:]
+    outs = []
+    for b in range(q.shape[0]):
+        ids = tables[b]
+        k = k_cache[ids].reshape(-1, kv_heads, dim)[: lens[b]].transpose(0, 1)
+        v = v_cache[ids].reshape(-1, kv_heads, dim)[: lens[b]].transpose(0, 1)
+        out = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, enable_gqa=True)
+        outs.append(out.squeeze(1))
+    return torch.stack(outs)  # (B, H, D)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size",
+    [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 32, 8), (6, 2, 20, 4)],
+)
+@pytest.mark.parametrize("lengths", [[1], [17], [2100], [300, 5, 64, 1], [90] * 16])
+def test_paged_decode_attention_matches_sdpa_over_the_gathered_blocks(
+    heads, kv_heads, dim, block_size, lengths
+):
+    gen = torch.Generator().manual_seed(len(lengths) * 1000 + dim)
+    num_blocks = 4 + sum(-(-n // block_size) for n in lengths)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    max_blocks = -(-max(lengths) // block_size)
+    # each sequence owns scattered blocks; padding entries point at block 0
+    order = torch.randperm(num_blocks, generator=gen)
+    tables, used = torch.zeros(len(lengths), max_blocks, dtype=torch.long), 0
+    for b, n in enumerate(lengths):
+        count = -(-n // block_size)
+        tables[b, :count] = order[used : used + count]
+        used += count
+    q = torch.randn(len(lengths), heads, dim, generator=gen) * 3  # peaked softmaxes too
+    lens = torch.tensor(lengths)
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    want = _reference(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_paged_decode_attention_refuses_a_length_beyond_its_table():
+    cache = torch.zeros(4, 16, 1, 64)
+    with pytest.raises(RuntimeError, match="context length"):
+        ops.paged_decode_attention(
+            torch.zeros(1, 1, 64), cache, cache, torch.zeros(1, 2, dtype=torch.long),
+            torch.tensor([33]), 0.125,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_fused_norms_match_torch(tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 576, generator=gen) * 4
+    w = torch.randn(576, generator=gen)
+    want = rms_norm(x, w, 1e-5).to(torch.bfloat16)
+    torch.testing.assert_close(ops.rms_norm_bf16(x, w, 1e-5), want, atol=0, rtol=1e-2)
+    y = torch.randn(tokens, 576, generator=gen).to(torch.bfloat16)
+    residual = x.clone()
+    got = ops.add_rms_norm_bf16(residual, y, w, 1e-5)
+    torch.testing.assert_close(residual, x + y.float())  # updated in place
+    torch.testing.assert_close(got, rms_norm(x + y.float(), w, 1e-5).to(torch.bfloat16),
+                               atol=0, rtol=1e-2)  # fmt: skip
+
+
+@pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qkv_rope_matches_the_torch_steps(bias, qk_norm, dtype):
+    heads, kv_heads, dim, tokens = 9, 3, 64, 5
+    gen = torch.Generator().manual_seed(7)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(tokens, width, generator=gen).to(dtype)
+    b = torch.randn(width, generator=gen) if bias else None
+    norm = torch.randn(heads + kv_heads, dim, generator=gen) if qk_norm else None
+    rope = rope_table(4096, dim, 10000.0, None)[torch.tensor([0, 1, 40, 1000, 4095])]
+    cos, sin = rope[:, 0:1], rope[:, 1:2]
+    x = qkv.float() + (b if bias else 0)
+    qk = x[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+    if qk_norm:
+        qk = rms_norm(qk, norm, 1e-6)
+    qk = apply_rope(qk, cos, sin)
+    q, k, v = ops.qkv_rope(qkv, b, norm, cos, sin, heads, kv_heads, 1e-6)
+    torch.testing.assert_close(q, qk[:, :heads])
+    torch.testing.assert_close(k, qk[:, heads:])
+    torch.testing.assert_close(v, x[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim))
+
+
+def test_silu_mul_matches_torch():
+    gate_up = (torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 3).to(
+        torch.bfloat16
+    )
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = (F.silu(gate) * up).to(torch.bfloat16)
+    torch.testing.assert_close(ops.silu_mul_bf16(gate_up), want, atol=0, rtol=1e-2)
