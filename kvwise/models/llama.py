@@ -58,6 +58,18 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+class _FusedOps:
+    """The kernels' overloads, looked up once (``torch.ops`` attribute access per call costs)."""
+
+    def __getattr__(self, name: str):
+        op = getattr(torch.ops.kvwise, name).default
+        setattr(self, name, op)
+        return op
+
+
+_FUSED = _FusedOps()
+
+
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm decoder block. Weights are `[in, out]`; see the module docstring."""
 
@@ -183,7 +195,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """``_forward_quantized`` with the steps between the matmuls fused into one op each
         (``worker/csrc/fused.cpp``): the same arithmetic in ~8 ops a layer instead of ~35."""
-        quant, ops = self.quant, torch.ops.kvwise
+        quant, ops = self.quant, _FUSED
         x = ops.rms_norm_bf16(residual, self.input_norm, self.eps)  # (T, hidden) bf16
         qkv = quant["qkv_proj"].mm(x)  # (T, q + 2kv) bf16
         q, k, v = ops.qkv_rope(qkv, self.qkv_bias, self.qk_norm, rope_cos, rope_sin,

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 QK = 32  # weights per GGUF Q4_0 / Q4_1 / Q8_0 block
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INNER_K_TILES = 2
 
 
@@ -67,9 +68,9 @@ class Int4Weight:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `(T, in)` (any float dtype) -> `(T, out)` bfloat16."""
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16).contiguous(), self.packed, self.group_size, self.scales_zeros
-        )
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
+            x = x.to(torch.bfloat16).contiguous()
+        return _INT4_MM(x, self.packed, self.group_size, self.scales_zeros)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 `(out, in)` weight the kernel computes with."""

@@ -62,6 +62,7 @@ class TorchSDPAAttention:
             paged_kernel and kv_cache.dtype == torch.float32 and not kv_cache._cast
             and kernels.available()
         )  # fmt: skip
+        self._decode = torch.ops.kvwise.paged_decode_attention.default if self.paged_kernel else None
 
     def bind(self, meta: AttentionMetadata, layer_ready: Callable[[int], None] | None = None):
         """Return the ``attn(layer, q, k, v)`` callable for one step.
@@ -86,18 +87,20 @@ class TorchSDPAAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         cache = self.kv_cache
-        cache.write(layer, meta.slot_mapping, k, v)
         num_tokens = q.shape[0]
+        if self.paged_kernel and not meta.prefills and meta.decode_rows_contiguous:
+            # a decode-only step: write the new rows and attend in one call
+            return self._decode(
+                q, cache.k_blocks[layer], cache.v_blocks[layer], meta.decode_block_table,
+                meta.decode_ctx_lens, self.scale, k, v, meta.slot_mapping,
+            ).view(num_tokens, self.num_heads * self.head_dim)  # fmt: skip
+        cache.write(layer, meta.slot_mapping, k, v)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
 
         if meta.decode_rows is not None and self.paged_kernel:
-            qd = (
-                q[: meta.decode_rows.shape[0]]
-                if meta.decode_rows_contiguous
-                else q[meta.decode_rows]
-            )
-            od = torch.ops.kvwise.paged_decode_attention(
-                qd, cache.kv[layer, 0], cache.kv[layer, 1], meta.decode_block_table,
+            qd = q[: meta.decode_rows.shape[0]] if meta.decode_rows_contiguous else q[meta.decode_rows]
+            od = self._decode(
+                qd, cache.k_blocks[layer], cache.v_blocks[layer], meta.decode_block_table,
                 meta.decode_ctx_lens, self.scale,
             )  # (Bd, num_heads, head_dim)  # fmt: skip
             if meta.decode_rows_contiguous:

@@ -36,7 +36,9 @@ class PagedKVCache:
         self._cast = self.compute_dtype != self.dtype  # NOTE: keeps casts off the usual path
         # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
         self.kv = torch.zeros(spec.cache_shape(num_blocks), dtype=self.dtype)
-        # per-layer views with slots flattened: (num_blocks * block_size, kv_heads, head_dim)
+        # per-layer views: (num_blocks, block_size, kv_heads, head_dim), and with slots flattened
+        self.k_blocks = [self.kv[i, 0] for i in range(spec.num_layers)]
+        self.v_blocks = [self.kv[i, 1] for i in range(spec.num_layers)]
         heads, dim = spec.num_kv_heads, spec.head_dim
         self.k_slots = [self.kv[i, 0].view(-1, heads, dim) for i in range(spec.num_layers)]
         self.v_slots = [self.kv[i, 1].view(-1, heads, dim) for i in range(spec.num_layers)]

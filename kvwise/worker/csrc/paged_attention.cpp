@@ -151,9 +151,13 @@ inline void weighted_rows_any(float* out, const float* const* rows, const float*
 
 // q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, KVH, D); block_tables: (B, max_blocks)
 // int64; ctx_lens: (B,) int64. Returns (B, H, D).
-at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables_in,
-                                  const at::Tensor& ctx_lens_in, double scale_in) {
+// k_new, v_new (T, KVH, D) and slots (T,), when given, are first written into the caches (the
+// step's new K/V rows: a decode-only step writes and attends in this one call).
+at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache,
+                                  const at::Tensor& block_tables_in, const at::Tensor& ctx_lens_in,
+                                  double scale_in, const c10::optional<at::Tensor>& k_new,
+                                  const c10::optional<at::Tensor>& v_new,
+                                  const c10::optional<at::Tensor>& slots) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "paged_decode_attention: q (B, H, D), caches (blocks, block_size, KVH, D)");
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
@@ -170,6 +174,24 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK(block_tables.size(0) == B && ctx_lens.size(0) == B,
               "paged_decode_attention: one table row and one length per sequence");
   const int64_t G = H / KVH, max_blocks = block_tables.size(1);
+  if (k_new || v_new || slots) {
+    TORCH_CHECK(k_new && v_new && slots, "paged_decode_attention: k_new, v_new, slots go together");
+    const at::Tensor slot_ids = slots->to(at::kLong).contiguous();
+    const int64_t T = slot_ids.numel(), num_slots = k_cache.size(0) * block_size;
+    TORCH_CHECK(k_new->scalar_type() == at::kFloat && v_new->scalar_type() == at::kFloat &&
+                    k_new->numel() == T * KVH * D && v_new->numel() == T * KVH * D,
+                "paged_decode_attention: k_new and v_new must be float32 (T, KVH, D)");
+    const at::Tensor kn = k_new->contiguous(), vn = v_new->contiguous();
+    const int64_t* sp = slot_ids.data_ptr<int64_t>();
+    float* kc = k_cache.data_ptr<float>();
+    float* vc = v_cache.data_ptr<float>();
+    const int64_t row = KVH * D;
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "paged_decode_attention: slot out of range");
+      std::copy_n(kn.data_ptr<float>() + t * row, row, kc + sp[t] * row);
+      std::copy_n(vn.data_ptr<float>() + t * row, row, vc + sp[t] * row);
+    }
+  }
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   int64_t max_len = 0;
@@ -265,8 +287,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 
 TORCH_LIBRARY(kvwise, m) {
   m.def(
-      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor ctx_lens, float scale) -> Tensor");
+      "paged_decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor block_tables, Tensor ctx_lens, float scale, Tensor? k_new=None, "
+      "Tensor? v_new=None, Tensor? slots=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvwise, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
