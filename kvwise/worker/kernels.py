@@ -10,6 +10,7 @@ compute the same results more slowly.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -40,6 +41,13 @@ def _cpu_flags() -> list[str]:
     return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
 
 
+def _header_stamp() -> str:
+    """A define that changes with the shared header: torch rebuilds when sources or flags
+    change, and would not notice an edit to the header alone."""
+    digest = hashlib.sha256((_SOURCES[0].parent / "vec.h").read_bytes()).hexdigest()[:12]
+    return f"-DKVWISE_VEC_H={digest}"
+
+
 def available() -> bool:
     """True once ``torch.ops.kvwise`` holds the kernels (built or loaded on the first call)."""
     if "ok" in _state:
@@ -61,7 +69,9 @@ def _build() -> bool:
         cpp_extension.load(
             name="kvwise_ops",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *_cpu_flags()],
+            extra_include_paths=[str(_SOURCES[0].parent)],
+            extra_cflags=["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
+                          *_cpu_flags(), _header_stamp()],  # fmt: skip
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

@@ -19,6 +19,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "vec.h"
+
 namespace {
 
 using c10::BFloat16;
@@ -166,7 +168,16 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
       const BFloat16* g = gp + t * 2 * I;
       const BFloat16* u = g + I;
       BFloat16* o = op + t * I;
-      for (int64_t i = 0; i < I; ++i) {
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gi = load_bf16(g + i);
+        const __m256 silu = _mm256_div_ps(
+            gi, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gi))));
+        store_bf16(o + i, _mm256_mul_ps(silu, load_bf16(u + i)));
+      }
+#endif
+      for (; i < I; ++i) {
         const float gi = static_cast<float>(g[i]);
         o[i] = BFloat16(gi / (1.f + std::exp(-gi)) * static_cast<float>(u[i]));
       }

@@ -18,34 +18,16 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
 inline float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   x = _mm_add_ss(x, _mm_movehdup_ps(x));
   return _mm_cvtss_f32(x);
-}
-
-// exp(x) for x <= 0 (softmax inputs after the max is subtracted), relative error ~2e-7:
-// 2^(x log2 e) = 2^k * 2^f with k an integer and f in [-0.5, 0.5], 2^f by a degree-6 polynomial.
-inline __m256 exp_neg(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, k);
-  __m256 p = _mm256_set1_ps(1.5353362e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6180499e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503406e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022652e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(k), 23);
-  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
 }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -87,7 +69,7 @@ inline float exp_sum(float* s, int64_t n, float m) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
     _mm256_storeu_ps(s + i, e);
     acc = _mm256_add_ps(acc, e);
   }
