@@ -333,6 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     b.set_defaults(func=cmd_bench)
     b = bench_sub.add_parser(
+        "chat", help="multi-turn chat: TTFT per turn, kvwise vs llama-server's slots"
+    )
+    from kvwise.bench.chat import add_args as add_chat_args
+
+    add_chat_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench_sub.add_parser(
         "breakeven",
         help="TTFT vs prefix length: recompute vs a hit from each KV tier; break-even lengths",
     )

@@ -1,5 +1,11 @@
 """``kvwise bench load``: many concurrent streaming chat clients against OpenAI-compatible
-servers on loopback, kvwise and llama.cpp's server side by side, same GGUF, same workload.
+servers on loopback, kvwise and llama.cpp's ``llama-server`` side by side, same GGUF, same
+workload.
+
+The peer is llama.cpp's own server as its users run it for many clients: one slot per client
+(``-np``), continuous batching, a unified KV pool, its prompt cache on, flash attention, the
+same thread count (kvwise/bench/llamacpp.py). Earlier versions of this benchmark used
+llama-cpp-python's server instead, which runs one request at a time.
 
 Each server is started as a subprocess on a free 127.0.0.1 port, loaded with ``--clients``
 concurrent streaming clients for ``--duration`` seconds (bounded in time and in count), then
@@ -16,11 +22,12 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kvwise.bench import llamacpp
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a small bicycle shop. Answer briefly and politely. "
@@ -49,19 +56,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load per server")
     p.add_argument("--max-requests", type=int, default=5000, help="cap on requests per server")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer")
-    p.add_argument(
-        "--peer-python",
-        default=".venv-peer/bin/python",
-        help="python with llama-cpp-python[server] installed ('' to skip the peer)",
-    )
+    p.add_argument("--llama-cpp", default=None, help="directory of llama-server")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    p.add_argument("--slot-ctx", type=int, default=1024, help="llama-server context per slot")
     p.add_argument("--max-waiting", type=int, default=48, help="kvwise queue bound (429 past it)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _client(
@@ -167,25 +166,34 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("server did not become ready")
 
 
-def _serve(cmd: list[str], url: str, args, after=None) -> dict:
-    import httpx
-
+def _serve_process(cmd: list[str], url: str, work) -> dict:
+    """Start a server process, wait until it answers, return ``asyncio.run(work(url))``."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:
         _wait_ready(url, proc)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        result = asyncio.run(_load(url, model, args))
-        if after:
-            result.update(after(url))
-        return result
+        return asyncio.run(work(url))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _serve(cmd: list[str], url: str, args, after=None) -> dict:
+    import httpx
+
+    async def work(url: str) -> dict:
+        async with httpx.AsyncClient(timeout=10) as http:
+            model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        result = await _load(url, model, args)
+        if after:
+            result.update(after(url))
+        return result
+
+    return _serve_process(cmd, url, work)
 
 
 def _kvwise_after(url: str) -> dict:
@@ -214,12 +222,14 @@ def _kvwise_after(url: str) -> dict:
 def main(args: argparse.Namespace) -> int:
     import logging
 
+    import httpx
+
     from kvwise.models.default import default_model_path
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     gguf = str(Path(args.model) if args.model else default_model_path())
     results = {}
-    port = _free_port()
+    port = llamacpp.free_port()
     url = f"http://127.0.0.1:{port}"
     results["kvwise"] = _serve(
         [
@@ -240,31 +250,18 @@ def main(args: argparse.Namespace) -> int:
         args,
         after=_kvwise_after,
     )
-    if args.peer_python and Path(args.peer_python).exists():
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        results["llama.cpp"] = _serve(
-            [
-                args.peer_python,
-                "-m",
-                "llama_cpp.server",
-                "--model",
-                gguf,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--n_ctx",
-                "4096",
-                "--n_threads",
-                "2",
-                # by default a new request interrupts the running stream; queue them instead
-                "--interrupt_requests",
-                "False",
-            ],
-            url,
-            args,
+    binary = None if args.no_llama_cpp else llamacpp.find_binary("llama-server", args.llama_cpp)
+    if binary:
+        import torch
+
+        peer = llamacpp.LlamaServer(
+            binary, gguf, torch.get_num_threads(), args.clients, args.slot_ctx
         )
+        with peer:
+            model = httpx.get(f"{peer.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            results["llama.cpp"] = asyncio.run(_load(peer.url, model, args))
+    elif not args.no_llama_cpp:
+        print("llama.cpp skipped: llama-server not found (--llama-cpp DIR)")
     print("| server | ok | 429 | errors | TTFT p50 | TTFT p99 | tokens/s |")
     print("|---|---:|---:|---|---:|---:|---:|")
     for name, r in results.items():

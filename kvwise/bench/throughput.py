@@ -1,11 +1,18 @@
-"""``kvwise bench throughput``: kvwise against transformers on the same weights and dtype.
+"""``kvwise bench throughput``: kvwise against its peers on the same weights, in one run.
 
-Measured in one run, interleaved, each figure the median of ``--reps`` repetitions:
+Columns: kvwise in the format asked for (``--quantization``, default auto), kvwise's float32
+reference path (``--compare-quantization none``; ``''`` drops it), llama.cpp on the same GGUF
+(``llama-bench`` and ``llama-server`` from ``--llama-cpp DIR``, ``$KVWISE_LLAMA_CPP`` or
+``PATH``; ``--no-llama-cpp`` drops it) and transformers (``--no-peer`` drops it). Each figure
+is the median of ``--reps`` repetitions; every repetition measures every column in turn:
 
-- single-request decode tokens/s (batch 1);
-- 16 concurrent requests of mixed prompt and output lengths: total generated tokens/s
-  (transformers: one padded batched ``generate`` over the same requests);
-- prefill tokens/s at 512 and 2,048 prompt tokens;
+- single-request decode tokens/s after a 32-token prompt (llama.cpp: ``llama-bench -p 0
+  -n 128 -d 32``, its ``tg128 @ d32``);
+- 16 concurrent requests of mixed prompt and output lengths: total generated tokens/s over
+  the whole run, prefills included (llama.cpp: ``llama-server`` with 16 slots, the same token
+  ids sent at once; transformers: one padded batched ``generate``), and for kvwise also the
+  decode phase alone (tokens after the last first token / the time from it to the end);
+- prefill tokens/s at 512 and 2,048 prompt tokens (llama.cpp: ``llama-bench -p N -n 0``);
 - the decode step time against the memory-bandwidth bound: (weight bytes + KV bytes read per
   step) / measured read bandwidth.
 """
@@ -13,6 +20,7 @@ Measured in one run, interleaved, each figure the median of ``--reps`` repetitio
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import time
@@ -21,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvwise.bench import llamacpp
 from kvwise.bench.common import (
     TimingStreamer,
     load_hf_reference,
@@ -32,6 +41,8 @@ from kvwise.config import EngineConfig
 from kvwise.engine.builder import build_engine, load_for
 from kvwise.types import SamplingParams
 
+FIGURES = ("decode", "batch", "batch_decode")
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=5, help="repetitions per figure (median)")
@@ -39,7 +50,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, help="concurrent requests")
     p.add_argument("--prefill-lens", default="512,2048", help="prompt lengths for prefill")
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
+    p.add_argument(
+        "--compare-quantization",
+        default="none",
+        help="a second kvwise column in this weight format ('' to skip; default: float32)",
+    )
+    p.add_argument("--llama-cpp", default=None, help="directory of llama-bench / llama-server")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _column(weight_format: str) -> str:
+    return f"kvwise {'float32' if weight_format == 'none' else weight_format}"
 
 
 def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -61,7 +83,26 @@ class Bench:
         config = EngineConfig.from_kwargs(**engine_kwargs)
         loaded = load_for(config)
         self.engine = build_engine(config, loaded=loaded)
+        self.engines = {_column(loaded.weight_format): self.engine}
+        if args.compare_quantization and args.compare_quantization != config.model.quantization:
+            other = EngineConfig.from_kwargs(
+                **{**engine_kwargs, "quantization": args.compare_quantization}
+            )
+            other_loaded = load_for(other)
+            self.engines[_column(other_loaded.weight_format)] = build_engine(
+                other, loaded=other_loaded
+            )
         self.hf = None if args.no_peer else load_hf_reference(loaded.source)
+        self.model_path = str(loaded.source)
+        self.llama = None
+        if not args.no_llama_cpp and self.model_path.endswith(".gguf"):
+            found = {
+                n: llamacpp.find_binary(n, args.llama_cpp) for n in ("llama-bench", "llama-server")
+            }
+            if all(found.values()):
+                self.llama = found
+            else:
+                print("llama.cpp column skipped: llama-bench / llama-server not found")
         self.vocab = loaded.arch.vocab_size
         rng = random.Random(0)
         self.decode_prompt = _random_prompt(rng, 32, self.vocab)
@@ -75,31 +116,76 @@ class Bench:
 
     # ---- kvwise -------------------------------------------------------------------------
 
-    def ours_decode(self) -> float:
+    def ours_decode(self, engine) -> float:
         n = self.args.decode_tokens
         (out,), _ = run_to_completion(
-            self.engine,
+            engine,
             [self.decode_prompt],
             [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)],
         )
         times = out.metrics.token_times
         return (len(times) - 1) / (times[-1] - times[0])
 
-    def ours_batch(self) -> float:
+    def ours_batch(self, engine) -> tuple[float, float]:
+        """(total generated tokens/s, tokens/s of the decode phase after every first token)"""
         params = [
             SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
             for m in self.batch_max_tokens
         ]
-        outs, wall = run_to_completion(self.engine, self.batch_prompts, params)
-        return sum(len(o.token_ids) for o in outs) / wall
+        outs, wall = run_to_completion(engine, self.batch_prompts, params)
+        firsts = [o.metrics.token_times[0] for o in outs]
+        last = max(o.metrics.token_times[-1] for o in outs)
+        after = sum(sum(t > max(firsts) for t in o.metrics.token_times) for o in outs)
+        span = last - max(firsts)
+        return sum(len(o.token_ids) for o in outs) / wall, after / span if span > 0 else float(
+            "nan"
+        )
 
-    def ours_prefill(self, n: int) -> float:
+    def ours_prefill(self, engine, n: int) -> float:
         (out,), _ = run_to_completion(
-            self.engine,
+            engine,
             [self.prefill_prompts[n]],
             [SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)],
         )
         return n / out.metrics.ttft
+
+    # ---- llama.cpp ----------------------------------------------------------------------
+
+    def llama_decode(self) -> float:
+        n = str(self.args.decode_tokens)
+        depth = str(len(self.decode_prompt))
+        rows = llamacpp.llama_bench(self.llama["llama-bench"], self.model_path,
+                                    torch.get_num_threads(), "-p", "0", "-n", n, "-d", depth)  # fmt: skip
+        return rows[0]["avg_ts"]
+
+    def llama_prefill(self, n: int) -> float:
+        rows = llamacpp.llama_bench(self.llama["llama-bench"], self.model_path,
+                                    torch.get_num_threads(), "-p", str(n), "-n", "0")  # fmt: skip
+        return rows[0]["avg_ts"]
+
+    def llama_batch(self, server: llamacpp.LlamaServer) -> float:
+        import httpx
+
+        async def go() -> float:
+            async with httpx.AsyncClient(timeout=600) as http:
+                bodies = [
+                    {
+                        "prompt": p,
+                        "n_predict": m,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "cache_prompt": False,
+                    }  # fmt: skip
+                    for p, m in zip(self.batch_prompts, self.batch_max_tokens)
+                ]
+                start = time.perf_counter()
+                replies = await asyncio.gather(
+                    *(http.post(f"{server.url}/completion", json=b) for b in bodies)
+                )
+                wall = time.perf_counter() - start
+            return sum(r.json()["tokens_predicted"] for r in replies) / wall
+
+        return asyncio.run(go())
 
     # ---- transformers -------------------------------------------------------------------
 
@@ -155,37 +241,59 @@ class Bench:
 
     def run(self) -> dict:
         args = self.args
-        figures = ["decode", "batch"] + [f"prefill_{n}" for n in self.prefill_prompts]
-        ours: dict[str, list[float]] = {f: [] for f in figures}
-        peer: dict[str, list[float]] = {f: [] for f in figures}
-        # warm up both
-        self.ours_prefill(min(self.prefill_prompts))
-        if self.hf is not None:
-            self.hf_prefill(min(self.prefill_prompts))
-        for _ in tqdm(range(args.reps), desc="bench throughput", unit="rep"):
-            for name in figures:
-                if name.startswith("prefill_"):
-                    n = int(name.split("_")[1])
-                    ours[name].append(self.ours_prefill(n))
-                    if self.hf is not None:
-                        peer[name].append(self.hf_prefill(n))
-                else:
-                    ours[name].append(getattr(self, f"ours_{name}")())
-                    if self.hf is not None:
-                        peer[name].append(getattr(self, f"hf_{name}")())
+        figures = [*FIGURES] + [f"prefill_{n}" for n in self.prefill_prompts]
+        columns = [*self.engines] + (["llama.cpp"] if self.llama else [])
+        columns += ["transformers"] if self.hf is not None else []
+        values: dict[str, dict[str, list[float]]] = {c: {f: [] for f in figures} for c in columns}
+        server = None
+        if self.llama:
+            longest = max(len(p) for p in self.batch_prompts) + max(self.batch_max_tokens)
+            server = llamacpp.LlamaServer(self.llama["llama-server"], self.model_path,
+                                          torch.get_num_threads(), args.batch, longest + 64)  # fmt: skip
+            server.__enter__()
+        try:
+            for engine in self.engines.values():  # warm up
+                self.ours_prefill(engine, min(self.prefill_prompts))
+            if self.hf is not None:
+                self.hf_prefill(min(self.prefill_prompts))
+            for _ in tqdm(range(args.reps), desc="bench throughput", unit="rep"):
+                for name, engine in self.engines.items():
+                    got = values[name]
+                    got["decode"].append(self.ours_decode(engine))
+                    total, decode_phase = self.ours_batch(engine)
+                    got["batch"].append(total)
+                    got["batch_decode"].append(decode_phase)
+                    for n in self.prefill_prompts:
+                        got[f"prefill_{n}"].append(self.ours_prefill(engine, n))
+                if self.llama:
+                    got = values["llama.cpp"]
+                    got["decode"].append(self.llama_decode())
+                    got["batch"].append(self.llama_batch(server))
+                    for n in self.prefill_prompts:
+                        got[f"prefill_{n}"].append(self.llama_prefill(n))
+                if self.hf is not None:
+                    got = values["transformers"]
+                    got["decode"].append(self.hf_decode())
+                    got["batch"].append(self.hf_batch())
+                    for n in self.prefill_prompts:
+                        got[f"prefill_{n}"].append(self.hf_prefill(n))
+        finally:
+            if server is not None:
+                server.__exit__()
         bandwidth = measure_read_bandwidth()
         bound = self.decode_bound(bandwidth)
+        medians = {c: {f: median(v) for f, v in by.items()} for c, by in values.items()}
+        main = columns[0]
         result = {
             "threads": torch.get_num_threads(),
             "reps": args.reps,
             "bandwidth_GBps": bandwidth / 1e9,
-            "ours": {k: median(v) for k, v in ours.items()},
-            "peer": {k: median(v) for k, v in peer.items()},
-            "ours_all": ours,
-            "peer_all": peer,
+            "columns": columns,
+            "medians": medians,
+            "all": values,
             **bound,
         }
-        result["decode_step_s"] = 1 / result["ours"]["decode"]
+        result["decode_step_s"] = 1 / medians[main]["decode"]
         result["decode_vs_bound"] = result["decode_step_s"] / bound["bound_s"]
         return result
 
@@ -194,23 +302,34 @@ def format_table(r: dict, args: argparse.Namespace) -> str:
     labels = {
         "decode": "single-request decode (tokens/s)",
         "batch": f"{args.batch} concurrent, mixed lengths (total tokens/s)",
+        "batch_decode": f"{args.batch} concurrent, decode phase (tokens/s)",
     }
-    lines = ["| figure | kvwise | transformers | ratio |", "|---|---:|---:|---:|"]
-    for key, ours in r["ours"].items():
-        label = labels[key] if key in labels else f"prefill {key[8:]} tokens (tokens/s)"
-        peer = r["peer"].get(key, float("nan"))
-        lines.append(f"| {label} | {ours:.1f} | {peer:.1f} | {ours / peer:.2f}x |")
+    columns, medians = r["columns"], r["medians"]
+    main, others = columns[0], columns[1:]
+    lines = [
+        "| figure | " + " | ".join(columns) + " | "
+        + " | ".join(f"{main} / {o}" for o in others) + " |",
+        "|---|" + "---:|" * (len(columns) + len(others)),
+    ]  # fmt: skip
+    for key in medians[main]:
+        label = labels.get(key) or f"prefill {key[8:]} tokens (tokens/s)"
+        cells = [f"{medians[c][key]:.1f}" for c in columns]
+        ratios = [f"{medians[main][key] / medians[o][key]:.2f}x" for o in others]
+        lines.append(f"| {label} | " + " | ".join(cells + ratios) + " |")
     lines.append(
-        f"\nDecode step {r['decode_step_s'] * 1000:.1f} ms vs bandwidth bound "
+        f"\nDecode step ({main}) {r['decode_step_s'] * 1000:.1f} ms vs bandwidth bound "
         f"{r['bound_s'] * 1000:.1f} ms ({r['weight_bytes'] / 1e6:.0f} MB weights + "
         f"{r['kv_bytes'] / 1e6:.1f} MB KV at {r['bandwidth_GBps']:.1f} GB/s): "
         f"{r['decode_vs_bound']:.2f}x the bound. Medians of {r['reps']} interleaved reps, "
-        f"{r['threads']} threads."
+        f"{r['threads']} threads; nan: not measured for that column."
     )
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     from kvwise.engine_args import engine_kwargs
 
     result = Bench(args, engine_kwargs(args)).run()

@@ -62,7 +62,9 @@ class TorchSDPAAttention:
             paged_kernel and kv_cache.dtype == torch.float32 and not kv_cache._cast
             and kernels.available()
         )  # fmt: skip
-        self._decode = torch.ops.kvwise.paged_decode_attention.default if self.paged_kernel else None
+        self._decode = (
+            torch.ops.kvwise.paged_decode_attention.default if self.paged_kernel else None
+        )
 
     def bind(self, meta: AttentionMetadata, layer_ready: Callable[[int], None] | None = None):
         """Return the ``attn(layer, q, k, v)`` callable for one step.
@@ -98,7 +100,11 @@ class TorchSDPAAttention:
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
 
         if meta.decode_rows is not None and self.paged_kernel:
-            qd = q[: meta.decode_rows.shape[0]] if meta.decode_rows_contiguous else q[meta.decode_rows]
+            qd = (
+                q[: meta.decode_rows.shape[0]]
+                if meta.decode_rows_contiguous
+                else q[meta.decode_rows]
+            )
             od = self._decode(
                 qd, cache.k_blocks[layer], cache.v_blocks[layer], meta.decode_block_table,
                 meta.decode_ctx_lens, self.scale,

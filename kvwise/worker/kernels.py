@@ -70,8 +70,14 @@ def _build() -> bool:
             name="kvwise_ops",
             sources=[str(s) for s in _SOURCES],
             extra_include_paths=[str(_SOURCES[0].parent)],
-            extra_cflags=["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
-                          *_cpu_flags(), _header_stamp()],  # fmt: skip
+            extra_cflags=[
+                "-O3",
+                "-fopenmp",
+                "-ffast-math",
+                "-fno-finite-math-only",
+                *_cpu_flags(),
+                _header_stamp(),
+            ],  # fmt: skip
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

@@ -20,3 +20,15 @@ def test_bench_breakeven_runs(tmp_path):
     args += ["--kv-cache-memory", "64MiB", "--plot", str(plot)]  # disk: its own temp dir
     assert main([*args, "--out", str(out)]) == 0
     assert json.loads(out.read_text()) and plot.stat().st_size > 0
+
+
+def test_bench_chat_runs(tmp_path):
+    out = tmp_path / "chat.json"
+    args = ["bench", "chat", "--no-llama-cpp", "--conversations", "2", "--turns", "2"]
+    args += ["--turn-tokens", "40", "--max-tokens", "4"]
+    assert main([*args, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    ttfts = result["median_ttft_s"]["kvwise"]
+    assert len(ttfts) == 2 and all(t > 0 for t in ttfts)
+    sizes = result["runs"]["kvwise"][0]["prompt_tokens"]
+    assert sizes[1][0] > sizes[0][0] > 40  # the second turn carries the first one's history
