@@ -140,9 +140,17 @@ def main(args: argparse.Namespace) -> int:
                 binary, gguf, torch.get_num_threads(), args.conversations, slot_ctx
             )
             with server:
-                runs["llama.cpp"].append(asyncio.run(_chat_load(server.url, args)))
+                try:
+                    runs["llama.cpp"].append(asyncio.run(_chat_load(server.url, args)))
+                except Exception as exc:  # noqa: BLE001 - report the peer's failure, keep ours
+                    print(f"llama-server failed ({type(exc).__name__}: {exc}); its log ends:\n"
+                          f"{server.log_tail()}")  # fmt: skip
+                    if server.proc is not None and server.proc.poll() is not None:
+                        print(f"llama-server exited with {server.proc.returncode}")
     result = {"args": vars(args) | {"func": None}, "runs": runs, "median_ttft_s": {}}
     for name, server_runs in runs.items():
+        if not server_runs:
+            continue
         result["median_ttft_s"][name] = [
             statistics.median(v for run in server_runs for v in run["ttft_s"][t])
             for t in range(args.turns)

@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,12 +51,18 @@ class LlamaServer:
             "-fa", "on", "-cb",
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The end of the server's output (for reporting a failure)."""
+        text = Path(self.log.name).read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
 
     def __enter__(self) -> LlamaServer:
         import httpx
 
         self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = time.time() + 300
         while time.time() < deadline:

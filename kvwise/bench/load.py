@@ -2,9 +2,10 @@
 servers on loopback, kvwise and llama.cpp's ``llama-server`` side by side, same GGUF, same
 workload.
 
-The peer is llama.cpp's own server as its users run it for many clients: one slot per client
-(``-np``), continuous batching, a unified KV pool, its prompt cache on, flash attention, the
-same thread count (kvwise/bench/llamacpp.py). Earlier versions of this benchmark used
+The peer is llama.cpp's own server as its users run it for many clients: parallel slots
+(``-np``, by default one per client; ``--slots 8,16`` runs each count in turn), continuous
+batching, a unified KV pool, its prompt cache on (per slot, plus its host-RAM prompt cache),
+flash attention, the same thread count (kvwise/bench/llamacpp.py). Earlier versions of this benchmark used
 llama-cpp-python's server instead, which runs one request at a time.
 
 Each server is started as a subprocess on a free 127.0.0.1 port, loaded with ``--clients``
@@ -59,6 +60,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp", default=None, help="directory of llama-server")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--slot-ctx", type=int, default=1024, help="llama-server context per slot")
+    p.add_argument(
+        "--slots",
+        default=None,
+        help="llama-server slot counts to run, comma-separated (default: one per client)",
+    )
     p.add_argument("--max-waiting", type=int, default=48, help="kvwise queue bound (429 past it)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
@@ -254,12 +260,11 @@ def main(args: argparse.Namespace) -> int:
     if binary:
         import torch
 
-        peer = llamacpp.LlamaServer(
-            binary, gguf, torch.get_num_threads(), args.clients, args.slot_ctx
-        )
-        with peer:
-            model = httpx.get(f"{peer.url}/v1/models", timeout=10).json()["data"][0]["id"]
-            results["llama.cpp"] = asyncio.run(_load(peer.url, model, args))
+        for slots in [int(n) for n in (args.slots or str(args.clients)).split(",")]:
+            peer = llamacpp.LlamaServer(binary, gguf, torch.get_num_threads(), slots, args.slot_ctx)
+            with peer:
+                model = httpx.get(f"{peer.url}/v1/models", timeout=10).json()["data"][0]["id"]
+                results[f"llama.cpp -np {slots}"] = asyncio.run(_load(peer.url, model, args))
     elif not args.no_llama_cpp:
         print("llama.cpp skipped: llama-server not found (--llama-cpp DIR)")
     print("| server | ok | 429 | errors | TTFT p50 | TTFT p99 | tokens/s |")
