@@ -10,6 +10,7 @@ compute the same results more slowly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -66,22 +67,8 @@ def _build() -> bool:
         from torch.utils import cpp_extension
 
         start = time.perf_counter()
-        cpp_extension.load(
-            name="kvwise_ops",
-            sources=[str(s) for s in _SOURCES],
-            extra_include_paths=[str(_SOURCES[0].parent)],
-            extra_cflags=[
-                "-O3",
-                "-fopenmp",
-                "-ffast-math",
-                "-fno-finite-math-only",
-                *_cpu_flags(),
-                _header_stamp(),
-            ],  # fmt: skip
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _our_ninja():
+            _load(cpp_extension)
         torch.ops.kvwise.paged_decode_attention  # noqa: B018 - raises if registration failed
         log.info("kvwise kernels ready in %.1f s", time.perf_counter() - start)
         return True
@@ -89,3 +76,34 @@ def _build() -> bool:
         log.warning("kvwise kernels unavailable (%s): plain torch attention, slower decode",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)  # fmt: skip
         return False
+
+
+@contextlib.contextmanager
+def _our_ninja():
+    """Build with the ninja kvwise depends on (the ``ninja`` package), never a system one: two
+    ninja versions sharing torch's build directory discard each other's dependency logs, so
+    processes with different PATHs would rebuild the kernels every time they alternate."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
+
+
+def _load(cpp_extension) -> None:
+    flags = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *_cpu_flags()]
+    cpp_extension.load(
+        name="kvwise_ops",
+        sources=[str(s) for s in _SOURCES],
+        extra_include_paths=[str(_SOURCES[0].parent)],
+        extra_cflags=[*flags, _header_stamp()],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
