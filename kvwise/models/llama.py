@@ -36,7 +36,7 @@ from torch import nn
 
 from kvwise.models.arch import ModelArchConfig
 from kvwise.models.layers import apply_rope, rms_norm, rope_table
-from kvwise.models.quant import Int8Weight, QuantWeight
+from kvwise.models.quant import Int4Weight, Int8Weight, QuantWeight
 from kvwise.worker import kernels
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -99,6 +99,8 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = _param(inter, hidden, dtype=dtype)
         self.quant: dict[str, QuantWeight] | None = None  # LINEAR_PARTS name -> weight
         self.fused = False  # the quantized step runs kvwise's fused ops (install_quantized)
+        # all four weights int4 (and no o_proj bias): the matmuls run inside the fused ops
+        self.int4_args: tuple | None = None
 
     def install_quantized(self, weights: dict[str, QuantWeight]) -> None:
         """Replace the four linear weights with quantized ones (their float parameters go)."""
@@ -112,6 +114,18 @@ class LlamaDecoderLayer(nn.Module):
             setattr(self, name, None)
         self.quant = dict(weights)
         self.fused = kernels.available()
+        self.use_int4_ops(self.fused)
+
+    def use_int4_ops(self, on: bool) -> None:
+        """Run the int4 matmuls inside the fused ops (``on`` needs the kernels, four int4
+        weights and no o_proj bias; otherwise the layer keeps the step with Python calls)."""
+        weights = [self.quant[name] for name in LINEAR_PARTS] if self.quant else []
+        ok = on and self.fused and self.o_bias is None and weights
+        ok = ok and all(isinstance(w, Int4Weight) for w in weights)
+        ok = ok and len({w.group_size for w in weights}) == 1
+        self.int4_args = (
+            tuple((w.packed, w.group_size, w.scales_zeros) for w in weights) if ok else None
+        )
 
     def forward(
         self,
@@ -167,6 +181,8 @@ class LlamaDecoderLayer(nn.Module):
         attn: AttentionFn,
     ) -> torch.Tensor:
         """``forward`` on quantized weights: float32 around bfloat16 kernels."""
+        if self.int4_args is not None:
+            return self._forward_int4(layer_idx, residual, rope_cos, rope_sin, attn)
         if self.fused:
             return self._forward_fused(layer_idx, residual, rope_cos, rope_sin, attn)
         quant = self.quant
@@ -183,6 +199,25 @@ class LlamaDecoderLayer(nn.Module):
         gate = F.silu(gate_up[:, : self.intermediate_size])  # (T, inter) bf16
         gate.mul_(gate_up[:, self.intermediate_size :])
         residual.add_(quant["down_proj"].mm(gate))  # (T, hidden)
+        return residual
+
+    def _forward_int4(
+        self,
+        layer_idx: int,
+        residual: torch.Tensor,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        attn: AttentionFn,
+    ) -> torch.Tensor:
+        """``_forward_fused`` with the int4 matmuls called from inside the fused ops: five
+        calls a layer (the arithmetic is the same as ``_forward_fused``'s)."""
+        (qkv_w, qkv_g, qkv_s), (o_w, o_g, o_s), (gu_w, _, gu_s), (d_w, d_g, d_s) = self.int4_args
+        ops = _FUSED
+        qkv = ops.rms_norm_int4mm(residual, self.input_norm, self.eps, qkv_w, qkv_g, qkv_s)
+        q, k, v = ops.qkv_rope(qkv, self.qkv_bias, self.qk_norm, rope_cos, rope_sin,
+                               self.num_heads, self.num_kv_heads, self.eps)  # fmt: skip
+        o = ops.f32_int4mm(attn(layer_idx, q, k, v), o_w, o_g, o_s)  # (T, hidden) bf16
+        ops.mlp_int4(residual, o, self.post_attention_norm, self.eps, gu_w, gu_s, d_w, d_s, d_g)
         return residual
 
     def _forward_fused(

@@ -32,7 +32,7 @@ def _dequantized_reference(directory, quantized):
     return reference
 
 
-@pytest.mark.parametrize("step", ["fused", "torch"])
+@pytest.mark.parametrize("step", ["int4ops", "fused", "torch"])
 @pytest.mark.parametrize("weight_format", ["int4", "int8"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_quantized_tiny_models_match_a_dequantized_reference(tmp_path, name, weight_format, step):
@@ -42,10 +42,14 @@ def test_quantized_tiny_models_match_a_dequantized_reference(tmp_path, name, wei
     assert loaded.weight_format == weight_format
     model = loaded.model
     assert all(layer.quant is not None for layer in model.layers)
-    if step == "fused" and not all(layer.fused for layer in model.layers):
+    if step != "torch" and not all(layer.fused for layer in model.layers):
         pytest.skip("the kvwise kernels are unavailable here")
+    if step == "int4ops" and weight_format != "int4":
+        pytest.skip("the int4 ops run int4 weights only")
     for layer in model.layers:  # "torch": the plain-torch quantized step (no compiler)
-        layer.fused = step == "fused"
+        assert (layer.int4_args is not None) == (weight_format == "int4" and layer.o_bias is None)
+        layer.use_int4_ops(step == "int4ops")
+        layer.fused = step != "torch"
     reference = _dequantized_reference(tmp_path, model)
     torch.manual_seed(1)
     input_ids = torch.randint(0, 128, (SEQ_LEN,))

@@ -10,10 +10,20 @@
 //   qkv_rope(qkv, bias?, qk_norm?, cos, sin, H, KVH, eps) -> q, k, v float32, rotary applied
 //   silu_mul_bf16(gate_up)                   -> bf16 silu(gate) * up
 //
+// and, for layers whose four weights are all int4, the same steps with the matmuls called
+// from here (one op where Python made three to five calls):
+//
+//   rms_norm_int4mm(x, w, eps, W)            -> int4mm(rms_norm_bf16(x, w), W)
+//   f32_int4mm(x, W)                         -> int4mm(bf16(x), W)
+//   mlp_int4(residual!, o, w, eps, W_gu, W_down) -> residual += o; x = rms_norm_bf16;
+//                                               residual += int4mm(silu_mul(int4mm(x, W_gu)), W_down)
+//
+// where W is a (packed, group size, scales and zeros) triple of torch's CPU int4 kernel.
 // Registered as torch.ops.kvwise.*; kvwise/worker/kernels.py builds them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -186,6 +196,29 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   return out;
 }
 
+at::Tensor int4mm(const at::Tensor& x, const at::Tensor& packed, int64_t group,
+                  const at::Tensor& scales_zeros) {
+  return at::_weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros);
+}
+
+at::Tensor rms_norm_int4mm(const at::Tensor& x, const at::Tensor& w, double eps,
+                           const at::Tensor& packed, int64_t group, const at::Tensor& sz) {
+  return int4mm(rms_norm_bf16(x, w, eps), packed, group, sz);
+}
+
+at::Tensor f32_int4mm(const at::Tensor& x, const at::Tensor& packed, int64_t group,
+                      const at::Tensor& sz) {
+  return int4mm(x.to(at::kBFloat16).contiguous(), packed, group, sz);
+}
+
+void mlp_int4(at::Tensor& residual, const at::Tensor& o, const at::Tensor& w, double eps,
+              const at::Tensor& gu_packed, const at::Tensor& gu_sz, const at::Tensor& down_packed,
+              const at::Tensor& down_sz, int64_t group) {
+  const at::Tensor x = add_rms_norm_bf16(residual, o, w, eps);
+  const at::Tensor gate = silu_mul_bf16(int4mm(x, gu_packed, group, gu_sz));
+  residual.add_(int4mm(gate, down_packed, group, down_sz));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvwise, m) {
@@ -195,6 +228,13 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
       "qkv_rope(Tensor qkv, Tensor? bias, Tensor? qk_norm, Tensor cos, Tensor sin, int num_heads, "
       "int num_kv_heads, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
+  m.def(
+      "rms_norm_int4mm(Tensor x, Tensor weight, float eps, Tensor packed, int group, "
+      "Tensor scales_zeros) -> Tensor");
+  m.def("f32_int4mm(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor");
+  m.def(
+      "mlp_int4(Tensor(a!) residual, Tensor o, Tensor weight, float eps, Tensor gu_packed, "
+      "Tensor gu_scales_zeros, Tensor down_packed, Tensor down_scales_zeros, int group) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
@@ -202,4 +242,7 @@ TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
   m.impl("add_rms_norm_bf16", &add_rms_norm_bf16);
   m.impl("qkv_rope", &qkv_rope);
   m.impl("silu_mul_bf16", &silu_mul_bf16);
+  m.impl("rms_norm_int4mm", &rms_norm_int4mm);
+  m.impl("f32_int4mm", &f32_int4mm);
+  m.impl("mlp_int4", &mlp_int4);
 }
