@@ -95,7 +95,10 @@ async def _chat_load(url: str, args: argparse.Namespace) -> dict:
 
     size = int(args.turn_tokens * _CHARS_PER_TOKEN)
     texts = _slices(args.conversations * args.turns, size)
-    async with httpx.AsyncClient(timeout=3600) as http:
+    # a fresh connection per request: llama-server closes idle keep-alive connections after a
+    # few seconds, and a request sent on one that is closing fails before it is read
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
         model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
         runs = await asyncio.gather(
             *(
