@@ -128,7 +128,9 @@ async def _load(url: str, model: str, args: argparse.Namespace) -> dict:
 
     stats = {"ok": 0, "429": 0, "errors": {}, "ttft": [], "tokens": 0}
     budget = [args.max_requests]
-    limits = httpx.Limits(max_connections=args.clients + 4)
+    # a fresh connection per request: llama-server closes idle keep-alive connections after a
+    # few seconds, and a request sent on one that is closing fails before it is read
+    limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=0)
     timeout = httpx.Timeout(args.duration + 60)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
         start = time.perf_counter()
