@@ -98,8 +98,10 @@ def _our_ninja():
 
 def _load(cpp_extension) -> None:
     flags = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *_cpu_flags()]
+    # one build directory per checkout: two checkouts sharing one would rebuild alternately
+    where = hashlib.sha256(str(_SOURCES[0].parent).encode()).hexdigest()[:8]
     cpp_extension.load(
-        name="kvwise_ops",
+        name=f"kvwise_ops_{where}",
         sources=[str(s) for s in _SOURCES],
         extra_include_paths=[str(_SOURCES[0].parent)],
         extra_cflags=[*flags, _header_stamp()],
