@@ -98,9 +98,10 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = _param(hidden, 2 * inter, dtype=dtype)  # [in, gate | up]
         self.down_proj = _param(inter, hidden, dtype=dtype)
         self.quant: dict[str, QuantWeight] | None = None  # LINEAR_PARTS name -> weight
-        self.fused = False  # the quantized step runs kvwise's fused ops (install_quantized)
-        # all four weights int4 (and no o_proj bias): the matmuls run inside the fused ops
-        self.int4_args: tuple | None = None
+        # the quantized step this layer runs (``select_step``): "int4", "fused" or "torch"
+        self.step: str | None = None
+        self.int4_args: tuple | None = None  # (packed, group, scales_zeros) per linear part
+        self._quantized_step = None
 
     def install_quantized(self, weights: dict[str, QuantWeight]) -> None:
         """Replace the four linear weights with quantized ones (their float parameters go)."""
@@ -113,19 +114,35 @@ class LlamaDecoderLayer(nn.Module):
                                  f"{weight.in_features}, expected {expected[0]}x{expected[1]}")  # fmt: skip
             setattr(self, name, None)
         self.quant = dict(weights)
-        self.fused = kernels.available()
-        self.use_int4_ops(self.fused)
+        self.select_step()
 
-    def use_int4_ops(self, on: bool) -> None:
-        """Run the int4 matmuls inside the fused ops (``on`` needs the kernels, four int4
-        weights and no o_proj bias; otherwise the layer keeps the step with Python calls)."""
-        weights = [self.quant[name] for name in LINEAR_PARTS] if self.quant else []
-        ok = on and self.fused and self.o_bias is None and weights
-        ok = ok and all(isinstance(w, Int4Weight) for w in weights)
-        ok = ok and len({w.group_size for w in weights}) == 1
+    def select_step(self, step: str | None = None) -> None:
+        """Choose the quantized step: ``"int4"`` (the int4 matmuls run inside the fused ops;
+        needs the kernels, four int4 weights of one group size and no o_proj bias),
+        ``"fused"`` (kvwise's fused ops between the matmuls; needs the kernels) or ``"torch"``
+        (plain torch ops). The same arithmetic in each up to float rounding; None picks the
+        fastest this layer can run."""
+        weights = [self.quant[name] for name in LINEAR_PARTS]
+        int4_ok = kernels.available() and self.o_bias is None
+        int4_ok = int4_ok and all(isinstance(w, Int4Weight) for w in weights)
+        int4_ok = int4_ok and len({w.group_size for w in weights}) == 1
+        if step is None:
+            step = "int4" if int4_ok else "fused" if kernels.available() else "torch"
+        if step not in ("int4", "fused", "torch"):
+            raise ValueError(f"step: expected 'int4', 'fused' or 'torch', got {step!r}")
+        if (step == "int4" and not int4_ok) or (step == "fused" and not kernels.available()):
+            raise ValueError(f"step: {step!r} cannot run this layer here")
+        self.step = step
         self.int4_args = (
-            tuple((w.packed, w.group_size, w.scales_zeros) for w in weights) if ok else None
+            tuple((w.packed, w.group_size, w.scales_zeros) for w in weights)
+            if step == "int4"
+            else None
         )
+        self._quantized_step = {
+            "int4": self._forward_int4,
+            "fused": self._forward_fused,
+            "torch": self._forward_quantized,
+        }[step]
 
     def forward(
         self,
@@ -136,8 +153,8 @@ class LlamaDecoderLayer(nn.Module):
         attn: AttentionFn,
     ) -> torch.Tensor:
         """Update `residual` `(T, hidden)` IN PLACE with this block's attention and MLP output."""
-        if self.quant is not None:
-            return self._forward_quantized(layer_idx, residual, rope_cos, rope_sin, attn)
+        if self._quantized_step is not None:
+            return self._quantized_step(layer_idx, residual, rope_cos, rope_sin, attn)
         x = rms_norm(residual, self.input_norm, self.eps)  # (T, hidden)
         if self.qkv_bias is None:
             qkv = torch.mm(x, self.qkv_proj)  # (T, q + 2kv)
@@ -180,11 +197,7 @@ class LlamaDecoderLayer(nn.Module):
         rope_sin: torch.Tensor,
         attn: AttentionFn,
     ) -> torch.Tensor:
-        """``forward`` on quantized weights: float32 around bfloat16 kernels."""
-        if self.int4_args is not None:
-            return self._forward_int4(layer_idx, residual, rope_cos, rope_sin, attn)
-        if self.fused:
-            return self._forward_fused(layer_idx, residual, rope_cos, rope_sin, attn)
+        """``forward`` on quantized weights, plain torch ops: float32 around bfloat16 kernels."""
         quant = self.quant
         x = rms_norm(residual, self.input_norm, self.eps)  # (T, hidden) f32
         qkv = quant["qkv_proj"].mm(x).float()  # (T, q + 2kv)

@@ -42,14 +42,16 @@ def test_quantized_tiny_models_match_a_dequantized_reference(tmp_path, name, wei
     assert loaded.weight_format == weight_format
     model = loaded.model
     assert all(layer.quant is not None for layer in model.layers)
-    if step != "torch" and not all(layer.fused for layer in model.layers):
+    if step != "torch" and not all(layer.step != "torch" for layer in model.layers):
         pytest.skip("the kvwise kernels are unavailable here")
     if step == "int4ops" and weight_format != "int4":
         pytest.skip("the int4 ops run int4 weights only")
     for layer in model.layers:  # "torch": the plain-torch quantized step (no compiler)
         assert (layer.int4_args is not None) == (weight_format == "int4" and layer.o_bias is None)
-        layer.use_int4_ops(step == "int4ops")
-        layer.fused = step != "torch"
+        wanted = {"int4ops": "int4", "fused": "fused", "torch": "torch"}[step]
+        if wanted == "int4" and layer.int4_args is None:
+            wanted = "fused"  # an o_proj bias: this layer has no int4 ops
+        layer.select_step(wanted)
     reference = _dequantized_reference(tmp_path, model)
     torch.manual_seed(1)
     input_ids = torch.randint(0, 128, (SEQ_LEN,))
@@ -89,3 +91,10 @@ def test_greedy_tokens_are_the_same_cold_from_the_device_and_from_disk(
     assert loaded.num_loaded_tokens > 0
     assert cold.token_ids == device.token_ids == loaded.token_ids
     engine.close()
+
+
+def test_a_layer_refuses_a_step_it_does_not_know(quantized):
+    layer = quantized.model.layers[0]
+    with pytest.raises(ValueError, match="step"):
+        layer.select_step("bogus")
+    assert layer.step in ("int4", "fused", "torch")  # unchanged
