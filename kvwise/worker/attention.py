@@ -98,63 +98,60 @@ class TorchSDPAAttention:
             ).view(num_tokens, self.num_heads * self.head_dim)  # fmt: skip
         cache.write(layer, meta.slot_mapping, k, v)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
+        if meta.decode_rows is not None:
+            if meta.decode_rows_contiguous:
+                rows = slice(0, meta.decode_rows.shape[0])
+            else:
+                rows = meta.decode_rows
+            out[rows] = self._attend_decodes(layer, q[rows], meta)  # (Bd, num_heads, head_dim)
+        for chunk in meta.prefills:
+            out[chunk.token_start : chunk.token_end] = self._attend_prefill(layer, q, k, v, chunk)
+        return out.view(num_tokens, self.num_heads * self.head_dim)
 
-        if meta.decode_rows is not None and self.paged_kernel:
-            qd = (
-                q[: meta.decode_rows.shape[0]]
-                if meta.decode_rows_contiguous
-                else q[meta.decode_rows]
-            )
-            od = self._decode(
+    def _attend_decodes(
+        self, layer: int, qd: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The decode rows ``qd`` ``(Bd, num_heads, head_dim)`` over their cached contexts."""
+        cache = self.kv_cache
+        if self.paged_kernel:
+            return self._decode(
                 qd, cache.k_blocks[layer], cache.v_blocks[layer], meta.decode_block_table,
                 meta.decode_ctx_lens, self.scale,
-            )  # (Bd, num_heads, head_dim)  # fmt: skip
-            if meta.decode_rows_contiguous:
-                out[: od.shape[0]] = od
-            else:
-                out[meta.decode_rows] = od
-        elif meta.decode_rows is not None:
-            # (Bd, L, kv_heads, head_dim) each
-            kc, vc = cache.gather(layer, meta.decode_block_table, meta.decode_first_block)
-            ctx = meta.decode_ctx_len
-            kc = kc[:, :ctx].transpose(1, 2)  # (Bd, kv_heads, ctx, head_dim)
-            vc = vc[:, :ctx].transpose(1, 2)
-            if meta.decode_rows_contiguous:
-                qd = q[: meta.decode_rows.shape[0]]
-            else:
-                qd = q[meta.decode_rows]
-            qd = qd.unsqueeze(2)  # (Bd, num_heads, 1, head_dim)
-            mask = None if meta.decode_mask is None else meta.decode_mask[..., :ctx]
-            od = F.scaled_dot_product_attention(
-                qd, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True
-            )  # (Bd, num_heads, 1, head_dim)
-            od = od.squeeze(2)
-            if meta.decode_rows_contiguous:
-                out[: od.shape[0]] = od
-            else:
-                out[meta.decode_rows] = od
+            )  # fmt: skip
+        # (Bd, L, kv_heads, head_dim) each
+        kc, vc = cache.gather(layer, meta.decode_block_table, meta.decode_first_block)
+        ctx = meta.decode_ctx_len
+        kc = kc[:, :ctx].transpose(1, 2)  # (Bd, kv_heads, ctx, head_dim)
+        vc = vc[:, :ctx].transpose(1, 2)
+        mask = None if meta.decode_mask is None else meta.decode_mask[..., :ctx]
+        od = F.scaled_dot_product_attention(
+            qd.unsqueeze(2), kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )  # (Bd, num_heads, 1, head_dim)
+        return od.squeeze(2)
 
-        for chunk in meta.prefills:
-            s, e = chunk.token_start, chunk.token_end
-            # NOTE: the CPU flash kernel is ~1.5x faster on contiguous (1, heads, n, head_dim)
-            # inputs than on strided views of the (T, heads, head_dim) rows.
-            qp = q[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, num_heads, n, head_dim)
-            n = e - s
-            if chunk.start_pos == 0:
-                kp = k[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, kv_heads, n, head_dim)
-                vp = v[s:e].transpose(0, 1).contiguous().unsqueeze(0)
-                op = F.scaled_dot_product_attention(
-                    qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True
-                )
-            else:
-                ctx = chunk.start_pos + n
-                kc, vc = cache.gather(layer, chunk.block_table, chunk.first_block)
-                kp = kc[:, :ctx].transpose(1, 2)  # (1, kv_heads, ctx, head_dim)
-                vp = vc[:, :ctx].transpose(1, 2)
-                q_pos = torch.arange(chunk.start_pos, ctx).unsqueeze(1)  # (n, 1)
-                mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # (n, ctx)
-                op = F.scaled_dot_product_attention(
-                    qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=True
-                )
-            out[s:e] = op.squeeze(0).transpose(0, 1)
-        return out.view(num_tokens, self.num_heads * self.head_dim)
+    def _attend_prefill(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        """One prefill chunk's rows of the batch, ``(n, num_heads, head_dim)``."""
+        s, e = chunk.token_start, chunk.token_end
+        # NOTE: the CPU flash kernel is ~1.5x faster on contiguous (1, heads, n, head_dim)
+        # inputs than on strided views of the (T, heads, head_dim) rows.
+        qp = q[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, num_heads, n, head_dim)
+        n = e - s
+        if chunk.start_pos == 0:
+            kp = k[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, kv_heads, n, head_dim)
+            vp = v[s:e].transpose(0, 1).contiguous().unsqueeze(0)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            ctx = chunk.start_pos + n
+            kc, vc = self.kv_cache.gather(layer, chunk.block_table, chunk.first_block)
+            kp = kc[:, :ctx].transpose(1, 2)  # (1, kv_heads, ctx, head_dim)
+            vp = vc[:, :ctx].transpose(1, 2)
+            q_pos = torch.arange(chunk.start_pos, ctx).unsqueeze(1)  # (n, 1)
+            mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # (n, ctx)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
+        return op.squeeze(0).transpose(0, 1)
