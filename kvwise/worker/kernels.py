@@ -49,22 +49,6 @@ def _header_stamp() -> str:
     return f"-DKVWISE_VEC_H={digest}"
 
 
-# From this many rows (tokens in a step) up, the int4 step's matmuls dequantize each weight to
-# a float32 scratch and run the float32 GEMM instead of the int4 kernel: prefill is
-# compute-bound, and there the int4 kernel does ~50 GFLOP/s on this CPU against float32
-# GEMM's ~130 (docs/BENCHMARKS.md, issue 11). Below it (decode) streaming 4-bit weights wins.
-DEQUANT_ROWS = 96
-
-
-def set_int4_dequant_rows(rows: int) -> None:
-    """Rows from which the int4 ops take the dequantize + float32 GEMM route (0: never); a
-    no-op where the kernels are unavailable (no int4 ops run then)."""
-    if rows < 0:
-        raise ValueError(f"rows: must be >= 0, got {rows}")
-    if available():
-        torch.ops.kvwise.set_int4_dequant_rows(rows)
-
-
 def available() -> bool:
     """True once ``torch.ops.kvwise`` holds the kernels (built or loaded on the first call)."""
     if "ok" in _state:
@@ -86,8 +70,6 @@ def _build() -> bool:
         with _our_ninja():
             _load(cpp_extension)
         torch.ops.kvwise.paged_decode_attention  # noqa: B018 - raises if registration failed
-        rows = int(os.environ.get("KVWISE_INT4_DEQUANT_ROWS", DEQUANT_ROWS))
-        torch.ops.kvwise.set_int4_dequant_rows(max(rows, 0))
         log.info("kvwise kernels ready in %.1f s", time.perf_counter() - start)
         return True
     except Exception as exc:  # a missing compiler or ninja: the torch paths still work

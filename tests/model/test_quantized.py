@@ -10,7 +10,6 @@ import torch
 
 from kvwise.models.llama import LINEAR_PARTS
 from kvwise.models.loader import load_model
-from kvwise.worker import kernels
 from tests.model.test_models_tiny import CASES, SEQ_LEN, _dense, _run, _save_random_model
 from tests.tiers_util import evict_device, run
 
@@ -33,7 +32,7 @@ def _dequantized_reference(directory, quantized):
     return reference
 
 
-@pytest.mark.parametrize("step", ["int4ops", "int4dequant", "fused", "torch"])
+@pytest.mark.parametrize("step", ["int4ops", "fused", "torch"])
 @pytest.mark.parametrize("weight_format", ["int4", "int8"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_quantized_tiny_models_match_a_dequantized_reference(tmp_path, name, weight_format, step):
@@ -45,11 +44,11 @@ def test_quantized_tiny_models_match_a_dequantized_reference(tmp_path, name, wei
     assert all(layer.quant is not None for layer in model.layers)
     if step != "torch" and not all(layer.step != "torch" for layer in model.layers):
         pytest.skip("the kvwise kernels are unavailable here")
-    if step.startswith("int4") and weight_format != "int4":
+    if step == "int4ops" and weight_format != "int4":
         pytest.skip("the int4 ops run int4 weights only")
     for layer in model.layers:  # "torch": the plain-torch quantized step (no compiler)
         assert (layer.int4_args is not None) == (weight_format == "int4" and layer.o_bias is None)
-        wanted = {"int4ops": "int4", "int4dequant": "int4", "fused": "fused", "torch": "torch"}[step]
+        wanted = {"int4ops": "int4", "fused": "fused", "torch": "torch"}[step]
         if wanted == "int4" and layer.int4_args is None:
             wanted = "fused"  # an o_proj bias: this layer has no int4 ops
         layer.select_step(wanted)
@@ -57,12 +56,7 @@ def test_quantized_tiny_models_match_a_dequantized_reference(tmp_path, name, wei
     torch.manual_seed(1)
     input_ids = torch.randint(0, 128, (SEQ_LEN,))
     attn = _dense(loaded.arch.sliding_window)
-    # "int4dequant": the int4 ops' prefill route (dequantize + float32 GEMM) at every size
-    kernels.set_int4_dequant_rows(1 if step == "int4dequant" else kernels.DEQUANT_ROWS)
-    try:
-        got = _run(model, input_ids, torch.arange(SEQ_LEN), attn)
-    finally:
-        kernels.set_int4_dequant_rows(kernels.DEQUANT_ROWS)
+    got = _run(model, input_ids, torch.arange(SEQ_LEN), attn)
     want = _run(reference, input_ids, torch.arange(SEQ_LEN), attn)
     assert got.dtype == torch.float32
     diff = (got - want).abs().max().item()

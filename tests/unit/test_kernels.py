@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from kvwise.models.layers import apply_rope, rms_norm, rope_table
-from kvwise.models.quant import Int4Weight
 from kvwise.worker import kernels
 
 if not kernels.available():
@@ -117,51 +116,3 @@ def test_silu_mul_matches_torch():
     gate, up = gate_up.float().chunk(2, dim=-1)
     want = (F.silu(gate) * up).to(torch.bfloat16)
     torch.testing.assert_close(ops.silu_mul_bf16(gate_up), want, atol=0, rtol=1e-2)
-
-
-def _unpacked(weight):
-    """(codes - 8) * scale + zero, float32 `(in, out)`, from the int4 kernel's packed layout
-    read independently of the C++ (documented in fused.cpp)."""
-    out_features, in_features = weight.out_features, weight.in_features
-    blocks = weight.packed.reshape(out_features // 32, in_features, 16)
-    codes = torch.cat([blocks & 15, blocks >> 4], dim=2).permute(0, 2, 1)
-    codes = codes.reshape(out_features, in_features).float()
-    sz = weight.scales_zeros.float().repeat_interleave(weight.group_size, dim=0)  # (in, out, 2)
-    return (codes.t() - 8) * sz[..., 0] + sz[..., 1]
-
-
-@pytest.mark.parametrize("shape,group", [((96, 64), 32), ((576, 1536), 32), ((64, 256), 64)])
-def test_dequant_int4_is_exactly_the_kernels_weight(shape, group):
-    weight = Int4Weight.quantize(torch.randn(*shape, generator=torch.Generator().manual_seed(5)),
-                                 group)  # fmt: skip
-    got = ops.dequant_int4(weight.packed, group, weight.scales_zeros)
-    torch.testing.assert_close(got, _unpacked(weight), atol=0, rtol=0)
-    # and it is what the int4 kernel multiplies by (the kernel rounds its output to bf16)
-    x = torch.eye(shape[1], dtype=torch.bfloat16)
-    torch.testing.assert_close(weight.mm(x).float(), got.to(torch.bfloat16).float())
-
-
-@pytest.mark.parametrize("rows", [1, 95, 96, 300])
-def test_int4mm_dequant_route_matches_the_int4_kernel(rows):
-    """From DEQUANT_ROWS rows up the int4 ops run dequantize + float32 GEMM: the same products
-    on the same bf16-rounded operands, so results differ by at most one bf16 rounding."""
-    gen = torch.Generator().manual_seed(rows)
-    weight = Int4Weight.quantize(torch.randn(192, 576, generator=gen))
-    x = torch.randn(rows, 576, generator=gen)
-    args = (weight.packed, weight.group_size, weight.scales_zeros)
-    try:
-        kernels.set_int4_dequant_rows(0)
-        want = ops.f32_int4mm(x, *args).float()
-        kernels.set_int4_dequant_rows(96)
-        got = ops.f32_int4mm(x, *args).float()
-    finally:
-        kernels.set_int4_dequant_rows(kernels.DEQUANT_ROWS)
-    if rows < 96:
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
-    else:
-        # one bf16 step (2^-7 relative) of the result, plus float32 summation-order error
-        terms = x.to(torch.bfloat16).float().abs() @ _unpacked(weight).abs()
-        assert ((got - want).abs() <= want.abs() * 2.0**-7 + terms * 1e-6).all()
-        assert (got != want).any()  # the other route really ran
-    with pytest.raises(ValueError, match="rows"):
-        kernels.set_int4_dequant_rows(-1)

@@ -196,89 +196,9 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   return out;
 }
 
-// The float32 (K, N) weight `W.T` torch's int4 kernel computes with, `w = (q - 8) * scale + zero`,
-// from its packed layout: (N / 32, K, 16) bytes, byte j of row-block b at input channel k holds
-// output row 32b + j in its low nibble and row 32b + 16 + j in its high nibble.
-void dequant_int4(const at::Tensor& packed, int64_t group, const at::Tensor& scales_zeros,
-                  at::Tensor& out) {
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && N % 32 == 0,
-              "dequant_int4: packed must be contiguous uint8 (N, K / 2), N a multiple of 32");
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
-                  scales_zeros.size(0) * group == K && scales_zeros.size(1) == N,
-              "dequant_int4: scales_zeros must be bfloat16 (K / group, N, 2)");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= K * N,
-              "dequant_int4: out must be contiguous float32 with room for K * N");
-  const uint8_t* q = packed.data_ptr<uint8_t>();
-  const BFloat16* sz = scales_zeros.data_ptr<BFloat16>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, K, 16, [&](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) {
-      const BFloat16* s = sz + (k / group) * N * 2;
-      float* row = o + k * N;
-      for (int64_t b = 0; b < N / 32; ++b) {
-        const uint8_t* bytes = q + (b * K + k) * 16;
-        const BFloat16* sb = s + b * 64;
-        float* ob = row + b * 32;
-#if defined(__AVX2__) && defined(__FMA__)
-        // a (scale, zero) bf16 pair as one 32-bit word: scale's bits are its low half, zero's
-        // its high half
-        const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-        const __m256i nib = _mm256_set1_epi32(15);
-        const __m256 eight = _mm256_set1_ps(8.f);
-        for (int h = 0; h < 2; ++h) {  // bytes 8h .. 8h + 7
-          const __m256i q8 =
-              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * h)));
-          const __m256i codes[2] = {_mm256_and_si256(q8, nib), _mm256_srli_epi32(q8, 4)};
-          for (int half = 0; half < 2; ++half) {  // low nibbles: rows 8h.., high: 16 + 8h..
-            const int r = 16 * half + 8 * h;
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 2 * r));
-            const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-            const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
-            const __m256 qf = _mm256_sub_ps(_mm256_cvtepi32_ps(codes[half]), eight);
-            _mm256_storeu_ps(ob + r, _mm256_fmadd_ps(qf, scale, zero));
-          }
-        }
-        continue;
-#endif
-        for (int j = 0; j < 16; ++j) {
-          const float lo = static_cast<float>(bytes[j] & 15) - 8.f;
-          const float hi = static_cast<float>(bytes[j] >> 4) - 8.f;
-          ob[j] = lo * static_cast<float>(sb[2 * j]) + static_cast<float>(sb[2 * j + 1]);
-          ob[16 + j] = hi * static_cast<float>(sb[2 * (16 + j)]) +
-                       static_cast<float>(sb[2 * (16 + j) + 1]);
-        }
-      }
-    }
-  });
-}
-
-// From this many rows up, int4mm dequantizes the weight into a float32 scratch and runs the
-// float32 GEMM (compute-bound prefill: the int4 kernel does ~50 GFLOP/s here, float32 GEMM
-// ~130); 0 keeps the int4 kernel for every size. The operands and result are rounded to
-// bfloat16 as the int4 kernel's are, so the two differ only in summation order.
-int64_t g_dequant_rows = 0;
-
-void set_int4_dequant_rows(int64_t rows) { g_dequant_rows = rows; }
-
 at::Tensor int4mm(const at::Tensor& x, const at::Tensor& packed, int64_t group,
                   const at::Tensor& scales_zeros) {
-  if (g_dequant_rows <= 0 || x.size(0) < g_dequant_rows) {
-    return at::_weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros);
-  }
-  thread_local at::Tensor scratch;
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  if (!scratch.defined() || scratch.numel() < K * N) scratch = at::empty({K * N}, at::kFloat);
-  dequant_int4(packed, group, scales_zeros, scratch);
-  const at::Tensor w = scratch.narrow(0, 0, K * N).view({K, N});
-  return at::mm(x.to(at::kFloat), w).to(at::kBFloat16);
-}
-
-at::Tensor dequant_int4_op(const at::Tensor& packed, int64_t group,
-                           const at::Tensor& scales_zeros) {
-  at::Tensor out = at::empty({packed.size(1) * 2, packed.size(0)}, at::kFloat);
-  dequant_int4(packed, group, scales_zeros, out);
-  return out;
+  return at::_weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros);
 }
 
 at::Tensor rms_norm_int4mm(const at::Tensor& x, const at::Tensor& w, double eps,
@@ -315,8 +235,6 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def(
       "mlp_int4(Tensor(a!) residual, Tensor o, Tensor weight, float eps, Tensor gu_packed, "
       "Tensor gu_scales_zeros, Tensor down_packed, Tensor down_scales_zeros, int group) -> ()");
-  m.def("dequant_int4(Tensor packed, int group, Tensor scales_zeros) -> Tensor");
-  m.def("set_int4_dequant_rows(int rows) -> ()", &set_int4_dequant_rows);
 }
 
 TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
@@ -327,5 +245,4 @@ TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
   m.impl("rms_norm_int4mm", &rms_norm_int4mm);
   m.impl("f32_int4mm", &f32_int4mm);
   m.impl("mlp_int4", &mlp_int4);
-  m.impl("dequant_int4", &dequant_int4_op);
 }
