@@ -51,6 +51,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # how the KV pool stores K/V; "auto": the model's dtype
+    kv_int4_group_size: int = 0  # int4 KV: channels per scale group (0: 32)
     kv_cache_memory: int | str | None = None  # bytes or "2GiB"; None: a fraction of free RAM
     kv_cache_memory_fraction: float = 0.2
     enable_kv_cache: bool = True  # False: recompute the whole prefix at every step
@@ -67,6 +68,8 @@ class CacheConfig:
                 f"kv_cache_dtype: expected 'auto' or one of {STORAGE_DTYPES}, "
                 f"got {self.kv_cache_dtype!r}"
             )
+        if self.kv_int4_group_size and self.kv_cache_dtype != "int4":
+            raise ValueError("kv_int4_group_size: only for kv_cache_dtype='int4'")
         if self.kv_cache_memory is not None:
             object.__setattr__(
                 self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory")

@@ -33,8 +33,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="how the KV pool and tiers store K/V (auto: the compute dtype)",
+        choices=["auto", "float32", "bfloat16", "float16", "int8", "int4"],
+        help="how the KV pool and tiers store K/V (auto: the compute dtype; int8: a scale per "
+        "token and head; int4: a scale and minimum per group of channels)",
+    )
+    g.add_argument(
+        "--kv-int4-group-size",
+        type=int,
+        default=0,
+        help="int4 KV: channels per scale group (default 32)",
     )
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -206,6 +213,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "dtype": args.dtype,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_int4_group_size": args.kv_int4_group_size,
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,

@@ -6,12 +6,16 @@ sizing at start-up, ``kvwise size`` and the model fingerprint (``layout`` goes i
 every block hash and into every stored entry's header, so KV of one layout is never read as
 another).
 
-One block of one layer holds K and V for ``block_size`` tokens::
+One block of one layer holds K and V for ``block_size`` tokens, each half (K, then V) as::
 
-    (2, block_size, num_kv_heads, head_dim) of dtype  +  side_bytes of side data
+    codes (block_size, num_kv_heads, head_dim) of dtype  +  its scales
 
-``side_bytes`` is per-block side data of one layer (quantization scales, for formats that
-need them); the float formats have none.
+Float formats have no scales. The quantized formats keep their scales beside their codes, so a
+block's half is one run of bytes in the pool and in every tier entry:
+
+- ``int8``: symmetric, one float32 scale per token and KV head (``x = q * scale``);
+- ``int4``: asymmetric, per token and KV head in groups of ``group_size`` channels, each group
+  a float16 scale and minimum (``x = q * scale + min``, q in 0..15), two codes a byte.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ KV_DTYPE_BYTES: dict[str, float] = {
     "int8": 1,
     "int4": 0.5,
 }
-STORAGE_DTYPES = ("float32", "bfloat16", "float16")  # what the paged cache can hold today
+STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")  # what the pool can hold
+QUANTIZED_DTYPES = ("int8", "int4")
+DEFAULT_INT4_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,7 @@ class KVSpec:
     head_dim: int
     block_size: int
     dtype: str = "float32"  # the storage dtype of K/V (may differ from the compute dtype)
-    side_bytes: int = 0  # per-block side data of one layer (scales); 0 for float formats
+    group_size: int = 0  # int4: channels per scale group (0: the default, 32); else unused
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -49,12 +55,22 @@ class KVSpec:
             raise ValueError(
                 f"kv_cache_dtype: expected one of {sorted(KV_DTYPE_BYTES)}, got {self.dtype!r}"
             )
-        if (
-            isinstance(self.side_bytes, bool)
-            or not isinstance(self.side_bytes, int)
-            or self.side_bytes < 0
-        ):
-            raise ValueError(f"side_bytes: expected an integer >= 0, got {self.side_bytes!r}")
+        if self.dtype == "int4":
+            if self.group_size == 0:
+                object.__setattr__(self, "group_size", min(DEFAULT_INT4_GROUP, self.head_dim))
+            if (
+                isinstance(self.group_size, bool)
+                or not isinstance(self.group_size, int)
+                or self.group_size < 2
+                or self.group_size % 2
+                or self.head_dim % self.group_size
+            ):
+                raise ValueError(
+                    f"kv_int4_group_size: expected an even divisor of head_dim "
+                    f"{self.head_dim}, got {self.group_size!r}"
+                )
+        elif self.group_size:
+            raise ValueError(f"kv_int4_group_size: only for int4 KV, not {self.dtype}")
 
     @property
     def itemsize(self) -> float:
@@ -70,14 +86,38 @@ class KVSpec:
         return (self.num_layers, 2, num_blocks, *self.block_shape)
 
     @property
-    def half_block_bytes(self) -> int:
-        """Bytes of K (or V) of one block in one layer, side data excluded."""
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED_DTYPES
+
+    @property
+    def codes_bytes(self) -> int:
+        """Bytes of the K (or V) codes of one block in one layer."""
         return int(self.block_size * self.num_kv_heads * self.head_dim * self.itemsize)
 
     @property
+    def scale_bytes(self) -> int:
+        """Bytes of the scales beside one block's K (or V) codes in one layer; 0 for floats."""
+        rows = self.block_size * self.num_kv_heads
+        if self.dtype == "int8":
+            return rows * 4  # float32 scale
+        if self.dtype == "int4":
+            return rows * (self.head_dim // self.group_size) * 4  # float16 scale and min
+        return 0
+
+    @property
+    def half_block_bytes(self) -> int:
+        """Bytes of K (or V) of one block in one layer: codes and their scales."""
+        return self.codes_bytes + self.scale_bytes
+
+    @property
+    def side_bytes(self) -> int:
+        """Bytes of scales in one block of one layer (K and V)."""
+        return 2 * self.scale_bytes
+
+    @property
     def layer_block_bytes(self) -> int:
-        """Bytes of one block's K and V (and side data) in one layer."""
-        return 2 * self.half_block_bytes + self.side_bytes
+        """Bytes of one block's K and V (scales included) in one layer."""
+        return 2 * self.half_block_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -93,10 +133,14 @@ class KVSpec:
         return int(num_bytes) // self.block_bytes
 
     @property
+    def dtype_tag(self) -> str:
+        """The storage format in at most 8 characters (entry headers): dtype, and the group."""
+        return f"int4g{self.group_size}" if self.dtype == "int4" else self.dtype
+
+    @property
     def layout(self) -> str:
         """The layout as a string, for the hash root and for entry headers."""
-        side = f".S{self.side_bytes}" if self.side_bytes else ""
         return (
             f"L{self.num_layers}.KV{self.num_kv_heads}.D{self.head_dim}.B{self.block_size}"
-            f".{self.dtype}{side}"
+            f".{self.dtype_tag}"
         )

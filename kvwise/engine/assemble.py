@@ -65,7 +65,7 @@ def assemble_engine(
         spec.block_size,
         runner.num_blocks * spec.block_size,
         format_bytes(spec.bytes_per_token),
-        spec.dtype,
+        spec.dtype_tag,
     )
     return LLMEngine(
         runner=runner,

@@ -77,6 +77,7 @@ def build_model_parts(
         arch.head_dim,
         config.cache.block_size,
         config.model.dtype if kv_dtype == "auto" else kv_dtype,
+        group_size=config.cache.kv_int4_group_size,
     )
     num_blocks = spec.num_blocks_in(config.cache.kv_cache_bytes())
     if num_blocks < 2:

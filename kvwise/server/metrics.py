@@ -105,6 +105,10 @@ def _store_families(store: StoreStats):
     yield decisions
     counters = {
         "kvwise_kv_store_loaded_tokens": ("prompt tokens loaded from the tiers", "loaded_tokens"),
+        "kvwise_kv_store_lookup_misses": (
+            "prompts whose continuation past the device pool no tier held",
+            "lookup_misses",
+        ),
         "kvwise_kv_store_chunks_written": ("KV entries written to the tiers", "chunks_written"),
         "kvwise_kv_store_writes_dropped": (
             "KV entries not written because the write queue was full",

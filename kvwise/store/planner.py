@@ -25,7 +25,9 @@ Contract:
   groups of the ends found) and reads nothing. Policy "never": no plan; "always": all of the
   run; "auto": as much as ``CostModel.choose`` says beats recomputing. Each call that finds
   a run records a ``LoadDecision`` (``decisions``, the last 1000) and counts it in
-  ``load_decisions`` or ``recompute_decisions``.
+  ``load_decisions`` or ``recompute_decisions``; a call that finds nothing counts in
+  ``lookup_misses`` (another model's or KV format's entries are found never: their keys
+  have another root).
 - ``KnownChunks`` remembers which entries the tiers hold (a hint, bounded; a wrong hint costs
   a rewrite or an entry left unwritten, never wrong KV). ``plan_writes`` returns only entries
   it does not know as stored in every tier, and remembers them as stored; the writer forgets
@@ -123,6 +125,7 @@ class ChunkPlanner:
         self.decisions: deque[LoadDecision] = deque(maxlen=1000)
         self.load_decisions = 0
         self.recompute_decisions = 0
+        self.lookup_misses = 0  # prompts past their device hit that no tier continued
 
     @property
     def policy(self) -> str:
@@ -150,6 +153,7 @@ class ChunkPlanner:
             return None
         stored = self._find(block_hashes, start, max_blocks)
         if not stored:
+            self.lookup_misses += 1
             return None
         num_chunks = self._decide(request_id, start, stored, num_prompt_tokens)
         if num_chunks == 0:

@@ -184,7 +184,7 @@ def pack(
         HEADER_SIZE,
         fmt.entry_key(block_hashes[-1], group),
         fmt.model_digest,
-        fmt.spec.dtype.encode(),
+        fmt.spec.dtype_tag.encode(),
         fmt.spec.num_layers,
         fmt.spec.num_kv_heads,
         fmt.spec.head_dim,
@@ -314,7 +314,7 @@ def _check_header(fmt: EntryFormat, key: bytes, head: memoryview) -> _Header:
     dtype = h.dtype.rstrip(b"\0").decode(errors="replace")
     layout = (dtype, h.num_layers, h.num_kv_heads, h.head_dim, h.block_size)
     spec = fmt.spec
-    expected = (spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size)
+    expected = (spec.dtype_tag, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size)
     if layout != expected:
         raise CorruptEntry(f"layout {layout}, expected {expected}")
     if h.layer_groups != fmt.layer_groups or h.group >= h.layer_groups:

@@ -43,6 +43,7 @@ class StoreStats:
 
     load_decisions: int  # stored continuations the cost model chose to load
     recompute_decisions: int  # ... chose to recompute (all or part of)
+    lookup_misses: int  # prompts (past their device hit) that no tier continued
     loaded_tokens: int  # prompt tokens loaded from the tiers (verified)
     chunks_written: int
     writes_dropped: int  # writes and promotions dropped: queue over its byte cap, or closed
@@ -211,6 +212,7 @@ class TieredStore:
         return StoreStats(
             load_decisions=self._planner.load_decisions,
             recompute_decisions=self._planner.recompute_decisions,
+            lookup_misses=self._planner.lookup_misses,
             loaded_tokens=self._loaded_tokens,
             chunks_written=self._writer.chunks_written,
             writes_dropped=self._writer.writes_dropped,

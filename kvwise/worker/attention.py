@@ -10,6 +10,9 @@ their slots, then attends:
   over their gathered blocks, with a padding mask when their context lengths differ;
 - each prefill chunk in its own call: a chunk starting at position 0 attends to its own K/V
   with a causal mask; a later chunk attends to its gathered blocks with an offset causal mask.
+  When the pool stores K/V lossily (quantized, or a narrower float), every chunk attends to
+  its gathered blocks, so that a prompt sees the K/V the cache holds whether it was computed
+  now or loaded.
 """
 
 from __future__ import annotations
@@ -138,7 +141,7 @@ class TorchSDPAAttention:
         # inputs than on strided views of the (T, heads, head_dim) rows.
         qp = q[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, num_heads, n, head_dim)
         n = e - s
-        if chunk.start_pos == 0:
+        if chunk.start_pos == 0 and not self.kv_cache.lossy:
             kp = k[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, kv_heads, n, head_dim)
             vp = v[s:e].transpose(0, 1).contiguous().unsqueeze(0)
             op = F.scaled_dot_product_attention(
