@@ -1,12 +1,16 @@
 """Single-request decode, kvwise vs llama.cpp on the same GGUF, interleaved: 128 new tokens
-after a 32-token and after a 2,048-token context, ``--reps`` rounds, medians.
+after each context (``--contexts``, default a 32-token and a 2,048-token one), ``--reps``
+rounds, medians.
 
-kvwise runs each weight format given (``--formats auto,none``) in this process, one engine
-each, prefix caching off; llama.cpp runs ``llama-bench -t 2 -fa 1 -p 0 -n 128 -d 0,2048 -r 1``
-once per round (its ``tg128 @ dN``: 128 tokens generated after N tokens of context). A rate is
-generated tokens / the time between the first and the last of them::
+kvwise runs each weight format (``--formats auto,none``) with each KV format (``--kv-dtypes``,
+default the compute dtype) in this process, one engine each, prefix caching off; llama.cpp
+runs ``llama-bench -t 2 -fa 1 -p 0 -n 128 -d 0,2048 -r 1`` once per round (its ``tg128 @ dN``:
+128 tokens generated after N tokens of context; its KV f16, its default). A rate is generated
+tokens / the time between the first and the last of them::
 
     .venv/bin/python scripts/decode_vs_llamacpp.py --llama-bench PATH/llama-bench --reps 5
+    .venv/bin/python scripts/decode_vs_llamacpp.py --llama-bench PATH/llama-bench \
+        --formats auto --kv-dtypes float32,int8 --contexts 32,2048,4096
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from kvwise.config import EngineConfig
 from kvwise.engine.builder import build_engine, load_for
 from kvwise.types import SamplingParams
 
-CONTEXTS = (32, 2048)
+CONTEXTS = [32, 2048]
 NEW_TOKENS = 128
 
 
@@ -51,17 +55,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama-bench", required=True, help="path of llama.cpp's llama-bench")
     p.add_argument("--formats", default="auto,none", help="kvwise quantization settings")
+    p.add_argument("--kv-dtypes", default="auto", help="kvwise kv_cache_dtype settings")
+    p.add_argument("--contexts", default="32,2048", help="context lengths before decoding")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
+    CONTEXTS[:] = [int(c) for c in args.contexts.split(",")]
     engines = {}
+    kv_dtypes = args.kv_dtypes.split(",")
     for fmt in args.formats.split(","):
-        config = EngineConfig.from_kwargs(
-            quantization=fmt, kv_cache_memory="1GiB", kv_host_memory="off", kv_disk_path="off",
-            enable_prefix_caching=False, prefill_chunk_size=2048, max_num_batched_tokens=2048,
-        )  # fmt: skip
-        loaded = load_for(config, progress=False)
-        engines[fmt] = (build_engine(config, progress=False, loaded=loaded), str(loaded.source))
+        loaded = None
+        for kv_dtype in kv_dtypes:
+            config = EngineConfig.from_kwargs(
+                quantization=fmt, kv_cache_dtype=kv_dtype, kv_cache_memory="1GiB",
+                kv_host_memory="off", kv_disk_path="off", enable_prefix_caching=False,
+                prefill_chunk_size=2048, max_num_batched_tokens=2048,
+            )  # fmt: skip
+            loaded = loaded or load_for(config, progress=False)
+            name = fmt if len(kv_dtypes) == 1 else f"{fmt}, KV {kv_dtype}"
+            engines[name] = (build_engine(config, progress=False, loaded=loaded), str(loaded.source))
     model = next(iter(engines.values()))[1]
     rng = random.Random(0)
     for engine, _ in engines.values():  # warm-up

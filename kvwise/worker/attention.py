@@ -5,9 +5,10 @@ scheduled request flattened into one dimension. The backend first writes all new
 their slots, then attends:
 
 - decode rows (one new token each) in one call of kvwise's paged decode kernel
-  (``csrc/paged_attention.cpp``), which reads K/V where they lie in the pool; without the
-  kernel (no compiler, a non-float32 cache, ``paged_kernel=False``), in one batched SDPA call
-  over their gathered blocks, with a padding mask when their context lengths differ;
+  (``csrc/paged_attention.cpp``), which reads K/V where they lie in the pool (float32, or
+  int8 codes and their scales); without the kernel (no compiler, another cache format,
+  ``paged_kernel=False``), in one batched SDPA call over their gathered (dequantized) blocks,
+  with a padding mask when their context lengths differ;
 - each prefill chunk in its own call: a chunk starting at position 0 attends to its own K/V
   with a causal mask; a later chunk attends to its gathered blocks with an offset causal mask.
   When the pool stores K/V lossily (quantized, or a narrower float), every chunk attends to
@@ -68,6 +69,15 @@ class TorchSDPAAttention:
         self._decode = (
             torch.ops.kvwise.paged_decode_attention.default if self.paged_kernel else None
         )
+        # int8 KV: the same kernel reading int8 codes and their scales in place
+        self.paged_int8 = paged_kernel and kv_cache.spec.dtype == "int8" and kernels.available()
+        if self.paged_int8:
+            self.paged_kernel = True
+            int8_op = torch.ops.kvwise.paged_decode_attention_int8.default
+            block_size = kv_cache.block_size
+            self._decode = lambda q, kc, vc, tables, lens, scale, *new: int8_op(
+                q, kc, vc, tables, lens, scale, block_size, *new
+            )
 
     def bind(self, meta: AttentionMetadata, layer_ready: Callable[[int], None] | None = None):
         """Return the ``attn(layer, q, k, v)`` callable for one step.

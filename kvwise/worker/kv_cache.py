@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from kvwise.core.kv_spec import KVSpec
-from kvwise.worker import kv_quant
+from kvwise.worker import kernels, kv_quant
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,6 +48,7 @@ class PagedKVCache:
         self.lossy = self.quantized or self._cast
         heads, dim = spec.num_kv_heads, spec.head_dim
         shape = (spec.num_layers, 2, num_blocks, spec.half_block_bytes)
+        self._write_int8 = None
         if self.quantized:
             self.kv = None
             self.raw = torch.zeros(shape, dtype=torch.uint8)
@@ -70,6 +71,12 @@ class PagedKVCache:
                 self.scales.append(scales)
             self.k_blocks = [self.raw[i, 0] for i in range(spec.num_layers)]
             self.v_blocks = [self.raw[i, 1] for i in range(spec.num_layers)]
+            # int8 rows are quantized by the C++ op where it is built (the same bytes)
+            self._write_int8 = (
+                torch.ops.kvwise.kv_write_int8.default
+                if spec.dtype == "int8" and kernels.available()
+                else None
+            )
             return
         # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
         self.kv = torch.zeros(spec.cache_shape(num_blocks), dtype=self.dtype)
@@ -86,6 +93,10 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store new K/V rows ``(T, kv_heads, head_dim)`` at their slots ``(T,)``."""
+        if self._write_int8 is not None:
+            self._write_int8(self.k_blocks[layer], self.v_blocks[layer], k, v, slot_mapping,
+                             self.block_size)  # fmt: skip
+            return
         if self.quantized:
             blocks = slot_mapping // self.block_size
             offsets = slot_mapping % self.block_size

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from kvwise.models.layers import apply_rope, rms_norm, rope_table
+from kvwise.core.kv_spec import KVSpec
 from kvwise.worker import kernels
+from kvwise.worker.kv_cache import PagedKVCache
 
 if not kernels.available():
     if os.environ.get("CI"):
@@ -116,3 +118,50 @@ def test_silu_mul_matches_torch():
     gate, up = gate_up.float().chunk(2, dim=-1)
     want = (F.silu(gate) * up).to(torch.bfloat16)
     torch.testing.assert_close(ops.silu_mul_bf16(gate_up), want, atol=0, rtol=1e-2)
+
+
+def _int8_cache(num_blocks, block_size, kv_heads, dim, gen, torch_writes=False):
+    """A one-layer int8 pool filled with random K/V (scaled rows: outlier channels too)."""
+    spec = KVSpec(1, kv_heads, dim, block_size, "int8")
+    cache = PagedKVCache(spec, num_blocks)
+    if torch_writes:
+        cache._write_int8 = None  # kv_quant's torch arithmetic instead of the C++ op
+    slots = torch.arange(num_blocks * block_size)
+    k = torch.randn(len(slots), kv_heads, dim, generator=gen)
+    k[..., 3] *= 20  # an outlier channel, as real keys have
+    v = torch.randn(len(slots), kv_heads, dim, generator=gen)
+    cache.write(0, slots, k, v)
+    return cache
+
+
+def test_int8_kv_writes_the_same_bytes_from_cpp_and_torch():
+    caches = [_int8_cache(6, 16, 3, 64, torch.Generator().manual_seed(9), torch_writes=t)
+              for t in (False, True)]  # fmt: skip
+    assert caches[0]._write_int8 is not None
+    assert torch.equal(caches[0].raw, caches[1].raw)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (4, 1, 32, 8)])
+@pytest.mark.parametrize("lengths", [[1], [2100], [300, 5, 64, 1]])
+def test_paged_int8_attention_matches_sdpa_over_the_dequantized_blocks(
+    heads, kv_heads, dim, block_size, lengths
+):
+    gen = torch.Generator().manual_seed(len(lengths) * 7 + dim)
+    num_blocks = 4 + sum(-(-n // block_size) for n in lengths)
+    cache = _int8_cache(num_blocks, block_size, kv_heads, dim, gen)
+    all_blocks = torch.arange(num_blocks).unsqueeze(0)
+    k_deq, v_deq = (x.view(num_blocks, block_size, kv_heads, dim)
+                    for x in cache.gather(0, all_blocks))  # fmt: skip
+    max_blocks = -(-max(lengths) // block_size)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables, used = torch.zeros(len(lengths), max_blocks, dtype=torch.long), 0
+    for b, n in enumerate(lengths):
+        count = -(-n // block_size)
+        tables[b, :count] = order[used : used + count]
+        used += count
+    q = torch.randn(len(lengths), heads, dim, generator=gen) * 3
+    lens = torch.tensor(lengths)
+    got = ops.paged_decode_attention_int8(q, cache.k_blocks[0], cache.v_blocks[0], tables, lens,
+                                          dim**-0.5, block_size)  # fmt: skip
+    want = _reference(q, k_deq, v_deq, tables, lens)
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)

@@ -131,49 +131,121 @@ inline void weighted_rows_any(float* out, const float* const* rows, const float*
   for (int64_t i = 0; i < n; ++i) axpy(out, w[i], rows[i], D);
 }
 
-// q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, KVH, D); block_tables: (B, max_blocks)
-// int64; ctx_lens: (B,) int64. Returns (B, H, D).
-// k_new, v_new (T, KVH, D) and slots (T,), when given, are first written into the caches (the
-// step's new K/V rows: a decode-only step writes and attends in this one call).
-at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache,
-                                  const at::Tensor& block_tables_in, const at::Tensor& ctx_lens_in,
-                                  double scale_in, const c10::optional<at::Tensor>& k_new,
-                                  const c10::optional<at::Tensor>& v_new,
-                                  const c10::optional<at::Tensor>& slots) {
-  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "paged_decode_attention: q (B, H, D), caches (blocks, block_size, KVH, D)");
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode_attention: caches must be contiguous");
-  const at::Tensor q = q_in.contiguous();
-  const at::Tensor block_tables = block_tables_in.to(at::kLong).contiguous();
-  const at::Tensor ctx_lens = ctx_lens_in.to(at::kLong).contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "paged_decode_attention: shape mismatch");
-  TORCH_CHECK(block_tables.size(0) == B && ctx_lens.size(0) == B,
-              "paged_decode_attention: one table row and one length per sequence");
-  const int64_t G = H / KVH, max_blocks = block_tables.size(1);
-  if (k_new || v_new || slots) {
-    TORCH_CHECK(k_new && v_new && slots, "paged_decode_attention: k_new, v_new, slots go together");
-    const at::Tensor slot_ids = slots->to(at::kLong).contiguous();
-    const int64_t T = slot_ids.numel(), num_slots = k_cache.size(0) * block_size;
-    TORCH_CHECK(k_new->scalar_type() == at::kFloat && v_new->scalar_type() == at::kFloat &&
-                    k_new->numel() == T * KVH * D && v_new->numel() == T * KVH * D,
-                "paged_decode_attention: k_new and v_new must be float32 (T, KVH, D)");
-    const at::Tensor kn = k_new->contiguous(), vn = v_new->contiguous();
-    const int64_t* sp = slot_ids.data_ptr<int64_t>();
-    float* kc = k_cache.data_ptr<float>();
-    float* vc = v_cache.data_ptr<float>();
-    const int64_t row = KVH * D;
-    for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "paged_decode_attention: slot out of range");
-      std::copy_n(kn.data_ptr<float>() + t * row, row, kc + sp[t] * row);
-      std::copy_n(vn.data_ptr<float>() + t * row, row, vc + sp[t] * row);
+// ---- int8 KV: codes (block_size, KVH, D) int8 then scales (block_size, KVH) float32 per block
+// half (KVSpec); x = code * scale.
+
+// out[i] = scale * row_scale[i] * dot(q, codes[i])
+inline void dots_q8(float* out, const float* q, const int8_t* const* rows, const float* rs,
+                    int64_t n, int64_t D, float scale) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (; i + 4 <= n; i += 4) {
+      const int8_t *r0 = rows[i], *r1 = rows[i + 1], *r2 = rows[i + 2], *r3 = rows[i + 3];
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, load_i8(r0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, load_i8(r1 + d), a1);
+        a2 = _mm256_fmadd_ps(qv, load_i8(r2 + d), a2);
+        a3 = _mm256_fmadd_ps(qv, load_i8(r3 + d), a3);
+      }
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      const __m128 s4 = _mm_mul_ps(_mm_loadu_ps(rs + i), _mm_set1_ps(scale));
+      _mm_storeu_ps(out + i, _mm_mul_ps(sum, s4));
     }
   }
+#endif
+  for (; i < n; ++i) {
+    float acc = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc += q[d] * static_cast<float>(rows[i][d]);
+    out[i] = acc * rs[i] * scale;
+  }
+}
+
+// out (D floats) = sum over rows i of w[i] * row_scale[i] * codes[i]
+#if defined(__AVX2__) && defined(__FMA__)
+template <int NV>
+inline void weighted_rows_q8(float* out, const int8_t* const* rows, const float* rs,
+                             const float* w, int64_t n) {
+  __m256 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const int8_t* v = rows[i];
+    const __m256 wi = _mm256_set1_ps(w[i] * rs[i]);
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(wi, load_i8(v + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+#endif
+
+inline void weighted_rows_q8_any(float* out, const int8_t* const* rows, const float* rs,
+                                 const float* w, int64_t n, int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D == 64) return weighted_rows_q8<8>(out, rows, rs, w, n);
+  if (D == 128) return weighted_rows_q8<16>(out, rows, rs, w, n);
+#endif
+  std::fill(out, out + D, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float wi = w[i] * rs[i];
+    for (int64_t d = 0; d < D; ++d) out[d] += wi * static_cast<float>(rows[i][d]);
+  }
+}
+
+// Quantize rows x (T, KVH, D) float32 into int8 block halves (num_blocks, half_bytes) at slots:
+// per token and head scale = amax * (1/127), code = round(x * (127 / amax)) clamped to +-127;
+// the same operations as kv_quant.quantize_int8, so either writes the same bytes.
+void write_q8(at::Tensor& raw, const at::Tensor& x_in, const int64_t* slots, int64_t T,
+              int64_t block_size) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t KVH = x.size(1), D = x.size(2), num_blocks = raw.size(0);
+  const int64_t half = raw.size(1), codes_bytes = block_size * KVH * D;
+  TORCH_CHECK(half == codes_bytes + block_size * KVH * 4, "int8 KV: block half size mismatch");
+  uint8_t* base = raw.data_ptr<uint8_t>();
+  const float* xp = x.data_ptr<float>();
+  const float inv127 = static_cast<float>(1.0 / 127.0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t b = slots[t] / block_size, off = slots[t] % block_size;
+    TORCH_CHECK(slots[t] >= 0 && b < num_blocks, "int8 KV: slot out of range");
+    int8_t* codes = reinterpret_cast<int8_t*>(base + b * half) + off * KVH * D;
+    float* scales = reinterpret_cast<float*>(base + b * half + codes_bytes) + off * KVH;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* r = xp + (t * KVH + h) * D;
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(r[d]));
+      scales[h] = amax * inv127;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float c = std::nearbyint(r[d] * inv);
+        codes[h * D + d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
+      }
+    }
+  }
+}
+
+void kv_write_int8(at::Tensor& k_raw, at::Tensor& v_raw, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& slots_in, int64_t block_size) {
+  TORCH_CHECK(k_raw.scalar_type() == at::kByte && v_raw.scalar_type() == at::kByte &&
+                  k_raw.dim() == 2 && k_raw.stride(1) == 1 && v_raw.stride(1) == 1,
+              "kv_write_int8: block halves must be uint8 (num_blocks, half_bytes) rows");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3,
+              "kv_write_int8: k and v must be float32 (T, KVH, D)");
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == k.size(0), "kv_write_int8: one slot per row");
+  write_q8(k_raw, k, slots.data_ptr<int64_t>(), slots.numel(), block_size);
+  write_q8(v_raw, v, slots.data_ptr<int64_t>(), slots.numel(), block_size);
+}
+
+// The attention itself, over float32 K/V (Q8 false: `k_base`/`v_base` are the float caches)
+// or int8 block halves (Q8 true: `k_base`/`v_base` are the uint8 (num_blocks, half_bytes)
+// rows, codes then scales).
+template <bool Q8>
+at::Tensor attend(const at::Tensor& q, const void* k_base, const void* v_base,
+                  const at::Tensor& block_tables, const at::Tensor& ctx_lens, int64_t block_size,
+                  int64_t KVH, int64_t half_bytes, double scale_in) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t G = H / KVH, max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   int64_t max_len = 0;
@@ -193,8 +265,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, a
   // per task and query head: max, sum, then D weighted values
   at::Tensor partial = at::empty({num_tasks, G, D + 2}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const float* kp = static_cast<const float*>(k_base);
+  const float* vp = static_cast<const float*>(v_base);
+  const uint8_t* kb = static_cast<const uint8_t*>(k_base);
+  const uint8_t* vb = static_cast<const uint8_t*>(v_base);
+  const int64_t codes_bytes = block_size * KVH * D;
   float* part = partial.data_ptr<float>();
   const float scale = static_cast<float>(scale_in);
   const int64_t row_stride = KVH * D, block_stride = block_size * KVH * D;
@@ -203,8 +278,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, a
   // wins even at a 10 us thread wake-up (measured in the decode step)
   const bool small = B * max_len * H * D < (1 << 12);
   at::parallel_for(0, num_tasks, small ? num_tasks : 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, row_scales;
     std::vector<const float*> rows;
+    std::vector<const int8_t*> rows8;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task % num_spans, h = (task / num_spans) % KVH, b = task / (num_spans * KVH);
       const int64_t start = s * span, stop = std::min(lens[b], start + span);
@@ -218,24 +294,44 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, a
       }
       const int64_t n = stop - start;
       scores.resize(G * n);
-      rows.resize(2 * n);
       const int64_t* table = tables + b * max_blocks;
-      for (int64_t p = start; p < stop; ++p) {
-        const int64_t at = table[p / block_size] * block_stride + (p % block_size) * row_stride + h * D;
-        rows[p - start] = kp + at;
-        rows[n + p - start] = vp + at;
+      if constexpr (Q8) {
+        rows8.resize(2 * n);
+        row_scales.resize(2 * n);
+        for (int64_t p = start; p < stop; ++p) {
+          const int64_t blk = table[p / block_size] * half_bytes, r = (p % block_size) * KVH + h;
+          rows8[p - start] = reinterpret_cast<const int8_t*>(kb + blk) + r * D;
+          rows8[n + p - start] = reinterpret_cast<const int8_t*>(vb + blk) + r * D;
+          row_scales[p - start] = reinterpret_cast<const float*>(kb + blk + codes_bytes)[r];
+          row_scales[n + p - start] = reinterpret_cast<const float*>(vb + blk + codes_bytes)[r];
+        }
+      } else {
+        rows.resize(2 * n);
+        for (int64_t p = start; p < stop; ++p) {
+          const int64_t at = table[p / block_size] * block_stride + (p % block_size) * row_stride + h * D;
+          rows[p - start] = kp + at;
+          rows[n + p - start] = vp + at;
+        }
       }
       const float* qh = qp + (b * H + h * G) * D;
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
         const float* qg = qh + g * D;
-        dots(sg, qg, rows.data(), n, D, scale);
+        if constexpr (Q8) {
+          dots_q8(sg, qg, rows8.data(), row_scales.data(), n, D, scale);
+        } else {
+          dots(sg, qg, rows.data(), n, D, scale);
+        }
         float m = sg[0];
         for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
         float* r = res + g * (D + 2);
         r[0] = m;
         r[1] = exp_sum(sg, n, m);
-        weighted_rows_any(r + 2, rows.data() + n, sg, n, D);
+        if constexpr (Q8) {
+          weighted_rows_q8_any(r + 2, rows8.data() + n, row_scales.data() + n, sg, n, D);
+        } else {
+          weighted_rows_any(r + 2, rows.data() + n, sg, n, D);
+        }
       }
     }
   });
@@ -265,6 +361,86 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, a
   return out;
 }
 
+// q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, KVH, D); block_tables: (B, max_blocks)
+// int64; ctx_lens: (B,) int64. Returns (B, H, D).
+// k_new, v_new (T, KVH, D) and slots (T,), when given, are first written into the caches (the
+// step's new K/V rows: a decode-only step writes and attends in this one call).
+at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache,
+                                  const at::Tensor& block_tables_in, const at::Tensor& ctx_lens_in,
+                                  double scale_in, const c10::optional<at::Tensor>& k_new,
+                                  const c10::optional<at::Tensor>& v_new,
+                                  const c10::optional<at::Tensor>& slots) {
+  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "paged_decode_attention: q (B, H, D), caches (blocks, block_size, KVH, D)");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention: float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode_attention: caches must be contiguous");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor block_tables = block_tables_in.to(at::kLong).contiguous();
+  const at::Tensor ctx_lens = ctx_lens_in.to(at::kLong).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "paged_decode_attention: shape mismatch");
+  TORCH_CHECK(block_tables.size(0) == B && ctx_lens.size(0) == B,
+              "paged_decode_attention: one table row and one length per sequence");
+  if (k_new || v_new || slots) {
+    TORCH_CHECK(k_new && v_new && slots, "paged_decode_attention: k_new, v_new, slots go together");
+    const at::Tensor slot_ids = slots->to(at::kLong).contiguous();
+    const int64_t T = slot_ids.numel(), num_slots = k_cache.size(0) * block_size;
+    TORCH_CHECK(k_new->scalar_type() == at::kFloat && v_new->scalar_type() == at::kFloat &&
+                    k_new->numel() == T * KVH * D && v_new->numel() == T * KVH * D,
+                "paged_decode_attention: k_new and v_new must be float32 (T, KVH, D)");
+    const at::Tensor kn = k_new->contiguous(), vn = v_new->contiguous();
+    const int64_t* sp = slot_ids.data_ptr<int64_t>();
+    float* kc = k_cache.data_ptr<float>();
+    float* vc = v_cache.data_ptr<float>();
+    const int64_t row = KVH * D;
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "paged_decode_attention: slot out of range");
+      std::copy_n(kn.data_ptr<float>() + t * row, row, kc + sp[t] * row);
+      std::copy_n(vn.data_ptr<float>() + t * row, row, vc + sp[t] * row);
+    }
+  }
+  return attend<false>(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_tables,
+                       ctx_lens, block_size, KVH, 0, scale_in);
+}
+
+
+// paged_decode_attention over int8 KV: k_raw, v_raw (num_blocks, half_bytes) uint8 rows of one
+// layer (codes (block_size, KVH, D) int8, then scales (block_size, KVH) float32). k_new, v_new,
+// slots: rows to quantize and write first (kv_write_int8), as in the float op.
+at::Tensor paged_decode_attention_int8(const at::Tensor& q_in, at::Tensor& k_raw,
+                                       at::Tensor& v_raw, const at::Tensor& block_tables_in,
+                                       const at::Tensor& ctx_lens_in, double scale_in,
+                                       int64_t block_size, const c10::optional<at::Tensor>& k_new,
+                                       const c10::optional<at::Tensor>& v_new,
+                                       const c10::optional<at::Tensor>& slots) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
+              "paged_decode_attention_int8: q must be float32 (B, H, D)");
+  TORCH_CHECK(k_raw.scalar_type() == at::kByte && v_raw.scalar_type() == at::kByte &&
+                  k_raw.dim() == 2 && k_raw.stride(1) == 1 && v_raw.stride(1) == 1 &&
+                  k_raw.stride(0) == k_raw.size(1) && v_raw.stride(0) == v_raw.size(1),
+              "paged_decode_attention_int8: block halves must be contiguous uint8 rows");
+  const at::Tensor q = q_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t half = k_raw.size(1), per_row = D + 4;  // codes and one scale
+  TORCH_CHECK(half % (block_size * per_row) == 0, "paged_decode_attention_int8: block size");
+  const int64_t KVH = half / (block_size * per_row);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "paged_decode_attention_int8: shape mismatch");
+  const at::Tensor block_tables = block_tables_in.to(at::kLong).contiguous();
+  const at::Tensor ctx_lens = ctx_lens_in.to(at::kLong).contiguous();
+  TORCH_CHECK(block_tables.size(0) == B && ctx_lens.size(0) == B,
+              "paged_decode_attention_int8: one table row and one length per sequence");
+  if (k_new || v_new || slots) {
+    TORCH_CHECK(k_new && v_new && slots, "paged_decode_attention_int8: k_new, v_new, slots go together");
+    kv_write_int8(k_raw, v_raw, *k_new, *v_new, *slots, block_size);
+  }
+  return attend<true>(q, k_raw.data_ptr<uint8_t>(), v_raw.data_ptr<uint8_t>(), block_tables,
+                      ctx_lens, block_size, KVH, half, scale_in);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvwise, m) {
@@ -272,6 +448,17 @@ TORCH_LIBRARY(kvwise, m) {
       "paged_decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor block_tables, Tensor ctx_lens, float scale, Tensor? k_new=None, "
       "Tensor? v_new=None, Tensor? slots=None) -> Tensor");
+  m.def(
+      "paged_decode_attention_int8(Tensor q, Tensor(a!) k_raw, Tensor(b!) v_raw, "
+      "Tensor block_tables, Tensor ctx_lens, float scale, int block_size, Tensor? k_new=None, "
+      "Tensor? v_new=None, Tensor? slots=None) -> Tensor");
+  m.def(
+      "kv_write_int8(Tensor(a!) k_raw, Tensor(b!) v_raw, Tensor k, Tensor v, Tensor slots, "
+      "int block_size) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvwise, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention_int8", &paged_decode_attention_int8);
+  m.impl("kv_write_int8", &kv_write_int8);
+}

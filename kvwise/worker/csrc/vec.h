@@ -28,6 +28,11 @@ inline __m256 load_bf16(const void* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// 8 int8 -> 8 float32
+inline __m256 load_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 // 8 float32 -> 8 bfloat16, rounded to nearest even (finite inputs)
 inline void store_bf16(void* p, __m256 x) {
   __m256i i = _mm256_castps_si256(x);
