@@ -203,6 +203,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         json_path=args.json,
         self_check=args.self_check,
         progress=not args.no_progress,
+        kv_cache_dtype=args.kv_cache_dtype,
+        reference_kv_cache_dtype=args.reference_kv_cache_dtype,
+        kv_int4_group_size=args.kv_int4_group_size,
     )
     return 0
 
@@ -222,6 +225,13 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
         default="none",
         help="the reference's weights; equal to --quantization: the comparison is skipped",
     )
+    kv_formats = ["float32", "bfloat16", "float16", "int8", "int4"]
+    p.add_argument("--kv-cache-dtype", choices=kv_formats, default="float32",
+                   help="the KV format the candidate attends over (default float32)")  # fmt: skip
+    p.add_argument("--reference-kv-cache-dtype", choices=kv_formats, default="float32",
+                   help="the KV format the reference attends over (default float32)")  # fmt: skip
+    p.add_argument("--kv-int4-group-size", type=int, default=0,
+                   help="int4 KV: channels per scale group (default 32)")  # fmt: skip
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default: 512)")
     p.add_argument("--stride", type=int, default=None, help="tokens between windows (ctx // 2)")
     p.add_argument("--max-windows", type=int, default=None, help="stop after N windows (all)")

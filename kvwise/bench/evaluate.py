@@ -1,8 +1,11 @@
-"""``kvwise eval``: how far a numeric change (quantized weights, later quantized KV) moves the
-model's predictions, as llama.cpp's perplexity / KL-divergence tool measures it.
+"""``kvwise eval``: how far a numeric change (quantized weights, a KV format) moves the model's
+predictions, as llama.cpp's perplexity / KL-divergence tool measures it.
 
-A candidate model (``--quantization``) and a reference (``--reference-quantization``, float32 by
-default) read the same text in sliding windows. For every scored token we take the candidate's
+A candidate model (``--quantization``, ``--kv-cache-dtype``) and a reference
+(``--reference-quantization``, float32 weights by default; ``--reference-kv-cache-dtype``,
+float32 KV by default) read the same text in sliding windows. A KV format is applied as the
+engine applies it: every K and V row goes through the format (quantized, dequantized) before
+any attention reads it, including the rows of the query's own window. For every scored token we take the candidate's
 log-probability of the true next token (perplexity = exp(mean NLL)) and, against the reference,
 KL(reference || candidate) over the whole vocabulary and whether the two argmaxes agree.
 
@@ -42,6 +45,7 @@ from tqdm.auto import tqdm
 
 from kvwise.models.layers import dense_causal_attention
 from kvwise.models.loader import LoadedModel, load_model
+from kvwise.worker.kv_quant import ROUND_TRIP_DTYPES, round_trip
 
 # Rows of logits per slice: 256 x 49,152 x 4 B = 48 MiB per tensor, a few tensors per model.
 ROWS_PER_SLICE = 256
@@ -159,6 +163,9 @@ def evaluate(
     max_windows: int | None = None,
     reference: LoadedModel | None = None,
     progress: bool = False,
+    kv_cache_dtype: str = "float32",
+    reference_kv_cache_dtype: str = "float32",
+    kv_int4_group_size: int = 0,
 ) -> EvalResult:
     """Sliding-window perplexity of ``candidate`` on ``token_ids`` and, with ``reference``, its
     KL divergence from and top-1 agreement with the reference at every scored token.
@@ -172,6 +179,8 @@ def evaluate(
         reference: the model compared against; may be ``candidate`` itself (a self-check: both
             forwards run, so KL ~ 0 and 100% agreement confirm the comparison path).
         progress: a tqdm bar over windows.
+        kv_cache_dtype, reference_kv_cache_dtype: the KV format each side attends over
+            (``kv_int4_group_size``: int4's group, 0 for its default).
 
     Raises:
         ValueError: bad ``ctx`` / ``stride`` / ``max_windows``, or models that disagree on the
@@ -192,8 +201,12 @@ def evaluate(
             # hidden row i predicts token start + i + 1: the scored targets' rows
             rows = slice(window.first_scored - 1 - window.start, window.end - 1 - window.start)
             targets = tokens[window.first_scored : window.end]  # (S,)
-            hidden = _hidden(candidate, ids)[rows]  # (S, hidden)
-            ref_hidden = _hidden(reference, ids)[rows] if reference is not None else None
+            hidden = _hidden(candidate, ids, kv_cache_dtype, kv_int4_group_size)[rows]  # (S, hidden)
+            ref_hidden = (
+                _hidden(reference, ids, reference_kv_cache_dtype, kv_int4_group_size)[rows]
+                if reference is not None
+                else None
+            )
             for lo in range(0, len(targets), ROWS_PER_SLICE):
                 part = slice(lo, lo + ROWS_PER_SLICE)
                 ref = None if ref_hidden is None else (reference, ref_hidden[part])
@@ -254,11 +267,15 @@ def _score(candidate: LoadedModel, hidden: torch.Tensor, targets: torch.Tensor, 
     return nll, (ref_nll, kl, agree)
 
 
-def _hidden(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
-    """Final hidden states `(T, hidden)` of one window, with dense causal attention."""
+def _hidden(
+    loaded: LoadedModel, ids: torch.Tensor, kv_dtype: str = "float32", group: int = 0
+) -> torch.Tensor:
+    """Final hidden states `(T, hidden)` of one window, with dense causal attention over K/V
+    in the format ``kv_dtype``."""
     window = loaded.arch.sliding_window
 
     def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = round_trip(k.float(), kv_dtype, group), round_trip(v.float(), kv_dtype, group)
         return dense_causal_attention(q, k, v, sliding_window=window)  # (T, H*D)
 
     positions = torch.arange(len(ids), dtype=torch.int64)  # (T,)
@@ -276,10 +293,14 @@ def run(
     json_path: str | None = None,
     self_check: bool = False,
     progress: bool = True,
+    kv_cache_dtype: str = "float32",
+    reference_kv_cache_dtype: str = "float32",
+    kv_int4_group_size: int = 0,
 ) -> EvalResult:
     """``kvwise eval``: load the model(s), tokenize the corpus, evaluate, print a table and
     write ``json_path``. The candidate is loaded once; the reference is loaded too when its
-    quantization differs, else the comparison is skipped unless ``self_check`` compares the
+    quantization differs, shares the candidate's weights when only the KV format differs, and
+    the comparison is skipped when both settings are equal, unless ``self_check`` compares the
     candidate with itself.
 
     Raises:
@@ -287,13 +308,22 @@ def run(
     """
     stride = ctx // 2 if stride is None else stride
     check_window_settings(ctx, stride, max_windows)  # fail before loading
+    for name, dtype in (("kv_cache_dtype", kv_cache_dtype),
+                        ("reference_kv_cache_dtype", reference_kv_cache_dtype)):  # fmt: skip
+        if dtype not in ROUND_TRIP_DTYPES:
+            raise ValueError(f"{name}: expected one of {ROUND_TRIP_DTYPES}, got {dtype!r}")
+    if kv_int4_group_size and (kv_int4_group_size < 2 or kv_int4_group_size % 2):
+        raise ValueError(f"kv_int4_group_size: expected an even number, got {kv_int4_group_size}")
     corpus = Corpus.from_file(text) if text else Corpus.default()
     started = time.perf_counter()
     candidate = _load(model, quantization, "--quantization", progress)
     if self_check:
         reference, mode = candidate, "self-check"
     elif reference_quantization == quantization:
-        reference, mode = None, "skipped"
+        if reference_kv_cache_dtype == kv_cache_dtype:
+            reference, mode = None, "skipped"
+        else:
+            reference, mode = candidate, "reference"  # the same weights, another KV format
     else:
         reference = _load(model, reference_quantization, "--reference-quantization", progress)
         mode = "reference"
@@ -302,13 +332,22 @@ def run(
     from kvwise.engine.builder import tokenizer_for
 
     token_ids = tokenizer_for(candidate).encode(corpus.text, add_special_tokens=False)
-    result = evaluate(candidate, token_ids, ctx, stride, max_windows, reference, progress)
+    if kv_int4_group_size and candidate.arch.head_dim % kv_int4_group_size:
+        raise ValueError(f"kv_int4_group_size: {kv_int4_group_size} does not divide head_dim "
+                         f"{candidate.arch.head_dim}")  # fmt: skip
+    result = evaluate(
+        candidate, token_ids, ctx, stride, max_windows, reference, progress,
+        kv_cache_dtype, reference_kv_cache_dtype, kv_int4_group_size,
+    )  # fmt: skip
     record = {
         "model": str(candidate.source),
         "fingerprint": candidate.fingerprint,
         "quantization": quantization,
         "weight_format": candidate.weight_format,  # what "auto" resolved to
         "reference_quantization": quantization if self_check else reference_quantization,
+        "kv_cache_dtype": kv_cache_dtype,
+        "reference_kv_cache_dtype": kv_cache_dtype if self_check else reference_kv_cache_dtype,
+        "kv_int4_group_size": kv_int4_group_size,
         "reference_weight_format": reference.weight_format if reference else None,
         "reference_fingerprint": reference.fingerprint if reference else None,
         "comparison": mode,
@@ -341,6 +380,11 @@ def format_table(result: EvalResult, record: dict) -> str:
     """The human-readable summary (a Markdown table, to paste into BENCHMARKS.md)."""
     q = _label(record["quantization"], record["weight_format"])
     ref_q = _label(record["reference_quantization"], record["reference_weight_format"])
+    kv, ref_kv = record.get("kv_cache_dtype"), record.get("reference_kv_cache_dtype")
+    if kv and (kv != "float32" or ref_kv != "float32"):
+        group = record.get("kv_int4_group_size") or 32
+        q += f", KV {kv}" + (f" g{group}" if kv == "int4" else "")
+        ref_q += f", KV {ref_kv}" + (f" g{group}" if ref_kv == "int4" else "")
     corpus = record["corpus"]
     lines = [
         f"model {Path(record['model']).name}; corpus {corpus['name']}: "

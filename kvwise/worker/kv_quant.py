@@ -52,3 +52,21 @@ def dequantize_int4(packed: torch.Tensor, scale_min: torch.Tensor, group: int) -
     q = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*lead, half * 2 // group, group)
     sm = scale_min.float()
     return (q.float() * sm[..., 0:1] + sm[..., 1:2]).reshape(*lead, half * 2)
+
+
+ROUND_TRIP_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
+
+
+def round_trip(x: torch.Tensor, dtype: str, group: int = 0) -> torch.Tensor:
+    """``x`` float32 as a pool of ``dtype`` hands it back to attention (stored, then read):
+    what ``kvwise eval`` feeds its attention to measure a KV format."""
+    if dtype == "float32":
+        return x
+    if dtype in ("bfloat16", "float16"):
+        return x.to(getattr(torch, dtype)).float()
+    if dtype == "int8":
+        return dequantize_int8(*quantize_int8(x))
+    if dtype == "int4":
+        group = group or min(32, x.shape[-1])
+        return dequantize_int4(*quantize_int4(x, group), group)
+    raise ValueError(f"kv_cache_dtype: expected one of {ROUND_TRIP_DTYPES}, got {dtype!r}")

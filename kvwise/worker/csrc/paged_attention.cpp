@@ -237,6 +237,117 @@ void kv_write_int8(at::Tensor& k_raw, at::Tensor& v_raw, const at::Tensor& k,
   write_q8(v_raw, v, slots.data_ptr<int64_t>(), slots.numel(), block_size);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// ---- the query heads of one GQA group together: each K/V row is loaded (and, for int8,
+// converted) once for all of them instead of once per head.
+
+template <bool Q8>
+inline __m256 load_row(const void* row, int64_t d) {
+  if constexpr (Q8) {
+    return load_i8(static_cast<const int8_t*>(row) + d);
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(row) + d);
+  }
+}
+
+// s[g * n + i] = scale * (rs[i]) * dot(q_g, row_i) for GC heads (q_g = q + g * D), n rows.
+// R rows at a time: R * GC accumulators.
+template <bool Q8, int GC, int R>
+inline void group_scores(float* s, int64_t n, const float* q, const void* const* rows,
+                         const float* rs, int64_t D, float scale) {
+  int64_t i = 0;
+  for (; i + R <= n; i += R) {
+    __m256 acc[R][GC];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < GC; ++g) acc[r][g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      for (int r = 0; r < R; ++r) {
+        const __m256 k = load_row<Q8>(rows[i + r], d);
+        for (int g = 0; g < GC; ++g)
+          acc[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k, acc[r][g]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float f = Q8 ? scale * rs[i + r] : scale;
+      for (int g = 0; g < GC; ++g) s[g * n + i + r] = hsum(acc[r][g]) * f;
+    }
+  }
+  for (; i < n; ++i) {
+    __m256 acc[GC];
+    for (int g = 0; g < GC; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 k = load_row<Q8>(rows[i], d);
+      for (int g = 0; g < GC; ++g)
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k, acc[g]);
+    }
+    const float f = Q8 ? scale * rs[i] : scale;
+    for (int g = 0; g < GC; ++g) s[g * n + i] = hsum(acc[g]) * f;
+  }
+}
+
+// out[g * stride + d] = sum_i w[g * n + i] * (rs[i]) * row_i[d] for GC heads, 32 channels at a
+// time (4 GC accumulators); D a multiple of 32.
+template <bool Q8, int GC>
+inline void group_values(float* out, int64_t stride, const void* const* rows, const float* rs,
+                         const float* w, int64_t n, int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    __m256 acc[GC][4];
+    for (int g = 0; g < GC; ++g)
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      __m256 wg[GC];
+      for (int g = 0; g < GC; ++g) wg[g] = _mm256_set1_ps(Q8 ? w[g * n + i] * rs[i] : w[g * n + i]);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 v = load_row<Q8>(rows[i], d0 + 8 * j);
+        for (int g = 0; g < GC; ++g) acc[g][j] = _mm256_fmadd_ps(wg[g], v, acc[g][j]);
+      }
+    }
+    for (int g = 0; g < GC; ++g)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + g * stride + d0 + 8 * j, acc[g][j]);
+  }
+}
+
+// scores and weighted values of all G heads of a group, GC of them at a time
+template <bool Q8, int GC>
+inline void group_chunk_scores(float* s, int64_t n, const float* q, const void* const* rows,
+                               const float* rs, int64_t D, float scale) {
+  if constexpr (GC >= 4) {
+    group_scores<Q8, GC, 2>(s, n, q, rows, rs, D, scale);
+  } else {
+    group_scores<Q8, GC, 4>(s, n, q, rows, rs, D, scale);
+  }
+}
+
+template <bool Q8>
+void all_group_scores(float* s, int64_t n, const float* q, const void* const* rows,
+                      const float* rs, int64_t G, int64_t D, float scale) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    float* sg = s + g0 * n;
+    const float* qg = q + g0 * D;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: group_chunk_scores<Q8, 1>(sg, n, qg, rows, rs, D, scale); break;
+      case 2: group_chunk_scores<Q8, 2>(sg, n, qg, rows, rs, D, scale); break;
+      case 3: group_chunk_scores<Q8, 3>(sg, n, qg, rows, rs, D, scale); break;
+      default: group_chunk_scores<Q8, 4>(sg, n, qg, rows, rs, D, scale); break;
+    }
+  }
+}
+
+template <bool Q8>
+void all_group_values(float* out, int64_t stride, const void* const* rows, const float* rs,
+                      const float* w, int64_t n, int64_t G, int64_t D) {
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    float* og = out + g0 * stride;
+    const float* wg = w + g0 * n;
+    switch (std::min<int64_t>(3, G - g0)) {
+      case 1: group_values<Q8, 1>(og, stride, rows, rs, wg, n, D); break;
+      case 2: group_values<Q8, 2>(og, stride, rows, rs, wg, n, D); break;
+      default: group_values<Q8, 3>(og, stride, rows, rs, wg, n, D); break;
+    }
+  }
+}
+#endif
+
 // The attention itself, over float32 K/V (Q8 false: `k_base`/`v_base` are the float caches)
 // or int8 block halves (Q8 true: `k_base`/`v_base` are the uint8 (num_blocks, half_bytes)
 // rows, codes then scales).
@@ -314,6 +425,24 @@ at::Tensor attend(const at::Tensor& q, const void* k_base, const void* v_base,
         }
       }
       const float* qh = qp + (b * H + h * G) * D;
+#if defined(__AVX2__) && defined(__FMA__)
+      if (D % 32 == 0) {  // the group kernels: each row read once for the G heads
+        const void* const* krows = Q8 ? reinterpret_cast<const void* const*>(rows8.data())
+                                      : reinterpret_cast<const void* const*>(rows.data());
+        const float* krs = Q8 ? row_scales.data() : nullptr;
+        all_group_scores<Q8>(scores.data(), n, qh, krows, krs, G, D, scale);
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * n;
+          float m = sg[0];
+          for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
+          res[g * (D + 2)] = m;
+          res[g * (D + 2) + 1] = exp_sum(sg, n, m);
+        }
+        all_group_values<Q8>(res + 2, D + 2, krows + n, Q8 ? krs + n : nullptr, scores.data(),
+                             n, G, D);
+        continue;
+      }
+#endif
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
         const float* qg = qh + g * D;
