@@ -90,7 +90,8 @@ def report(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None
         f"{shape.num_layers} layers, {shape.num_heads} query heads, {shape.num_kv_heads} KV "
         f"heads ({shape.attention_kind}), head_dim {shape.head_dim}, {shape.dtype}",
         f"KV per token:   2 x {shape.num_layers} x {shape.num_kv_heads} x {shape.head_dim} x "
-        f"{DTYPE_BYTES[shape.dtype]} B = {per_token:,.0f} B ({per_token / 1024:,.1f} KiB)",
+        f"{DTYPE_BYTES[shape.dtype]} B{_SCALES.get(shape.dtype, '')} = {per_token:,.0f} B "
+        f"({per_token / 1024:,.1f} KiB)",
         f"per request:    {num_tokens:,} tokens = {_gb(per_token * num_tokens)}",
         f"per batch:      {batch} x {num_tokens:,} tokens = {_gb(per_token * num_tokens * batch)}",
     ]
@@ -117,4 +118,44 @@ def report(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None
             f"| {s.attention_kind} | {kv} | {b / 1024:,.1f} KiB | {b * num_tokens / 1e9:,.2f} GB "
             f"| {b * num_tokens * batch / 1e9:,.2f} GB | {b / mha:.3f}x |"
         )
+    lines += ["", format_table(shape, num_tokens, batch, memory_bytes)]
+    return "\n".join(lines)
+
+
+_SCALES = {"int8": " + scales (4 B per token and KV head)",
+           "int4": " + scales (4 B per 32 channels)"}  # fmt: skip
+
+# per format: what one element costs and the scales beside it (KVSpec's layouts)
+_FORMAT_NOTES = {
+    "float32": "4 B",
+    "float16": "2 B",
+    "bfloat16": "2 B",
+    "fp8": "1 B (one scale per tensor; size only, kvwise does not store it)",
+    "int8": "1 B + a float32 scale per token and KV head",
+    "int4": "0.5 B + a float16 scale and minimum per 32 channels",
+}
+
+
+def format_table(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None) -> str:
+    """Every KV format at this shape: bytes per token with their scales, per request, per
+    batch, and the tokens ``memory_bytes`` holds."""
+    lines = [
+        "| KV format | per element | per token | per request | per batch | vs float16 |"
+        + (" tokens in memory |" if memory_bytes else ""),
+        "|---|---|---:|---:|---:|---:|" + ("---:|" if memory_bytes else ""),
+    ]
+    half = KVShape(shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                   "float16").bytes_per_token  # fmt: skip
+    for dtype, note in _FORMAT_NOTES.items():
+        if dtype == "int4" and shape.head_dim % 2:
+            continue
+        b = KVShape(shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                    dtype).bytes_per_token  # fmt: skip
+        row = (
+            f"| {dtype} | {note} | {b:,.0f} B | {b * num_tokens / 1e9:,.3f} GB "
+            f"| {b * num_tokens * batch / 1e9:,.2f} GB | {b / half:.3f}x |"
+        )
+        if memory_bytes:
+            row += f" {int(memory_bytes // b):,} |"
+        lines.append(row)
     return "\n".join(lines)
