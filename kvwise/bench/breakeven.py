@@ -12,7 +12,9 @@ Reports medians, each tier's break-even length (where loading starts to win, int
 the measured points), the disk tier's speed-up at 2,048 tokens with a cold page cache, and
 whether the cost model's choice stayed within 10% of the better of load and recompute at
 every length. Draws TTFT against length as a PNG. ``--chunk-blocks 1,4,8,16`` instead compares
-entry sizes on the disk tier.
+entry sizes on the disk tier. ``--kv-formats float32,int8,int4`` measures each KV format in
+turn (its own engines: a stored entry is in the format of the pool) and draws them on one
+figure.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="Redis for the redis tier (default: start redis-server on a loopback port)",
     )
     p.add_argument("--chunk-blocks", default=None, help="entry sizes to compare, e.g. 1,4,8,16")
+    p.add_argument(
+        "--kv-formats",
+        default=None,
+        help="KV formats to measure in turn and draw on one figure, e.g. float32,int8,int4",
+    )
     p.add_argument("--plot", default="docs/breakeven.png", help="write the PNG plot here")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
@@ -118,13 +125,19 @@ def _break_even(lengths: list[int], recompute: list[float], load: list[float]) -
     return None  # never within the measured lengths
 
 
-def _engines(args, loaded, tiers: list[str], redis_url: str | None, disk_root: str, max_len: int):
+def _engines(
+    args, loaded, tiers: list[str], redis_url: str | None, disk_root: str, max_len: int,
+    kv_dtype: str | None = None,
+):  # fmt: skip
     from kvwise.config import EngineConfig
     from kvwise.engine.builder import build_engine
     from kvwise.engine.llm_engine import LLMEngine
     from kvwise.engine_args import engine_kwargs
 
     kw = engine_kwargs(args)
+    if kv_dtype:
+        kw["kv_cache_dtype"] = kv_dtype
+        disk_root = f"{disk_root}/{kv_dtype}"
     kw["kv_cache_memory"] = kw.get("kv_cache_memory") or "1GiB"
     kw["prefill_chunk_size"] = kw.get("prefill_chunk_size") or 512
     off = {"kv_host_memory": "off", "kv_disk_path": "off", "kv_redis_url": None}
@@ -179,6 +192,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.chunk_blocks:
             result = _compare_chunks(args, loaded, lengths, disk_root)
+        elif args.kv_formats:
+            result = _compare_formats(args, loaded, tiers, redis_url, disk_root, lengths)
         else:
             engines = _engines(args, loaded, tiers, redis_url, disk_root, lengths[-1])
             result = _measure(args, engines, tiers, lengths)
@@ -191,6 +206,65 @@ def main(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _compare_formats(args, loaded, tiers, redis_url, disk_root: str, lengths: list[int]) -> dict:
+    from kvwise.core.kv_spec import STORAGE_DTYPES
+
+    formats = [f for f in args.kv_formats.split(",") if f]
+    bad = [f for f in formats if f not in STORAGE_DTYPES]
+    if bad or not formats:
+        raise ValueError(f"kv_formats: expected some of {STORAGE_DTYPES}, got {args.kv_formats!r}")
+    plot, args.plot = args.plot, None
+    results = {}
+    try:
+        for fmt in formats:
+            print(f"\n== KV format {fmt} ==")
+            engines = _engines(args, loaded, tiers, redis_url, disk_root, lengths[-1], fmt)
+            try:
+                results[fmt] = _measure(args, engines, tiers, lengths)
+                spec = engines["recompute"].runner.spec
+                results[fmt]["bytes_per_token"] = spec.bytes_per_token
+            finally:
+                for engine in engines.values():
+                    engine.close()
+    finally:
+        args.plot = plot
+    if plot:
+        _plot_formats(plot, lengths, results, tiers)
+        print(f"plot: {plot}")
+    return {"kv_formats": results}
+
+
+def _plot_formats(path: str, lengths, results: dict, tiers: list[str]) -> None:
+    """Recompute and each tier's load against prefix length, one colour per KV format."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    styles = {"host": "-s", "disk": "-o", "redis": "-^"}
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (fmt, result) in enumerate(results.items()):
+        c = colours[i % len(colours)]
+        med = result["median_ttft_s"]
+        ax.plot(lengths, [s * 1e3 for s in med["recompute"]], ":", color=c, lw=1.5,
+                label=f"{fmt}: recompute")  # fmt: skip
+        for t in tiers:
+            ax.plot(lengths, [s * 1e3 for s in med[f"{t} load"]], styles[t], color=c, ms=4,
+                    label=f"{fmt}: {t} load")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prefix length (tokens)")
+    ax.set_ylabel("time to first token (ms, median)")
+    ax.set_title("kvwise: loading a stored prefix vs recomputing it, per KV format")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _prompt(rng: random.Random, vocab: int, num_tokens: int) -> list[int]:
@@ -340,6 +414,9 @@ def _compare_chunks(args, loaded, lengths: list[int], disk_root: str) -> dict:
 
     sizes = [int(x) for x in args.chunk_blocks.split(",")]
     kw = engine_kwargs(args)
+    if kv_dtype:
+        kw["kv_cache_dtype"] = kv_dtype
+        disk_root = f"{disk_root}/{kv_dtype}"
     kw["kv_cache_memory"] = kw.get("kv_cache_memory") or "1GiB"
     engines = {}
     for c in sizes:

@@ -32,3 +32,13 @@ def test_bench_chat_runs(tmp_path):
     assert len(ttfts) == 2 and all(t > 0 for t in ttfts)
     sizes = result["runs"]["kvwise"][0]["prompt_tokens"]
     assert sizes[1][0] > sizes[0][0] > 40  # the second turn carries the first one's history
+
+
+def test_bench_breakeven_compares_kv_formats(tmp_path):
+    out, plot = tmp_path / "formats.json", tmp_path / "formats.png"
+    args = ["bench", "breakeven", "--lengths", "16,32", "--reps", "1", "--tiers", "disk"]
+    args += ["--kv-formats", "float32,int8", "--kv-cache-memory", "64MiB", "--plot", str(plot)]
+    assert main([*args, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["kv_formats"]
+    assert set(result) == {"float32", "int8"} and plot.stat().st_size > 0
+    assert result["int8"]["bytes_per_token"] < result["float32"]["bytes_per_token"] / 3.5
