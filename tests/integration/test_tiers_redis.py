@@ -113,3 +113,23 @@ def test_retention_sets_a_long_ttl(redis_engine, redis_db):
     client = redis_db.client()
     ttls = [client.ttl(k) for k in client.keys("kvwise:kv:*")]
     assert ttls and min(ttls) > 23 * 3600
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_kv_round_trips_through_redis(redis_engine, make_engine, dtype):
+    """A quantized pool stores its compact bytes in Redis and reads them back: the same greedy
+    tokens as computing the prefix cold; an engine of another KV format finds nothing."""
+    cold = run(make_engine(kv_cache_dtype=dtype))
+    engine = redis_engine(kv_cache_dtype=dtype)
+    run(engine)
+    engine.flush()
+    evict_device(engine)
+    out = run(engine)
+    assert out.num_loaded_tokens > 300 and out.token_ids == cold.token_ids
+    redis_stats = engine.stats().store.tiers["redis"]
+    spec = engine.runner.spec
+    float_bytes = out.num_loaded_tokens * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    assert 0 < redis_stats.bytes_read < float_bytes / 3.5  # compact entries, not float32
+    other = redis_engine(kv_cache_dtype="float32")
+    assert run(other).num_loaded_tokens == 0
+    assert other.stats().store.lookup_misses >= 1
