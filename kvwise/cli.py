@@ -225,9 +225,10 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
         default="none",
         help="the reference's weights; equal to --quantization: the comparison is skipped",
     )
-    kv_formats = ["float32", "bfloat16", "float16", "int8", "int4"]
+    kv_formats = ["float32", "bfloat16", "float16", "int8", "int4", "int4-kc"]
     p.add_argument("--kv-cache-dtype", choices=kv_formats, default="float32",
-                   help="the KV format the candidate attends over (default float32)")  # fmt: skip
+                   help="the KV format the candidate attends over (default float32; int4-kc: "
+                   "keys per channel within 16-token blocks, measured only)")  # fmt: skip
     p.add_argument("--reference-kv-cache-dtype", choices=kv_formats, default="float32",
                    help="the KV format the reference attends over (default float32)")  # fmt: skip
     p.add_argument("--kv-int4-group-size", type=int, default=0,

@@ -5,7 +5,9 @@ A candidate model (``--quantization``, ``--kv-cache-dtype``) and a reference
 (``--reference-quantization``, float32 weights by default; ``--reference-kv-cache-dtype``,
 float32 KV by default) read the same text in sliding windows. A KV format is applied as the
 engine applies it: every K and V row goes through the format (quantized, dequantized) before
-any attention reads it, including the rows of the query's own window. For every scored token we take the candidate's
+any attention reads it, including the rows of the query's own window. ``int4-kc`` (keys per
+channel within 16-token blocks, KIVI's layout) is a measured alternative the pool does not
+store. For every scored token we take the candidate's
 log-probability of the true next token (perplexity = exp(mean NLL)) and, against the reference,
 KL(reference || candidate) over the whole vocabulary and whether the two argmaxes agree.
 
@@ -275,7 +277,8 @@ def _hidden(
     window = loaded.arch.sliding_window
 
     def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k, v = round_trip(k.float(), kv_dtype, group), round_trip(v.float(), kv_dtype, group)
+        k = round_trip(k.float(), kv_dtype, group, keys=True)
+        v = round_trip(v.float(), kv_dtype, group)
         return dense_causal_attention(q, k, v, sliding_window=window)  # (T, H*D)
 
     positions = torch.arange(len(ids), dtype=torch.int64)  # (T,)

@@ -65,3 +65,19 @@ def test_int4_on_smooth_data_is_accurate():
     assert (back - x).abs().mean() < 0.1 * x.abs().mean()
     back8 = kv_quant.dequantize_int8(*kv_quant.quantize_int8(x))
     assert (back8 - x).abs().mean() < 0.01 * x.abs().mean()
+
+
+def test_round_trip_per_format():
+    x = torch.randn(40, 3, 64, generator=torch.Generator().manual_seed(2))
+    x[..., 5] *= 30  # an outlier key channel
+    assert kv_quant.round_trip(x, "float32") is x
+    assert torch.equal(kv_quant.round_trip(x, "bfloat16"), x.bfloat16().float())
+    errs = {d: (kv_quant.round_trip(x, d, keys=True) - x).abs().mean().item()
+            for d in ("float16", "int8", "int4", "int4-kc")}  # fmt: skip
+    assert errs["float16"] < errs["int8"] < errs["int4"]
+    # per-channel keys absorb the outlier channel: far less error than per-token groups
+    assert errs["int4-kc"] < errs["int4"] / 2
+    kc = kv_quant.round_trip(x, "int4-kc", keys=True)
+    assert torch.equal(kc[32:], x[32:])  # the partial last block stays full precision
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_quant.round_trip(x, "int3")
