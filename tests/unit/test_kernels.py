@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kvwise.models.layers import apply_rope, rms_norm, rope_table
 from kvwise.core.kv_spec import KVSpec
+from kvwise.models.quant import Int4Weight
 from kvwise.worker import kernels
 from kvwise.worker.kv_cache import PagedKVCache
 
@@ -165,3 +166,16 @@ def test_paged_int8_attention_matches_sdpa_over_the_dequantized_blocks(
                                           dim**-0.5, block_size)  # fmt: skip
     want = _reference(q, k_deq, v_deq, tables, lens)
     torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape,group", [((960, 576), 32), ((576, 1536), 32), ((64, 128), 64)])
+def test_int4mm_is_bit_for_bit_torchs_int4_kernel(shape, group):
+    """kvwise's int4 matmul (several rows: a dequantized tile and a register-blocked kernel)
+    does torch's kernel's roundings in its order, so it may stand in for it at any row count
+    without changing a single output bit: cold and cached prompts stay identical."""
+    gen = torch.Generator().manual_seed(shape[0] + group)
+    weight = Int4Weight.quantize(torch.randn(*shape, generator=gen), group)
+    for rows in (1, 2, 5, 6, 7, 64, 301):
+        x = (torch.randn(rows, shape[1], generator=gen) * 3).to(torch.bfloat16)
+        got = ops.int4mm(x, weight.packed, group, weight.scales_zeros)
+        assert torch.equal(got, weight.mm(x)), rows

@@ -28,6 +28,7 @@
 
 #include <cmath>
 #include <tuple>
+#include <vector>
 
 #include "vec.h"
 
@@ -196,9 +197,155 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   return out;
 }
 
+// ---- int4 matmul for several rows, bit for bit torch's CPU int4 kernel ----------------------
+//
+// torch's kernel (aten/src/ATen/native/cpu/int4mm_kernel.cpp, AVX2) computes each output as
+// one float32 FMA chain over k = 0 .. K-1: w = fma(q, scale, fma(scale, -8, zero)) with q the
+// 4-bit code as a float, then acc = fma(x[k], w, acc), rounded to bfloat16 at the end. Those
+// are the only roundings, so any kernel doing the same operations in the same k order gives
+// the same bits, however it tiles rows and columns: this one dequantizes a block of 32 output
+// columns once into a float32 tile (2 x K x 16, in L2) and runs every row through it with a
+// register-blocked 6-rows x 16-columns micro-kernel (torch's kernel re-dequantizes per row
+// block and runs ~50 GFLOP/s here on prefill; this one ~2x that). One row (decode) keeps
+// torch's kernel: it streams the weights once either way.
+#if defined(__AVX2__) && defined(__FMA__)
+
+// the float32 weights of output block `nb` as two (K, 16) halves: columns 0..15, then 16..31
+// (torch's packed layout: (N / 32, K, 16) bytes, byte j holding column j in its low nibble and
+// 16 + j in its high one)
+void dequant_block(const uint8_t* packed, const BFloat16* sz, int64_t N, int64_t K,
+                   int64_t group, int64_t nb, float* tile) {
+  const uint8_t* q = packed + nb * K * 16;
+  const __m256i nib = _mm256_set1_epi32(15);
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256 minus8 = _mm256_set1_ps(-8.f);
+  __m256 scale[4], zero[4];
+  for (int64_t k = 0; k < K; ++k) {
+    if (k % group == 0) {
+      // (scale, zero) bf16 pairs of columns 32 nb + 8 j .. + 7 as 32-bit words
+      const BFloat16* p = sz + ((k / group) * N + nb * 32) * 2;
+      for (int j = 0; j < 4; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * j));
+        scale[j] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        zero[j] = _mm256_fmadd_ps(scale[j], minus8, _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask)));
+      }
+    }
+    const uint8_t* b = q + k * 16;
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8)));
+    const __m256 c[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(lo, nib)),   // columns 0..7
+                         _mm256_cvtepi32_ps(_mm256_and_si256(hi, nib)),   // 8..15
+                         _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)),    // 16..23
+                         _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4))};   // 24..31
+    // two (K, 16) halves, each contiguous for the micro-kernel's pass over it
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_ps(tile + (j / 2) * K * 16 + k * 16 + 8 * (j % 2), _mm256_fmadd_ps(c[j], scale[j], zero[j]));
+  }
+}
+
+// R rows x 16 columns: out[r][0..15] = bf16(sum_k x[r][k] * tile[k][0..15]), one FMA chain
+// per output. Named accumulators: GCC keeps an array of them on the stack, storing every one
+// at every k, which halves the speed.
+template <int R>
+inline void micro(const float* x, int64_t ldx, const float* tile, int64_t K, BFloat16* out,
+                  int64_t ldo) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+  __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  const float* x0 = x;
+  const float* x1 = x + ldx;
+  const float* x2 = x + 2 * ldx;
+  const float* x3 = x + 3 * ldx;
+  const float* x4 = x + 4 * ldx;
+  const float* x5 = x + 5 * ldx;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(tile + k * 16), w1 = _mm256_loadu_ps(tile + k * 16 + 8);
+    __m256 xv = _mm256_broadcast_ss(x0 + k);
+    a00 = _mm256_fmadd_ps(xv, w0, a00);
+    a01 = _mm256_fmadd_ps(xv, w1, a01);
+    if constexpr (R > 1) {
+      xv = _mm256_broadcast_ss(x1 + k);
+      a10 = _mm256_fmadd_ps(xv, w0, a10);
+      a11 = _mm256_fmadd_ps(xv, w1, a11);
+    }
+    if constexpr (R > 2) {
+      xv = _mm256_broadcast_ss(x2 + k);
+      a20 = _mm256_fmadd_ps(xv, w0, a20);
+      a21 = _mm256_fmadd_ps(xv, w1, a21);
+    }
+    if constexpr (R > 3) {
+      xv = _mm256_broadcast_ss(x3 + k);
+      a30 = _mm256_fmadd_ps(xv, w0, a30);
+      a31 = _mm256_fmadd_ps(xv, w1, a31);
+    }
+    if constexpr (R > 4) {
+      xv = _mm256_broadcast_ss(x4 + k);
+      a40 = _mm256_fmadd_ps(xv, w0, a40);
+      a41 = _mm256_fmadd_ps(xv, w1, a41);
+    }
+    if constexpr (R > 5) {
+      xv = _mm256_broadcast_ss(x5 + k);
+      a50 = _mm256_fmadd_ps(xv, w0, a50);
+      a51 = _mm256_fmadd_ps(xv, w1, a51);
+    }
+  }
+  const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
+                            {a30, a31}, {a40, a41}, {a50, a51}};
+  for (int r = 0; r < R; ++r) {
+    store_bf16(out + r * ldo, acc[r][0]);
+    store_bf16(out + r * ldo + 8, acc[r][1]);
+  }
+}
+
+void rows_through_tile(const float* x, int64_t M, int64_t K, const float* tile, BFloat16* out,
+                       int64_t N) {
+  for (int half = 0; half < 2; ++half) {
+    const float* t = tile + half * K * 16;
+    BFloat16* o = out + 16 * half;
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6) micro<6>(x + m * K, K, t, K, o + m * N, N);
+    switch (M - m) {
+      case 5: micro<5>(x + m * K, K, t, K, o + m * N, N); break;
+      case 4: micro<4>(x + m * K, K, t, K, o + m * N, N); break;
+      case 3: micro<3>(x + m * K, K, t, K, o + m * N, N); break;
+      case 2: micro<2>(x + m * K, K, t, K, o + m * N, N); break;
+      case 1: micro<1>(x + m * K, K, t, K, o + m * N, N); break;
+      default: break;
+    }
+  }
+}
+#endif
+
 at::Tensor int4mm(const at::Tensor& x, const at::Tensor& packed, int64_t group,
                   const at::Tensor& scales_zeros) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  if (M >= 2 && x.dim() == 2 && N % 32 == 0 && group % 8 == 0 && K % group == 0 &&
+      packed.scalar_type() == at::kByte && packed.size(1) * 2 == K &&
+      scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+      x.scalar_type() == at::kBFloat16) {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();  // exact: bf16 -> f32
+    const at::Tensor q = packed.contiguous();
+    at::Tensor out = at::empty({M, N}, x.options());
+    const float* xp = xf.data_ptr<float>();
+    const uint8_t* qp = q.data_ptr<uint8_t>();
+    const BFloat16* szp = scales_zeros.data_ptr<BFloat16>();
+    BFloat16* op = out.data_ptr<BFloat16>();
+    at::parallel_for(0, N / 32, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> tile(K * 32);
+      for (int64_t nb = b0; nb < b1; ++nb) {
+        dequant_block(qp, szp, N, K, group, nb, tile.data());
+        rows_through_tile(xp, M, K, tile.data(), op + nb * 32, N);
+      }
+    });
+    return out;
+  }
+#endif
   return at::_weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros);
+}
+
+at::Tensor int4mm_op(const at::Tensor& x, const at::Tensor& packed, int64_t group,
+                     const at::Tensor& scales_zeros) {
+  return int4mm(x.to(at::kBFloat16).contiguous(), packed, group, scales_zeros);
 }
 
 at::Tensor rms_norm_int4mm(const at::Tensor& x, const at::Tensor& w, double eps,
@@ -232,6 +379,7 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
       "rms_norm_int4mm(Tensor x, Tensor weight, float eps, Tensor packed, int group, "
       "Tensor scales_zeros) -> Tensor");
   m.def("f32_int4mm(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor");
+  m.def("int4mm(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor");
   m.def(
       "mlp_int4(Tensor(a!) residual, Tensor o, Tensor weight, float eps, Tensor gu_packed, "
       "Tensor gu_scales_zeros, Tensor down_packed, Tensor down_scales_zeros, int group) -> ()");
@@ -245,4 +393,5 @@ TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
   m.impl("rms_norm_int4mm", &rms_norm_int4mm);
   m.impl("f32_int4mm", &f32_int4mm);
   m.impl("mlp_int4", &mlp_int4);
+  m.impl("int4mm", &int4mm_op);
 }
