@@ -304,7 +304,7 @@ def test_serve_help_lists_the_tier_flags(capsys):
 def test_tier_flags_reach_the_store_config_only_when_given(monkeypatch, tmp_path):
     monkeypatch.delenv("KVWISE_KV_REDIS_URL", raising=False)
     kwargs = engine_kwargs(build_parser().parse_args(["serve"]))
-    pool_flags = ("kv_cache_memory", "kv_cache_dtype")  # the device pool: not tier flags
+    pool_flags = ("kv_cache_memory", "kv_cache_dtype", "kv_int4_group_size")  # the pool: not tiers
     assert not any(name.startswith("kv_") and name not in pool_flags for name in kwargs)
     assert EngineConfig.from_kwargs(**kwargs).store == StoreConfig()
     argv = ["serve", "--kv-host-memory", "off", "--kv-disk-path", str(tmp_path)]
