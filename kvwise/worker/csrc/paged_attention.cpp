@@ -406,22 +406,32 @@ at::Tensor attend(const at::Tensor& q, const void* k_base, const void* v_base,
       const int64_t n = stop - start;
       scores.resize(G * n);
       const int64_t* table = tables + b * max_blocks;
+      // walk the span block by block (no division per key)
       if constexpr (Q8) {
         rows8.resize(2 * n);
         row_scales.resize(2 * n);
-        for (int64_t p = start; p < stop; ++p) {
-          const int64_t blk = table[p / block_size] * half_bytes, r = (p % block_size) * KVH + h;
-          rows8[p - start] = reinterpret_cast<const int8_t*>(kb + blk) + r * D;
-          rows8[n + p - start] = reinterpret_cast<const int8_t*>(vb + blk) + r * D;
-          row_scales[p - start] = reinterpret_cast<const float*>(kb + blk + codes_bytes)[r];
-          row_scales[n + p - start] = reinterpret_cast<const float*>(vb + blk + codes_bytes)[r];
+        for (int64_t p = start, i = 0; p < stop;) {
+          const int64_t blk = table[p / block_size] * half_bytes;
+          const int8_t* kc = reinterpret_cast<const int8_t*>(kb + blk);
+          const int8_t* vc = reinterpret_cast<const int8_t*>(vb + blk);
+          const float* ks = reinterpret_cast<const float*>(kb + blk + codes_bytes);
+          const float* vs = reinterpret_cast<const float*>(vb + blk + codes_bytes);
+          for (int64_t off = p % block_size; off < block_size && p < stop; ++off, ++p, ++i) {
+            const int64_t r = off * KVH + h;
+            rows8[i] = kc + r * D;
+            rows8[n + i] = vc + r * D;
+            row_scales[i] = ks[r];
+            row_scales[n + i] = vs[r];
+          }
         }
       } else {
         rows.resize(2 * n);
-        for (int64_t p = start; p < stop; ++p) {
-          const int64_t at = table[p / block_size] * block_stride + (p % block_size) * row_stride + h * D;
-          rows[p - start] = kp + at;
-          rows[n + p - start] = vp + at;
+        for (int64_t p = start, i = 0; p < stop;) {
+          const int64_t blk = table[p / block_size] * block_stride + h * D;
+          for (int64_t off = p % block_size; off < block_size && p < stop; ++off, ++p, ++i) {
+            rows[i] = kp + blk + off * row_stride;
+            rows[n + i] = vp + blk + off * row_stride;
+          }
         }
       }
       const float* qh = qp + (b * H + h * G) * D;
