@@ -73,7 +73,10 @@ def main() -> None:
             )  # fmt: skip
             loaded = loaded or load_for(config, progress=False)
             name = fmt if len(kv_dtypes) == 1 else f"{fmt}, KV {kv_dtype}"
-            engines[name] = (build_engine(config, progress=False, loaded=loaded), str(loaded.source))
+            engines[name] = (
+                build_engine(config, progress=False, loaded=loaded),
+                str(loaded.source),
+            )
     model = next(iter(engines.values()))[1]
     rng = random.Random(0)
     for engine, _ in engines.values():  # warm-up

@@ -42,12 +42,13 @@ def main() -> None:
         xf = [x.float() for x in xs]
         for w, x in zip(weights, xs):
             assert torch.equal(w.mm(x), ops.int4mm(x, w.packed, w.group_size, w.scales_zeros))
-        torch_s = median_seconds(lambda: [w.mm(x) for w, x in zip(weights, xs)])
+        torch_s = median_seconds(lambda xs=xs: [w.mm(x) for w, x in zip(weights, xs)])
         ours_s = median_seconds(
-            lambda: [ops.int4mm(x, w.packed, w.group_size, w.scales_zeros)
-                     for w, x in zip(weights, xs)]  # fmt: skip
+            lambda xs=xs: [
+                ops.int4mm(x, w.packed, w.group_size, w.scales_zeros) for w, x in zip(weights, xs)
+            ]  # fmt: skip
         )
-        f32_s = median_seconds(lambda: [x @ f for f, x in zip(floats, xf)])
+        f32_s = median_seconds(lambda xf=xf: [x @ f for f, x in zip(floats, xf)])
         flops = 2 * rows * sum(o * i for o, i in SHAPES)
         print(f"| {rows} | " + " | ".join(
             f"{flops / s / 1e9:.0f} GFLOP/s" for s in (torch_s, ours_s, f32_s)) + " |")  # fmt: skip

@@ -37,11 +37,14 @@ def main() -> None:
         cache.write(0, slots, kv[0], kv[1])
         k, v = cache.k_blocks[0], cache.v_blocks[0]
         if dtype == "int8":
-            def call():
+
+            def call(k=k, v=v):
                 return ops.paged_decode_attention_int8(q, k, v, table, lens, 0.125, block_size)
         else:
-            def call():
+
+            def call(k=k, v=v):
                 return ops.paged_decode_attention(q, k, v, table, lens, 0.125)
+
         for _ in range(20):
             call()
         times = []

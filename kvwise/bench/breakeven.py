@@ -254,13 +254,21 @@ def _plot_formats(path: str, lengths, results: dict, tiers: list[str]) -> None:
         for t in tiers:
             ax.plot(lengths, [s * 1e3 for s in med[f"{t} load"]], styles[t], color=c, ms=4,
                     label=f"{fmt}: {t} load")  # fmt: skip
+    _finish_ttft_plot(fig, ax, path, "kvwise: loading a stored prefix vs recomputing it, per KV format",
+                      legend={"fontsize": 7, "ncol": 2})  # fmt: skip
+
+
+def _finish_ttft_plot(fig, ax, path: str, title: str, legend: dict) -> None:
+    """Log axes, labels, grid and legend of a TTFT-vs-prefix-length plot; write the PNG."""
+    import matplotlib.pyplot as plt
+
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prefix length (tokens)")
     ax.set_ylabel("time to first token (ms, median)")
-    ax.set_title("kvwise: loading a stored prefix vs recomputing it, per KV format")
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(**legend)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -393,17 +401,8 @@ def _plot(path: str, lengths, med, tiers, break_even) -> None:
         be = break_even.get(t)
         if be:
             ax.axvline(be, color=c, ls=":", lw=1)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prefix length (tokens)")
-    ax.set_ylabel("time to first token (ms, median)")
-    ax.set_title("kvwise: loading a stored prefix vs recomputing it")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish_ttft_plot(fig, ax, path, "kvwise: loading a stored prefix vs recomputing it",
+                      legend={"fontsize": 8})  # fmt: skip
 
 
 def _compare_chunks(args, loaded, lengths: list[int], disk_root: str) -> dict:
@@ -414,9 +413,6 @@ def _compare_chunks(args, loaded, lengths: list[int], disk_root: str) -> dict:
 
     sizes = [int(x) for x in args.chunk_blocks.split(",")]
     kw = engine_kwargs(args)
-    if kv_dtype:
-        kw["kv_cache_dtype"] = kv_dtype
-        disk_root = f"{disk_root}/{kv_dtype}"
     kw["kv_cache_memory"] = kw.get("kv_cache_memory") or "1GiB"
     engines = {}
     for c in sizes:

@@ -203,7 +203,9 @@ def evaluate(
             # hidden row i predicts token start + i + 1: the scored targets' rows
             rows = slice(window.first_scored - 1 - window.start, window.end - 1 - window.start)
             targets = tokens[window.first_scored : window.end]  # (S,)
-            hidden = _hidden(candidate, ids, kv_cache_dtype, kv_int4_group_size)[rows]  # (S, hidden)
+            hidden = _hidden(candidate, ids, kv_cache_dtype, kv_int4_group_size)[
+                rows
+            ]  # (S, hidden)
             ref_hidden = (
                 _hidden(reference, ids, reference_kv_cache_dtype, kv_int4_group_size)[rows]
                 if reference is not None

@@ -42,7 +42,9 @@ class PagedKVCache:
         self.quantized = spec.quantized
         self.dtype = TORCH_DTYPES.get(spec.dtype, torch.uint8)
         self.compute_dtype = compute_dtype or (torch.float32 if self.quantized else self.dtype)
-        self._cast = self.compute_dtype != self.dtype and not self.quantized  # NOTE: off the usual path
+        self._cast = (
+            self.compute_dtype != self.dtype and not self.quantized
+        )  # NOTE: off the usual path
         # attention reads back what was stored (not the fresh rows) whenever storing loses
         # anything: a prompt then sees the same K/V cold as from the cache
         self.lossy = self.quantized or self._cast

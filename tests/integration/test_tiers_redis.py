@@ -128,7 +128,9 @@ def test_quantized_kv_round_trips_through_redis(redis_engine, make_engine, dtype
     assert out.num_loaded_tokens > 300 and out.token_ids == cold.token_ids
     redis_stats = engine.stats().store.tiers["redis"]
     spec = engine.runner.spec
-    float_bytes = out.num_loaded_tokens * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    float_bytes = (
+        out.num_loaded_tokens * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    )
     assert 0 < redis_stats.bytes_read < float_bytes / 3.5  # compact entries, not float32
     other = redis_engine(kv_cache_dtype="float32")
     assert run(other).num_loaded_tokens == 0

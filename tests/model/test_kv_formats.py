@@ -16,9 +16,7 @@ FORMATS = ["bfloat16", "int8", "int4"]
 
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_greedy_tokens_are_the_same_cold_from_the_pool_host_and_disk(tier_engine, tmp_path, dtype):
-    engine = tier_engine(
-        kv_cache_dtype=dtype, kv_host_memory="64MiB", kv_disk_path=str(tmp_path)
-    )
+    engine = tier_engine(kv_cache_dtype=dtype, kv_host_memory="64MiB", kv_disk_path=str(tmp_path))
     cold = run(engine)
     assert cold.num_cached_tokens == 0
     pool = run(engine)

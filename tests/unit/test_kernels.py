@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvwise.models.layers import apply_rope, rms_norm, rope_table
 from kvwise.core.kv_spec import KVSpec
+from kvwise.models.layers import apply_rope, rms_norm, rope_table
 from kvwise.models.quant import Int4Weight
 from kvwise.worker import kernels
 from kvwise.worker.kv_cache import PagedKVCache
@@ -39,6 +39,19 @@ def _reference(q, k_cache, v_cache, tables, lens):
     return torch.stack(outs)  # (B, H, D)
 
 
+def _scattered_tables(lengths, block_size, num_blocks, gen):
+    """Block tables `(B, max_blocks)` in which each sequence owns scattered blocks; padding
+    entries point at block 0."""
+    max_blocks = -(-max(lengths) // block_size)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables, used = torch.zeros(len(lengths), max_blocks, dtype=torch.long), 0
+    for b, n in enumerate(lengths):
+        count = -(-n // block_size)
+        tables[b, :count] = order[used : used + count]
+        used += count
+    return tables
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,dim,block_size",
     [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 32, 8), (6, 2, 20, 4)],
@@ -51,14 +64,7 @@ def test_paged_decode_attention_matches_sdpa_over_the_gathered_blocks(
     num_blocks = 4 + sum(-(-n // block_size) for n in lengths)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
-    max_blocks = -(-max(lengths) // block_size)
-    # each sequence owns scattered blocks; padding entries point at block 0
-    order = torch.randperm(num_blocks, generator=gen)
-    tables, used = torch.zeros(len(lengths), max_blocks, dtype=torch.long), 0
-    for b, n in enumerate(lengths):
-        count = -(-n // block_size)
-        tables[b, :count] = order[used : used + count]
-        used += count
+    tables = _scattered_tables(lengths, block_size, num_blocks, gen)
     q = torch.randn(len(lengths), heads, dim, generator=gen) * 3  # peaked softmaxes too
     lens = torch.tensor(lengths)
     got = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
@@ -153,13 +159,7 @@ def test_paged_int8_attention_matches_sdpa_over_the_dequantized_blocks(
     all_blocks = torch.arange(num_blocks).unsqueeze(0)
     k_deq, v_deq = (x.view(num_blocks, block_size, kv_heads, dim)
                     for x in cache.gather(0, all_blocks))  # fmt: skip
-    max_blocks = -(-max(lengths) // block_size)
-    order = torch.randperm(num_blocks, generator=gen)
-    tables, used = torch.zeros(len(lengths), max_blocks, dtype=torch.long), 0
-    for b, n in enumerate(lengths):
-        count = -(-n // block_size)
-        tables[b, :count] = order[used : used + count]
-        used += count
+    tables = _scattered_tables(lengths, block_size, num_blocks, gen)
     q = torch.randn(len(lengths), heads, dim, generator=gen) * 3
     lens = torch.tensor(lengths)
     got = ops.paged_decode_attention_int8(q, cache.k_blocks[0], cache.v_blocks[0], tables, lens,
