@@ -103,10 +103,7 @@ class PagedKVCache:
             blocks = slot_mapping // self.block_size
             offsets = slot_mapping % self.block_size
             for half, x in ((0, k), (1, v)):
-                if self.spec.dtype == "int8":
-                    codes, scales = kv_quant.quantize_int8(x.float())
-                else:
-                    codes, scales = kv_quant.quantize_int4(x.float(), self.spec.group_size)
+                codes, scales = kv_quant.quantize(x.float(), self.spec.dtype, self.spec.group_size)
                 self.codes[layer][half][blocks, offsets] = codes
                 self.scales[layer][half][blocks, offsets] = scales
             return
@@ -132,10 +129,7 @@ class PagedKVCache:
             for half in (0, 1):
                 codes = self.codes[layer][half].index_select(0, ids)
                 scales = self.scales[layer][half].index_select(0, ids)
-                if self.spec.dtype == "int8":
-                    x = kv_quant.dequantize_int8(codes, scales)
-                else:
-                    x = kv_quant.dequantize_int4(codes, scales, self.spec.group_size)
+                x = kv_quant.dequantize(codes, scales, self.spec.dtype, self.spec.group_size)
                 out.append(x.view(shape))
             return out[0], out[1]
         if first_block is not None:

@@ -54,6 +54,18 @@ def dequantize_int4(packed: torch.Tensor, scale_min: torch.Tensor, group: int) -
     return (q.float() * sm[..., 0:1] + sm[..., 1:2]).reshape(*lead, half * 2)
 
 
+def quantize(x: torch.Tensor, dtype: str, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of ``x`` float32 in the quantized format ``dtype`` (int8 or int4)."""
+    return quantize_int8(x) if dtype == "int8" else quantize_int4(x, group)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: str, group: int = 0):
+    """``quantize``'s inverse, float32."""
+    if dtype == "int8":
+        return dequantize_int8(codes, scales)
+    return dequantize_int4(codes, scales, group)
+
+
 ROUND_TRIP_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4", "int4-kc")
 KC_BLOCK = 16  # "int4-kc": tokens per key block (the pool's block size)
 
@@ -80,9 +92,7 @@ def round_trip(x: torch.Tensor, dtype: str, group: int = 0, keys: bool = False) 
         return x
     if dtype in ("bfloat16", "float16"):
         return x.to(getattr(torch, dtype)).float()
-    if dtype == "int8":
-        return dequantize_int8(*quantize_int8(x))
-    if dtype == "int4":
+    if dtype in ("int8", "int4"):
         group = group or min(32, x.shape[-1])
-        return dequantize_int4(*quantize_int4(x, group), group)
+        return dequantize(*quantize(x, dtype, group), dtype, group)
     raise ValueError(f"kv_cache_dtype: expected one of {ROUND_TRIP_DTYPES}, got {dtype!r}")

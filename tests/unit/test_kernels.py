@@ -148,7 +148,9 @@ def test_int8_kv_writes_the_same_bytes_from_cpp_and_torch():
     assert torch.equal(caches[0].raw, caches[1].raw)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (4, 1, 32, 8)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (4, 1, 32, 8), (6, 2, 20, 4)]
+)  # head_dim 20: the per-head path (the group kernels take multiples of 32)
 @pytest.mark.parametrize("lengths", [[1], [2100], [300, 5, 64, 1]])
 def test_paged_int8_attention_matches_sdpa_over_the_dequantized_blocks(
     heads, kv_heads, dim, block_size, lengths
