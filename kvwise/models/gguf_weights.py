@@ -120,7 +120,7 @@ def iter_gguf_weights(
 
     `tensors` (default `reader.tensors`) lets the caller wrap them, e.g. in a progress bar.
     Tensors named in `native_int4` that are Q4_0 / Q4_1 come as int4 groups instead:
-    `(codes, scales, zeros)` (``quant.q4_groups``), rows in HF order like the floats.
+    `(codes, scales, mins)` (``quant.q4_groups``), rows in HF order like the floats.
 
     Raises:
         ValueError: an unknown tensor name.

@@ -19,10 +19,11 @@ Layout, chosen for memory-bound CPU decode:
 
 Quantized weights (``models/quant.py``, installed by ``load_quantized``) replace the four
 linear weights of every layer and the embedding / LM head. The step then stays float32 where
-precision matters (the residual stream, norms, rotary, attention, logits) and feeds the
-quantized kernels bfloat16 (their fast path); the MLP's activation runs in bfloat16 between two
-kernels. The LM head's bfloat16 output is refined: the top ``_EXACT_TOP_K`` logits of each row
-are recomputed in float32 from the dequantized rows, so greedy picks and the head of the
+precision matters (the residual stream, norms, rotary, attention, logits). int4 weights (and
+the int8-block embedding / LM head) run kvwise's kernels, which quantize their float32 input
+to int8 per block of 32 as llama.cpp does; int8 per-channel weights run torch's kernel on
+bfloat16 inputs. The LM head's output is refined: the top ``_EXACT_TOP_K`` logits of each row
+are recomputed in float32 from the exact rows, so greedy picks and the head of the
 distribution are as precise as the float path's.
 """
 
@@ -36,7 +37,7 @@ from torch import nn
 
 from kvwise.models.arch import ModelArchConfig
 from kvwise.models.layers import apply_rope, rms_norm, rope_table
-from kvwise.models.quant import Int4Weight, Int8Weight, QuantWeight
+from kvwise.models.quant import Int4Weight, Q8Weight, QuantWeight
 from kvwise.worker import kernels
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -100,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
         self.quant: dict[str, QuantWeight] | None = None  # LINEAR_PARTS name -> weight
         # the quantized step this layer runs (``select_step``): "int4", "fused" or "torch"
         self.step: str | None = None
-        self.int4_args: tuple | None = None  # (packed, group, scales_zeros) per linear part
+        self.int4_args: tuple | None = None  # the packed int4 weight of each linear part
         self._quantized_step = None
 
     def install_quantized(self, weights: dict[str, QuantWeight]) -> None:
@@ -117,27 +118,28 @@ class LlamaDecoderLayer(nn.Module):
         self.select_step()
 
     def select_step(self, step: str | None = None) -> None:
-        """Choose the quantized step: ``"int4"`` (the int4 matmuls run inside the fused ops;
-        needs the kernels, four int4 weights of one group size and no o_proj bias),
-        ``"fused"`` (kvwise's fused ops between the matmuls; needs the kernels) or ``"torch"``
-        (plain torch ops). The same arithmetic in each up to float rounding; None picks the
-        fastest this layer can run."""
+        """Choose the quantized step: ``"int4"`` (int4 weights: the int4 matmuls run inside
+        kvwise's fused ops; needs the kernels), ``"fused"`` (int8 weights: kvwise's fused ops
+        between torch's int8 matmuls; needs the kernels) or ``"torch"`` (plain torch ops, any
+        weights). The same arithmetic in each up to float rounding; None picks the fastest
+        this layer can run."""
         weights = [self.quant[name] for name in LINEAR_PARTS]
-        int4_ok = kernels.available() and self.o_bias is None
-        int4_ok = int4_ok and all(isinstance(w, Int4Weight) for w in weights)
-        int4_ok = int4_ok and len({w.group_size for w in weights}) == 1
+        int4 = [isinstance(w, Int4Weight) for w in weights]
+        can = {
+            "int4": kernels.available()
+            and all(int4)
+            and all(w.out_features % 8 == 0 for w in weights),  # no padded columns
+            "fused": kernels.available() and not any(int4),
+            "torch": True,
+        }
         if step is None:
-            step = "int4" if int4_ok else "fused" if kernels.available() else "torch"
-        if step not in ("int4", "fused", "torch"):
+            step = next(name for name, ok in can.items() if ok)
+        if step not in can:
             raise ValueError(f"step: expected 'int4', 'fused' or 'torch', got {step!r}")
-        if (step == "int4" and not int4_ok) or (step == "fused" and not kernels.available()):
+        if not can[step]:
             raise ValueError(f"step: {step!r} cannot run this layer here")
         self.step = step
-        self.int4_args = (
-            tuple((w.packed, w.group_size, w.scales_zeros) for w in weights)
-            if step == "int4"
-            else None
-        )
+        self.int4_args = tuple(w.packed for w in weights) if step == "int4" else None
         self._quantized_step = {
             "int4": self._forward_int4,
             "fused": self._forward_fused,
@@ -197,7 +199,7 @@ class LlamaDecoderLayer(nn.Module):
         rope_sin: torch.Tensor,
         attn: AttentionFn,
     ) -> torch.Tensor:
-        """``forward`` on quantized weights, plain torch ops: float32 around bfloat16 kernels."""
+        """``forward`` on quantized weights, plain torch ops around the quantized matmuls."""
         quant = self.quant
         x = rms_norm(residual, self.input_norm, self.eps)  # (T, hidden) f32
         qkv = quant["qkv_proj"].mm(x).float()  # (T, q + 2kv)
@@ -208,8 +210,8 @@ class LlamaDecoderLayer(nn.Module):
         if self.o_bias is not None:
             residual.add_(self.o_bias)
         x = rms_norm(residual, self.post_attention_norm, self.eps)  # (T, hidden)
-        gate_up = quant["gate_up_proj"].mm(x)  # (T, 2 * inter) bf16
-        gate = F.silu(gate_up[:, : self.intermediate_size])  # (T, inter) bf16
+        gate_up = quant["gate_up_proj"].mm(x)  # (T, 2 * inter) bf16 (int8) or f32 (int4)
+        gate = F.silu(gate_up[:, : self.intermediate_size])  # (T, inter)
         gate.mul_(gate_up[:, self.intermediate_size :])
         residual.add_(quant["down_proj"].mm(gate))  # (T, hidden)
         return residual
@@ -222,15 +224,17 @@ class LlamaDecoderLayer(nn.Module):
         rope_sin: torch.Tensor,
         attn: AttentionFn,
     ) -> torch.Tensor:
-        """``_forward_fused`` with the int4 matmuls called from inside the fused ops: five
-        calls a layer (the arithmetic is the same as ``_forward_fused``'s)."""
-        (qkv_w, qkv_g, qkv_s), (o_w, o_g, o_s), (gu_w, _, gu_s), (d_w, d_g, d_s) = self.int4_args
+        """The step for int4 weights, their matmuls called from inside the fused ops: five
+        calls a layer, everything float32 around the int4 x int8 kernel."""
+        qkv_w, o_w, gu_w, d_w = self.int4_args
         ops = _FUSED
-        qkv = ops.rms_norm_int4mm(residual, self.input_norm, self.eps, qkv_w, qkv_g, qkv_s)
+        qkv = ops.rms_norm_q4mm(residual, self.input_norm, self.eps, qkv_w)  # (T, q + 2kv)
         q, k, v = ops.qkv_rope(qkv, self.qkv_bias, self.qk_norm, rope_cos, rope_sin,
                                self.num_heads, self.num_kv_heads, self.eps)  # fmt: skip
-        o = ops.f32_int4mm(attn(layer_idx, q, k, v), o_w, o_g, o_s)  # (T, hidden) bf16
-        ops.mlp_int4(residual, o, self.post_attention_norm, self.eps, gu_w, gu_s, d_w, d_s, d_g)
+        o = ops.q4mm(attn(layer_idx, q, k, v), o_w)  # (T, hidden)
+        if self.o_bias is not None:
+            o.add_(self.o_bias)
+        ops.mlp_q4(residual, o, self.post_attention_norm, self.eps, gu_w, d_w)
         return residual
 
     def _forward_fused(
@@ -276,8 +280,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.register_buffer("rope", table.to(dtype), persistent=False)  # (P, 2, D)
         # quantized embedding (its rows) and LM head; tied: the same weight
-        self.embed_quant: Int8Weight | None = None
-        self.lm_head_quant: Int8Weight | None = None
+        self.embed_quant: Q8Weight | None = None
+        self.lm_head_quant: Q8Weight | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
@@ -308,13 +312,13 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head_quant
         if head is None:
             return torch.mm(hidden, self.lm_head).float()  # (N, vocab)
-        logits = head.mm(hidden).float()  # (N, vocab), bfloat16 precision
+        logits = head.mm(hidden)  # (N, vocab), int8-activation precision
         top = logits.topk(min(_EXACT_TOP_K, logits.shape[-1]), dim=-1).indices  # (N, k)
         exact = torch.einsum("nkh,nh->nk", head.rows(top), hidden.float())  # (N, k)
         return logits.scatter_(1, top, exact)
 
     def install_quantized(
-        self, layers: list[dict[str, QuantWeight]], embed: Int8Weight, lm_head: Int8Weight
+        self, layers: list[dict[str, QuantWeight]], embed: Q8Weight, lm_head: Q8Weight
     ) -> None:
         """Replace every layer's linear weights, the embedding and the LM head with quantized
         ones (their float parameters go). The norms (and biases) stay float parameters."""

@@ -28,7 +28,7 @@ from kvwise.models.arch import ModelArchConfig
 from kvwise.models.default import default_model_path
 from kvwise.models.gguf_weights import iter_gguf_weights, open_gguf
 from kvwise.models.llama import LINEAR_PARTS, LlamaForCausalLM
-from kvwise.models.quant import QK, Int4Weight, Int8Weight, QuantWeight
+from kvwise.models.quant import Int4Weight, Int8Weight, Q8Weight, QuantWeight
 from kvwise.models.registry import model_class
 
 _SAMPLE_BYTES = 1 << 20
@@ -109,7 +109,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, quantization: str
         model.load_weights(iter_gguf_weights(reader, arch, tensors))
         if weight_format == "int8":
             _quantize_loaded(model, "int8")
-    fingerprint = _fingerprint(f"gguf+{weight_format}", dtype, [path], b"")
+    fingerprint = _fingerprint(
+        f"gguf+{_FORMAT_TAGS.get(weight_format, weight_format)}", dtype, [path], b""
+    )
     return LoadedModel(
         model.eval(), arch, path, fingerprint, {}, is_gguf=True, gguf_reader=reader,
         weight_format=weight_format,
@@ -136,8 +138,8 @@ def _load_quantized(model: LlamaForCausalLM, weights, weight_format: str) -> Non
         for target, parts in LINEAR_PARTS.items():
             fused[target] = _fuse([big.pop(f"model.layers.{i}.{p}") for p in parts], weight_format)
         layers.append(fused)
-    embed = Int8Weight.quantize(big.pop("model.embed_tokens.weight"))
-    head = embed if arch.tie_word_embeddings else Int8Weight.quantize(big.pop("lm_head.weight"))
+    embed = Q8Weight.quantize(big.pop("model.embed_tokens.weight"))
+    head = embed if arch.tie_word_embeddings else Q8Weight.quantize(big.pop("lm_head.weight"))
     model.install_quantized(layers, embed, head)
 
 
@@ -147,32 +149,30 @@ def _quantize_loaded(model: LlamaForCausalLM, weight_format: str) -> None:
         {name: _fuse([getattr(layer, name).t()], weight_format) for name in LINEAR_PARTS}
         for layer in model.layers
     ]
-    embed = Int8Weight.quantize(model.embed)
+    embed = Q8Weight.quantize(model.embed)
     tied = model.arch.tie_word_embeddings
-    head = embed if tied else Int8Weight.quantize(model.lm_head.t())
+    head = embed if tied else Q8Weight.quantize(model.lm_head.t())
     model.install_quantized(layers, embed, head)
 
 
 def _fuse(parts: list, weight_format: str) -> QuantWeight:
     """One quantized weight from the row blocks of a fused weight: float tensors `(out, in)`
-    or int4 groups `(codes, scales, zeros)`."""
+    or int4 blocks `(codes, scales, mins)`."""
     if weight_format == "int4" and all(isinstance(p, tuple) for p in parts):
-        codes, scales, zeros = (torch.cat(column) for column in zip(*parts))
-        return Int4Weight(codes, scales, zeros, QK)
+        codes, scales, mins = (torch.cat(column) for column in zip(*parts))
+        return Int4Weight(codes, scales, mins)
     floats = torch.cat([_dequantized(p) for p in parts])
     if weight_format == "int4":
-        return Int4Weight.quantize(floats, QK)
+        return Int4Weight.quantize(floats)
     return Int8Weight.quantize(floats)
 
 
 def _dequantized(part) -> torch.Tensor:
     if not isinstance(part, tuple):
         return part
-    codes, scales, zeros = part
+    codes, scales, mins = part
     group = codes.shape[1] // scales.shape[1]
-    return (codes.float() - 8) * scales.repeat_interleave(group, 1) + zeros.repeat_interleave(
-        group, 1
-    )
+    return codes.float() * scales.repeat_interleave(group, 1) + mins.repeat_interleave(group, 1)
 
 
 def _load_hf_dir(
@@ -190,7 +190,9 @@ def _load_hf_dir(
     gen_path = directory / "generation_config.json"
     if gen_path.is_file():
         generation_config = json.loads(gen_path.read_text())
-    fingerprint = _fingerprint(f"hf+{weight_format}", dtype, files, config_bytes)
+    fingerprint = _fingerprint(
+        f"hf+{_FORMAT_TAGS.get(weight_format, weight_format)}", dtype, files, config_bytes
+    )
     return LoadedModel(
         model.eval(), arch, directory, fingerprint, generation_config, False,
         weight_format=weight_format,
@@ -227,6 +229,12 @@ def _iter_safetensors(
 
 def _progress(items: Iterable[_T], total: int, label: str, enabled: bool) -> Iterable[_T]:
     return tqdm(items, total=total, desc=f"Loading {label}", unit="tensor", disable=not enabled)
+
+
+# what a format's arithmetic is, in the fingerprint (and so in the prefix-cache hash root and
+# every tier entry): KV computed by an older arithmetic (int4 with bfloat16 activations, an
+# embedding with one scale per row) never loads
+_FORMAT_TAGS = {"int4": "int4-q8act", "int8": "int8-q8head"}
 
 
 def _fingerprint(kind: str, dtype: torch.dtype, files: list[Path], config: bytes) -> str:

@@ -170,14 +170,41 @@ def test_paged_int8_attention_matches_sdpa_over_the_dequantized_blocks(
     torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("shape,group", [((960, 576), 32), ((576, 1536), 32), ((64, 128), 64)])
-def test_int4mm_is_bit_for_bit_torchs_int4_kernel(shape, group):
-    """kvwise's int4 matmul (several rows: a dequantized tile and a register-blocked kernel)
-    does torch's kernel's roundings in its order, so it may stand in for it at any row count
-    without changing a single output bit: cold and cached prompts stay identical."""
-    gen = torch.Generator().manual_seed(shape[0] + group)
-    weight = Int4Weight.quantize(torch.randn(*shape, generator=gen), group)
-    for rows in (1, 2, 5, 6, 7, 64, 301):
-        x = (torch.randn(rows, shape[1], generator=gen) * 3).to(torch.bfloat16)
-        got = ops.int4mm(x, weight.packed, group, weight.scales_zeros)
-        assert torch.equal(got, weight.mm(x)), rows
+def _q4_reference(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """The int4 x int8 product in float64 from the same roundings: activations quantized per
+    block of 32 exactly as the kernel does (float32 `127 / max|x|`, round to nearest), then
+    the exact sum of the dequantized products."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # float32, as the kernel
+    codes = torch.round(blocks * inv).double()
+    x_deq = (codes * (amax / 127).double()).reshape(x.shape)
+    return x_deq @ weight.dequantize().double().t()
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (40, 64)])
+def test_q4mm_matches_its_float64_reference_and_is_row_invariant(shape):
+    """kvwise's int4 x int8 matmul: within float32 rounding of the float64 sum of the same
+    quantized products (the block sums are exact integers), and each row's bits the same
+    whatever the batch around it (4-row tiles and single rows run the same operations), so a
+    prompt prefilled cold, a cached prefix plus its tail, and a decode step agree."""
+    gen = torch.Generator().manual_seed(shape[0])
+    weight = Int4Weight.quantize(torch.randn(*shape, generator=gen))
+    x = torch.randn(301, shape[1], generator=gen) * 3
+    x[5, :32] = 0  # an all-zero block
+    full = ops.q4mm(x, weight.packed)
+    want = _q4_reference(x, weight)
+    scale = want.abs().max().item()
+    assert (full.double() - want).abs().max().item() <= 1e-5 * scale
+    for rows in (1, 2, 3, 4, 5, 7, 64):
+        for start in (0, 1, 5):
+            assert torch.equal(ops.q4mm(x[start : start + rows], weight.packed),
+                               full[start : start + rows]), (rows, start)  # fmt: skip
+
+
+def test_q4mm_refuses_mismatched_shapes():
+    weight = Int4Weight.quantize(torch.randn(16, 64))
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ops.q4mm(torch.randn(2, 96), weight.packed)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.q4mm(torch.randn(2, 64).to(torch.bfloat16), weight.packed)

@@ -1,32 +1,37 @@
 // The small steps between the quantized matmuls of a decoder layer, each fused into one op.
 //
-// In the quantized step (models/llama.py) a layer runs four int4 matmuls; around them, torch
+// In the quantized step (models/llama.py) a layer runs four quantized matmuls; around them, torch
 // would run ~30 small ops a layer (norm, casts, slices, q/k norm, rotary, SiLU), each costing
 // more in dispatch than in arithmetic at one token. These ops do the same arithmetic in one
-// pass each, in float32, and hand the next matmul bfloat16 (the int4 kernel's fast input):
+// pass each, in float32, and hand an int8 weight's matmul bfloat16 (torch's int8 kernel's fast
+// input):
 //
 //   rms_norm_bf16(x, w, eps)                 -> bf16 RMSNorm(x) * w
 //   add_rms_norm_bf16(residual!, y, w, eps)  -> residual += y; bf16 RMSNorm(residual) * w
 //   qkv_rope(qkv, bias?, qk_norm?, cos, sin, H, KVH, eps) -> q, k, v float32, rotary applied
 //   silu_mul_bf16(gate_up)                   -> bf16 silu(gate) * up
 //
-// and, for layers whose four weights are all int4, the same steps with the matmuls called
-// from here (one op where Python made three to five calls):
+// and, for layers whose four weights are all int4, int4 x int8 matmuls (below) with the steps
+// around them, all in float32:
 //
-//   rms_norm_int4mm(x, w, eps, W)            -> int4mm(rms_norm_bf16(x, w), W)
-//   f32_int4mm(x, W)                         -> int4mm(bf16(x), W)
-//   mlp_int4(residual!, o, w, eps, W_gu, W_down) -> residual += o; x = rms_norm_bf16;
-//                                               residual += int4mm(silu_mul(int4mm(x, W_gu)), W_down)
+//   q4mm(x, W)                               -> x @ W.T, x quantized to int8 per block of 32
+//   rms_norm_q4mm(x, w, eps, W)              -> q4mm(RMSNorm(x) * w, W)
+//   mlp_q4(residual!, o, w, eps, W_gu, W_down) -> residual += o; x = RMSNorm(residual) * w;
+//                                               residual += q4mm(silu_mul(q4mm(x, W_gu)), W_down)
 //
-// where W is a (packed, group size, scales and zeros) triple of torch's CPU int4 kernel.
+// where W is an int4 weight packed as Int4Weight (models/quant.py) packs it; and for int8
+// weights in blocks of 32 (the embedding / LM head, GGUF's Q8_0):
+//
+//   q8mm(x, W)                               -> x @ W.T, x quantized as for q4mm
 // Registered as torch.ops.kvwise.*; kvwise/worker/kernels.py builds them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -43,11 +48,12 @@ inline int64_t grain_rows(int64_t row_elems) {
   return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, row_elems));
 }
 
-inline void norm_row(const float* x, const float* w, float eps, int64_t n, BFloat16* out) {
+template <typename Out>
+inline void norm_row(const float* x, const float* w, float eps, int64_t n, Out* out) {
   float ss = 0.f;
   for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = BFloat16(x[i] * inv * w[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = Out(x[i] * inv * w[i]);
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
@@ -197,173 +203,312 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   return out;
 }
 
-// ---- int4 matmul for several rows, bit for bit torch's CPU int4 kernel ----------------------
+// ---- int4 weights x int8 activations ---------------------------------------------------------
 //
-// torch's kernel (aten/src/ATen/native/cpu/int4mm_kernel.cpp, AVX2) computes each output as
-// one float32 FMA chain over k = 0 .. K-1: w = fma(q, scale, fma(scale, -8, zero)) with q the
-// 4-bit code as a float, then acc = fma(x[k], w, acc), rounded to bfloat16 at the end. Those
-// are the only roundings, so any kernel doing the same operations in the same k order gives
-// the same bits, however it tiles rows and columns: this one dequantizes a block of 32 output
-// columns once into a float32 tile (2 x K x 16, in L2) and runs every row through it with a
-// register-blocked 6-rows x 16-columns micro-kernel (torch's kernel re-dequantizes per row
-// block and runs ~50 GFLOP/s here on prefill; this one ~2x that). One row (decode) keeps
-// torch's kernel: it streams the weights once either way.
-#if defined(__AVX2__) && defined(__FMA__)
+// The dot product llama.cpp runs for Q4_1 weights: each row of activations is quantized to int8
+// in blocks of 32 (`x ~ dx * qx`, dx = max|x| / 127, qx rounded to nearest; `sx = dx * sum qx`),
+// and a weight block of 32 is `w = d * q + m` with q in 0..15. Then
+//
+//   out[n] = sum over blocks b, in order, of   acc = fma(d[n,b] * dx[b], isum[n,b], acc)
+//                                              acc = fma(m[n,b], sx[b], acc)
+//
+// with isum = sum_k q * qx an exact integer (|isum| <= 32 * 15 * 127). Integer SIMD makes the
+// block sums: `maddubs` multiplies 32 unsigned codes by 32 signed activations and adds pairs,
+// four times the multiplies per instruction of a float32 FMA. Every row runs the same operations
+// in the same order whatever the number of rows, so a token's output does not depend on the
+// batch it was computed in (a prompt prefilled cold, a cached prefix plus its tail, or a decode
+// step give the same bits).
+//
+// Weight layout (Int4Weight in models/quant.py): (N / 8, K / 32, 160) bytes, a group of 8 output
+// columns by one block of 32 k: four 32-byte chunks of codes, then d and m as 8 float16 each.
+// In chunk j, byte 4 c + t holds column c's code for k = 4 j + t in its low nibble and for
+// k = 16 + 4 j + t in its high one, so one byte vector times four broadcast activations gives
+// 8 columns' partial sums (2 per 16-bit lane; at most 8 x 3,810 a block: no overflow).
+constexpr int64_t kQ4Block = 32;
+constexpr int64_t kQ4GroupBytes = 160;
 
-// the float32 weights of output block `nb` as two (K, 16) halves: columns 0..15, then 16..31
-// (torch's packed layout: (N / 32, K, 16) bytes, byte j holding column j in its low nibble and
-// 16 + j in its high one)
-void dequant_block(const uint8_t* packed, const BFloat16* sz, int64_t N, int64_t K,
-                   int64_t group, int64_t nb, float* tile) {
-  const uint8_t* q = packed + nb * K * 16;
-  const __m256i nib = _mm256_set1_epi32(15);
-  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  const __m256 minus8 = _mm256_set1_ps(-8.f);
-  __m256 scale[4], zero[4];
-  for (int64_t k = 0; k < K; ++k) {
-    if (k % group == 0) {
-      // (scale, zero) bf16 pairs of columns 32 nb + 8 j .. + 7 as 32-bit words
-      const BFloat16* p = sz + ((k / group) * N + nb * 32) * 2;
-      for (int j = 0; j < 4; ++j) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * j));
-        scale[j] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-        zero[j] = _mm256_fmadd_ps(scale[j], minus8, _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask)));
-      }
+// a row's activations -> int8 codes, dx and sx per block of 32
+void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* dx, float* sx) {
+  for (int64_t b = 0; b < K / kQ4Block; ++b) {
+    const float* src = x + b * kQ4Block;
+    float amax = 0.f;
+    int32_t total = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 v[4];
+    __m256 am = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(src + 8 * i);
+      am = _mm256_max_ps(am, _mm256_andnot_ps(sign, v[i]));
     }
-    const uint8_t* b = q + k * 16;
-    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
-    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8)));
-    const __m256 c[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(lo, nib)),   // columns 0..7
-                         _mm256_cvtepi32_ps(_mm256_and_si256(hi, nib)),   // 8..15
-                         _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)),    // 16..23
-                         _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4))};   // 24..31
-    // two (K, 16) halves, each contiguous for the micro-kernel's pass over it
-    for (int j = 0; j < 4; ++j)
-      _mm256_storeu_ps(tile + (j / 2) * K * 16 + k * 16 + 8 * (j % 2), _mm256_fmadd_ps(c[j], scale[j], zero[j]));
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    amax = _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // nearest
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    total = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                              _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kQ4Block),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    for (int i = 0; i < kQ4Block; ++i) amax = std::max(amax, std::fabs(src[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int i = 0; i < kQ4Block; ++i) {
+      const int32_t c = static_cast<int32_t>(std::nearbyint(src[i] * inv));
+      q[b * kQ4Block + i] = static_cast<int8_t>(c);
+      total += c;
+    }
+#endif
+    dx[b] = amax / 127.f;
+    sx[b] = dx[b] * static_cast<float>(total);
   }
 }
 
-// R rows x 16 columns: out[r][0..15] = bf16(sum_k x[r][k] * tile[k][0..15]), one FMA chain
-// per output. Named accumulators: GCC keeps an array of them on the stack, storing every one
-// at every k, which halves the speed.
+// R rows x one group of 8 columns over all K: out[r][0..7] (float32)
 template <int R>
-inline void micro(const float* x, int64_t ldx, const float* tile, int64_t K, BFloat16* out,
-                  int64_t ldo) {
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-  __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-  const float* x0 = x;
-  const float* x1 = x + ldx;
-  const float* x2 = x + 2 * ldx;
-  const float* x3 = x + 3 * ldx;
-  const float* x4 = x + 4 * ldx;
-  const float* x5 = x + 5 * ldx;
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(tile + k * 16), w1 = _mm256_loadu_ps(tile + k * 16 + 8);
-    __m256 xv = _mm256_broadcast_ss(x0 + k);
-    a00 = _mm256_fmadd_ps(xv, w0, a00);
-    a01 = _mm256_fmadd_ps(xv, w1, a01);
-    if constexpr (R > 1) {
-      xv = _mm256_broadcast_ss(x1 + k);
-      a10 = _mm256_fmadd_ps(xv, w0, a10);
-      a11 = _mm256_fmadd_ps(xv, w1, a11);
-    }
-    if constexpr (R > 2) {
-      xv = _mm256_broadcast_ss(x2 + k);
-      a20 = _mm256_fmadd_ps(xv, w0, a20);
-      a21 = _mm256_fmadd_ps(xv, w1, a21);
-    }
-    if constexpr (R > 3) {
-      xv = _mm256_broadcast_ss(x3 + k);
-      a30 = _mm256_fmadd_ps(xv, w0, a30);
-      a31 = _mm256_fmadd_ps(xv, w1, a31);
-    }
-    if constexpr (R > 4) {
-      xv = _mm256_broadcast_ss(x4 + k);
-      a40 = _mm256_fmadd_ps(xv, w0, a40);
-      a41 = _mm256_fmadd_ps(xv, w1, a41);
-    }
-    if constexpr (R > 5) {
-      xv = _mm256_broadcast_ss(x5 + k);
-      a50 = _mm256_fmadd_ps(xv, w0, a50);
-      a51 = _mm256_fmadd_ps(xv, w1, a51);
-    }
-  }
-  const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
-                            {a30, a31}, {a40, a41}, {a50, a51}};
-  for (int r = 0; r < R; ++r) {
-    store_bf16(out + r * ldo, acc[r][0]);
-    store_bf16(out + r * ldo + 8, acc[r][1]);
-  }
-}
-
-void rows_through_tile(const float* x, int64_t M, int64_t K, const float* tile, BFloat16* out,
-                       int64_t N) {
-  for (int half = 0; half < 2; ++half) {
-    const float* t = tile + half * K * 16;
-    BFloat16* o = out + 16 * half;
-    int64_t m = 0;
-    for (; m + 6 <= M; m += 6) micro<6>(x + m * K, K, t, K, o + m * N, N);
-    switch (M - m) {
-      case 5: micro<5>(x + m * K, K, t, K, o + m * N, N); break;
-      case 4: micro<4>(x + m * K, K, t, K, o + m * N, N); break;
-      case 3: micro<3>(x + m * K, K, t, K, o + m * N, N); break;
-      case 2: micro<2>(x + m * K, K, t, K, o + m * N, N); break;
-      case 1: micro<1>(x + m * K, K, t, K, o + m * N, N); break;
-      default: break;
-    }
-  }
-}
-#endif
-
-at::Tensor int4mm(const at::Tensor& x, const at::Tensor& packed, int64_t group,
-                  const at::Tensor& scales_zeros) {
+inline void q4_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float* dx,
+                    const float* sx, float* out, int64_t ldo) {
+  const int64_t K = nb * kQ4Block;
 #if defined(__AVX2__) && defined(__FMA__)
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  if (M >= 2 && x.dim() == 2 && N % 32 == 0 && group % 8 == 0 && K % group == 0 &&
-      packed.scalar_type() == at::kByte && packed.size(1) * 2 == K &&
-      scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
-      x.scalar_type() == at::kBFloat16) {
-    const at::Tensor xf = x.to(at::kFloat).contiguous();  // exact: bf16 -> f32
-    const at::Tensor q = packed.contiguous();
-    at::Tensor out = at::empty({M, N}, x.options());
-    const float* xp = xf.data_ptr<float>();
-    const uint8_t* qp = q.data_ptr<uint8_t>();
-    const BFloat16* szp = scales_zeros.data_ptr<BFloat16>();
-    BFloat16* op = out.data_ptr<BFloat16>();
-    at::parallel_for(0, N / 32, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> tile(K * 32);
-      for (int64_t nb = b0; nb < b1; ++nb) {
-        dequant_block(qp, szp, N, K, group, nb, tile.data());
-        rows_through_tile(xp, M, K, tile.data(), op + nb * 32, N);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += kQ4GroupBytes) {
+    __m256i sum16[R];
+    for (int r = 0; r < R; ++r) sum16[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+      const __m256i lo = _mm256_and_si256(c, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * K + b * kQ4Block;
+        int32_t xl, xh;
+        std::memcpy(&xl, xr + 4 * j, 4);
+        std::memcpy(&xh, xr + 16 + 4 * j, 4);
+        sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+        sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
       }
-    });
-    return out;
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 128)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 144)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[r], ones));
+      const int64_t i = r * nb + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[i])), isum, acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 8; ++c) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* g = w + b * kQ4GroupBytes;
+        const int8_t* xr = xq + r * K + b * kQ4Block;
+        int32_t isum = 0;
+        for (int j = 0; j < 4; ++j)
+          for (int t = 0; t < 4; ++t) {
+            const uint8_t byte = g[32 * j + 4 * c + t];
+            isum += (byte & 15) * xr[4 * j + t] + (byte >> 4) * xr[16 + 4 * j + t];
+          }
+        const float d = static_cast<float>(reinterpret_cast<const at::Half*>(g + 128)[c]);
+        const float m = static_cast<float>(reinterpret_cast<const at::Half*>(g + 144)[c]);
+        acc = std::fma(d * dx[r * nb + b], static_cast<float>(isum), acc);
+        acc = std::fma(m, sx[r * nb + b], acc);
+      }
+      out[r * ldo + c] = acc;
+    }
   }
 #endif
-  return at::_weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros);
 }
 
-at::Tensor int4mm_op(const at::Tensor& x, const at::Tensor& packed, int64_t group,
-                     const at::Tensor& scales_zeros) {
-  return int4mm(x.to(at::kBFloat16).contiguous(), packed, group, scales_zeros);
+void check_q4(const at::Tensor& x, const at::Tensor& packed, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
+              ": x must be a contiguous float32 (T, K) tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kQ4GroupBytes && packed.size(1) * kQ4Block == x.size(1),
+              name, ": packed must be uint8 (N / 8, K / 32, 160) for K = ", x.size(1));
 }
 
-at::Tensor rms_norm_int4mm(const at::Tensor& x, const at::Tensor& w, double eps,
-                           const at::Tensor& packed, int64_t group, const at::Tensor& sz) {
-  return int4mm(rms_norm_bf16(x, w, eps), packed, group, sz);
+// (M, K) float32 x int4 weight -> (M, N) float32
+at::Tensor q4mm(const at::Tensor& x, const at::Tensor& packed) {
+  check_q4(x, packed, "q4mm");
+  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0), nb = packed.size(1);
+  const int64_t N = G * 8;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, grain_rows(4 * K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row_q8(xp + m * K, K, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb);
+  });
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  // column groups split between threads; each group's weights (K / 32 x 160 bytes) stay in
+  // cache while every row runs through them, 4 rows at a time
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* w = wp + g * nb * kQ4GroupBytes;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4)
+        q4_rows<4>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
+                   op + m * N + g * 8, N);
+      for (; m < M; ++m)
+        q4_rows<1>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
+                   op + m * N + g * 8, N);
+    }
+  });
+  return out;
 }
 
-at::Tensor f32_int4mm(const at::Tensor& x, const at::Tensor& packed, int64_t group,
-                      const at::Tensor& sz) {
-  return int4mm(x.to(at::kBFloat16).contiguous(), packed, group, sz);
+// ---- int8 weights in blocks of 32 x int8 activations (llama.cpp's Q8_0 x Q8_0 dot) ----------
+//
+// A weight block of 32 is `w = d * q`, q in -127..127, d float16 (GGUF's Q8_0); the activations
+// are quantized as for q4mm, and out[n] = sum over blocks b of acc = fma(d[n,b] * dx[b],
+// isum[n,b], acc), isum exact. maddubs wants one unsigned operand: |w| times x carrying w's
+// sign. Layout: (N / 8, K / 32, 272) bytes: eight 32-byte chunks, byte 4 c + t of chunk j
+// holding column c's code for k = 4 j + t, then d as 8 float16.
+constexpr int64_t kQ8GroupBytes = 272;
+
+template <int R>
+inline void q8_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float* dx, float* out,
+                    int64_t ldo) {
+  const int64_t K = nb * kQ4Block;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += kQ8GroupBytes) {
+    __m256i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+      const __m256i a = _mm256_abs_epi8(c);
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xq + r * K + b * kQ4Block + 4 * j, 4);
+        const __m256i p = _mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_set1_epi32(x4), c));
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, ones));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 256)));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])),
+                               _mm256_cvtepi32_ps(sum[r]), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 8; ++c) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* g = w + b * kQ8GroupBytes;
+        int32_t isum = 0;
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 4; ++t)
+            isum += static_cast<int8_t>(g[32 * j + 4 * c + t]) * xq[r * K + b * kQ4Block + 4 * j + t];
+        const float d = static_cast<float>(reinterpret_cast<const at::Half*>(g + 256)[c]);
+        acc = std::fma(d * dx[r * nb + b], static_cast<float>(isum), acc);
+      }
+      out[r * ldo + c] = acc;
+    }
+  }
+#endif
 }
 
-void mlp_int4(at::Tensor& residual, const at::Tensor& o, const at::Tensor& w, double eps,
-              const at::Tensor& gu_packed, const at::Tensor& gu_sz, const at::Tensor& down_packed,
-              const at::Tensor& down_sz, int64_t group) {
-  const at::Tensor x = add_rms_norm_bf16(residual, o, w, eps);
-  const at::Tensor gate = silu_mul_bf16(int4mm(x, gu_packed, group, gu_sz));
-  residual.add_(int4mm(gate, down_packed, group, down_sz));
+// (M, K) float32 x int8-block weight -> (M, N) float32
+at::Tensor q8mm(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "q8mm: x must be a contiguous float32 (T, K) tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kQ8GroupBytes && packed.size(1) * kQ4Block == x.size(1),
+              "q8mm: packed must be uint8 (N / 8, K / 32, 272) for K = ", x.size(1));
+  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0), nb = packed.size(1);
+  const int64_t N = G * 8;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, grain_rows(4 * K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row_q8(xp + m * K, K, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb);
+  });
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* w = wp + g * nb * kQ8GroupBytes;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4)
+        q8_rows<4>(w, nb, xq.data() + m * K, dx.data() + m * nb, op + m * N + g * 8, N);
+      for (; m < M; ++m)
+        q8_rows<1>(w, nb, xq.data() + m * K, dx.data() + m * nb, op + m * N + g * 8, N);
+    }
+  });
+  return out;
+}
+
+at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w, "rms_norm_f32");
+  const int64_t T = x.size(0), N = x.size(1);
+  at::Tensor out = at::empty({T, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) norm_row(xp + t * N, wp, eps, N, op + t * N);
+  });
+  return out;
+}
+
+// gate_up (T, 2 I) float32 -> silu(gate) * up (T, I) float32
+at::Tensor silu_mul_f32(const at::Tensor& gate_up) {
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = gp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gi = _mm256_loadu_ps(g + i);
+        const __m256 silu = _mm256_div_ps(
+            gi, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gi))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+at::Tensor rms_norm_q4mm(const at::Tensor& x, const at::Tensor& w, double eps,
+                         const at::Tensor& packed) {
+  return q4mm(rms_norm_f32(x, w, eps), packed);
+}
+
+// residual += o; residual += down(silu(gate) * up) of the normed residual
+void mlp_q4(at::Tensor& residual, const at::Tensor& o, const at::Tensor& w, double eps,
+            const at::Tensor& gu_packed, const at::Tensor& down_packed) {
+  check_rows(residual, w, "mlp_q4");
+  TORCH_CHECK(o.sizes() == residual.sizes() && o.scalar_type() == at::kFloat,
+              "mlp_q4: o must be float32 shaped like residual");
+  residual.add_(o);
+  const at::Tensor gate = silu_mul_f32(q4mm(rms_norm_f32(residual, w, eps), gu_packed));
+  residual.add_(q4mm(gate, down_packed));
 }
 
 }  // namespace
@@ -375,14 +520,12 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
       "qkv_rope(Tensor qkv, Tensor? bias, Tensor? qk_norm, Tensor cos, Tensor sin, int num_heads, "
       "int num_kv_heads, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
+  m.def("q4mm(Tensor x, Tensor packed) -> Tensor");
+  m.def("q8mm(Tensor x, Tensor packed) -> Tensor");
+  m.def("rms_norm_q4mm(Tensor x, Tensor weight, float eps, Tensor packed) -> Tensor");
   m.def(
-      "rms_norm_int4mm(Tensor x, Tensor weight, float eps, Tensor packed, int group, "
-      "Tensor scales_zeros) -> Tensor");
-  m.def("f32_int4mm(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor");
-  m.def("int4mm(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor");
-  m.def(
-      "mlp_int4(Tensor(a!) residual, Tensor o, Tensor weight, float eps, Tensor gu_packed, "
-      "Tensor gu_scales_zeros, Tensor down_packed, Tensor down_scales_zeros, int group) -> ()");
+      "mlp_q4(Tensor(a!) residual, Tensor o, Tensor weight, float eps, Tensor gu_packed, "
+      "Tensor down_packed) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
@@ -390,8 +533,8 @@ TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
   m.impl("add_rms_norm_bf16", &add_rms_norm_bf16);
   m.impl("qkv_rope", &qkv_rope);
   m.impl("silu_mul_bf16", &silu_mul_bf16);
-  m.impl("rms_norm_int4mm", &rms_norm_int4mm);
-  m.impl("f32_int4mm", &f32_int4mm);
-  m.impl("mlp_int4", &mlp_int4);
-  m.impl("int4mm", &int4mm_op);
+  m.impl("q4mm", &q4mm);
+  m.impl("q8mm", &q8mm);
+  m.impl("rms_norm_q4mm", &rms_norm_q4mm);
+  m.impl("mlp_q4", &mlp_q4);
 }
