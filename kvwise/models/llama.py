@@ -314,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
             return torch.mm(hidden, self.lm_head).float()  # (N, vocab)
         logits = head.mm(hidden)  # (N, vocab), int8-activation precision
         top = logits.topk(min(_EXACT_TOP_K, logits.shape[-1]), dim=-1).indices  # (N, k)
-        exact = torch.einsum("nkh,nh->nk", head.rows(top), hidden.float())  # (N, k)
+        exact = head.dot_rows(hidden, top)  # (N, k)
         return logits.scatter_(1, top, exact)
 
     def install_quantized(

@@ -177,11 +177,12 @@ class Q8Weight:
         groups, blocks, _ = self.packed.shape
         flat = ids.reshape(-1)
         group, column = flat // 8, flat % 8
-        codes = self.packed[..., :256].view(torch.int8).reshape(groups, blocks, 8, 8, 4)
-        picked = codes[group, :, :, column, :].float()  # (n, B, j, t)
-        scales = self.packed[..., 256:].contiguous().view(torch.float16)  # (G, B, 8)
-        d = scales[group, :, column].float()  # (n, B)
-        rows = picked.reshape(len(flat), blocks, QK) * d[..., None]
+        picked = self.packed[group]  # (n, B, 272): the rows' groups only
+        codes = picked[..., :256].view(torch.int8).reshape(len(flat), blocks, 8, 8, 4)
+        codes = codes[torch.arange(len(flat)), :, :, column, :].float()  # (n, B, j, t)
+        scales = picked[..., 256:].contiguous().view(torch.float16)  # (n, B, 8)
+        d = scales[torch.arange(len(flat)), :, column].float()  # (n, B)
+        rows = codes.reshape(len(flat), blocks, QK) * d[..., None]
         return rows.reshape(*ids.shape, self.in_features)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,6 +191,14 @@ class Q8Weight:
         if kernels.available():
             return torch.ops.kvwise.q8mm(x, self.packed)[:, : self.out_features]
         return quantize_activations(x) @ self.dequantize().t()  # the same up to float rounding
+
+    def dot_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`x` `(N, in)` float, `ids` `(N, k)` -> `(N, k)` float32: x[n] . row ids[n][i], in
+        float32 from the exact rows (refines a few of ``mm``'s outputs)."""
+        x = x.float().contiguous()
+        if kernels.available():
+            return torch.ops.kvwise.q8_rows_dot(x, self.packed, ids.contiguous())
+        return torch.einsum("nkh,nh->nk", self.rows(ids), x)
 
     def dequantize(self) -> torch.Tensor:
         return self.rows(torch.arange(self.out_features))

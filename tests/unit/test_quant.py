@@ -80,6 +80,10 @@ def test_q8_0_blocks_come_back_exactly_and_their_rows_are_exact():
     assert out.shape == (6, 50)
     want = quantize_activations(x).double() @ reference.double().t()
     assert (out - want).abs().max() <= 1e-5 * want.abs().max()
+    # a few exact logits per row: float32 dots with the exact rows
+    top = torch.tensor([[0, 49, 7], [3, 3, 1], [2, 8, 16], [9, 10, 11], [1, 2, 3], [48, 47, 46]])
+    exact = (x.double()[:, None, :] * reference.double()[top]).sum(-1)
+    assert torch.allclose(quantized.dot_rows(x, top).double(), exact, rtol=1e-5, atol=1e-5)
 
 
 def test_int4_without_the_kernels_computes_the_same_product(monkeypatch):

@@ -23,6 +23,7 @@
 // weights in blocks of 32 (the embedding / LM head, GGUF's Q8_0):
 //
 //   q8mm(x, W)                               -> x @ W.T, x quantized as for q4mm
+//   q8_rows_dot(h, W, ids)                   -> h[n] . W[ids[n][i]] in float32
 // Registered as torch.ops.kvwise.*; kvwise/worker/kernels.py builds them.
 
 #include <ATen/ATen.h>
@@ -456,6 +457,45 @@ at::Tensor q8mm(const at::Tensor& x, const at::Tensor& packed) {
   return out;
 }
 
+// out[n][i] = dot(hidden[n], row ids[n][i] of an int8-block weight), in float32 (the exact
+// logits of a few candidates per row after q8mm's approximate ones)
+at::Tensor q8_rows_dot(const at::Tensor& hidden, const at::Tensor& packed, const at::Tensor& ids) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+              "q8_rows_dot: hidden must be a contiguous float32 (N, K) tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kQ8GroupBytes && packed.size(1) * kQ4Block == hidden.size(1),
+              "q8_rows_dot: packed must be uint8 (V / 8, K / 32, 272)");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == hidden.size(0) && ids.scalar_type() == at::kLong &&
+                  ids.is_contiguous(),
+              "q8_rows_dot: ids must be int64 (N, k)");
+  const int64_t N = ids.size(0), k = ids.size(1), K = hidden.size(1), nb = packed.size(1);
+  const int64_t rows = packed.size(0) * 8;
+  at::Tensor out = at::empty({N, k}, hidden.options());
+  const float* hp = hidden.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < N * k; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "q8_rows_dot: id ", ip[i], " out of range");
+  at::parallel_for(0, N * k, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t id = ip[i], c = id % 8;
+      const uint8_t* g = wp + (id / 8) * nb * kQ8GroupBytes;
+      const float* h = hp + (i / k) * K;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b, g += kQ8GroupBytes, h += kQ4Block) {
+        float part = 0.f;
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 4; ++t)
+            part += static_cast<float>(static_cast<int8_t>(g[32 * j + 4 * c + t])) * h[4 * j + t];
+        acc += static_cast<float>(reinterpret_cast<const at::Half*>(g + 256)[c]) * part;
+      }
+      op[i] = acc;
+    }
+  });
+  return out;
+}
+
 at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, w, "rms_norm_f32");
   const int64_t T = x.size(0), N = x.size(1);
@@ -522,6 +562,7 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
   m.def("q4mm(Tensor x, Tensor packed) -> Tensor");
   m.def("q8mm(Tensor x, Tensor packed) -> Tensor");
+  m.def("q8_rows_dot(Tensor hidden, Tensor packed, Tensor ids) -> Tensor");
   m.def("rms_norm_q4mm(Tensor x, Tensor weight, float eps, Tensor packed) -> Tensor");
   m.def(
       "mlp_q4(Tensor(a!) residual, Tensor o, Tensor weight, float eps, Tensor gu_packed, "
@@ -535,6 +576,7 @@ TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
   m.impl("silu_mul_bf16", &silu_mul_bf16);
   m.impl("q4mm", &q4mm);
   m.impl("q8mm", &q8mm);
+  m.impl("q8_rows_dot", &q8_rows_dot);
   m.impl("rms_norm_q4mm", &rms_norm_q4mm);
   m.impl("mlp_q4", &mlp_q4);
 }
