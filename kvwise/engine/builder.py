@@ -95,10 +95,12 @@ def build_model_parts(
 
 
 _WEIGHT_FORMATS = {
-    "int4": "linear layers int4 (groups of 32, bfloat16 scales; GGUF Q4_0/Q4_1 as they are), "
-    "embedding and LM head int8 per row, norms float32, activations into the kernels bfloat16",
-    "int8": "linear layers int8 per output channel, embedding and LM head int8 per row, norms "
-    "float32, activations into the kernels bfloat16",
+    "int4": "linear layers int4 (blocks of 32, float16 scale and minimum; GGUF Q4_0/Q4_1 as "
+    "they are), embedding and LM head int8 in blocks of 32 (GGUF Q8_0 as it is), norms "
+    "float32, activations into the kernels int8 per block of 32",
+    "int8": "linear layers int8 per output channel (activations into torch's kernel bfloat16), "
+    "embedding and LM head int8 in blocks of 32 (activations int8 per block of 32), norms "
+    "float32",
 }
 
 
