@@ -173,35 +173,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(
   return {q, k, v};
 }
 
-at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BFloat16* p) { return load_bf16(p); }
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(BFloat16* p, __m256 x) { store_bf16(p, x); }
+#endif
+
+// gate_up (T, 2 I) -> silu(gate) * up (T, I), computed in float32, in and out as T
+template <typename T>
+at::Tensor silu_mul(const at::Tensor& gate_up, const char* name) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 &&
-                  gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous(),
-              "silu_mul_bf16: gate_up must be contiguous bfloat16 (T, 2 I)");
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({T, I}, gate_up.options());
-  const BFloat16* gp = gate_up.data_ptr<BFloat16>();
-  BFloat16* op = out.data_ptr<BFloat16>();
-  at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
+                  gate_up.scalar_type() == c10::CppTypeToScalarType<T>::value &&
+                  gate_up.is_contiguous(),
+              name, ": gate_up must be contiguous (T, 2 I) of its dtype");
+  const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T_, I}, gate_up.options());
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, T_, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const BFloat16* g = gp + t * 2 * I;
-      const BFloat16* u = g + I;
-      BFloat16* o = op + t * I;
+      const T* g = gp + t * 2 * I;
+      const T* u = g + I;
+      T* o = op + t * I;
       int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
       for (; i + 8 <= I; i += 8) {
-        const __m256 gi = load_bf16(g + i);
+        const __m256 gi = load8(g + i);
         const __m256 silu = _mm256_div_ps(
             gi, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gi))));
-        store_bf16(o + i, _mm256_mul_ps(silu, load_bf16(u + i)));
+        store8(o + i, _mm256_mul_ps(silu, load8(u + i)));
       }
 #endif
       for (; i < I; ++i) {
         const float gi = static_cast<float>(g[i]);
-        o[i] = BFloat16(gi / (1.f + std::exp(-gi)) * static_cast<float>(u[i]));
+        o[i] = T(gi / (1.f + std::exp(-gi)) * static_cast<float>(u[i]));
       }
     }
   });
   return out;
+}
+
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
+  return silu_mul<BFloat16>(gate_up, "silu_mul_bf16");
 }
 
 // ---- int4 weights x int8 activations ---------------------------------------------------------
@@ -330,45 +344,6 @@ inline void q4_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float*
 #endif
 }
 
-void check_q4(const at::Tensor& x, const at::Tensor& packed, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
-              ": x must be a contiguous float32 (T, K) tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == kQ4GroupBytes && packed.size(1) * kQ4Block == x.size(1),
-              name, ": packed must be uint8 (N / 8, K / 32, 160) for K = ", x.size(1));
-}
-
-// (M, K) float32 x int4 weight -> (M, N) float32
-at::Tensor q4mm(const at::Tensor& x, const at::Tensor& packed) {
-  check_q4(x, packed, "q4mm");
-  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0), nb = packed.size(1);
-  const int64_t N = G * 8;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * nb), sx(M * nb);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, grain_rows(4 * K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_row_q8(xp + m * K, K, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb);
-  });
-  at::Tensor out = at::empty({M, N}, x.options());
-  float* op = out.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  // column groups split between threads; each group's weights (K / 32 x 160 bytes) stay in
-  // cache while every row runs through them, 4 rows at a time
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* w = wp + g * nb * kQ4GroupBytes;
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4)
-        q4_rows<4>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
-                   op + m * N + g * 8, N);
-      for (; m < M; ++m)
-        q4_rows<1>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
-                   op + m * N + g * 8, N);
-    }
-  });
-  return out;
-}
 
 // ---- int8 weights in blocks of 32 x int8 activations (llama.cpp's Q8_0 x Q8_0 dot) ----------
 //
@@ -425,13 +400,27 @@ inline void q8_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float*
 #endif
 }
 
-// (M, K) float32 x int8-block weight -> (M, N) float32
-at::Tensor q8mm(const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "q8mm: x must be a contiguous float32 (T, K) tensor");
+template <bool Q4, int R>
+inline void block_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float* dx,
+                       const float* sx, float* out, int64_t ldo) {
+  if constexpr (Q4) {
+    q4_rows<R>(w, nb, xq, dx, sx, out, ldo);
+  } else {
+    q8_rows<R>(w, nb, xq, dx, out, ldo);
+  }
+}
+
+// (M, K) float32 x an int4 (Q4) or int8-block weight -> (M, N) float32: the rows quantized
+// per block of 32, then column groups split between threads; each group's weights (K / 32
+// blocks) stay in cache while every row runs through them, 4 rows at a time
+template <bool Q4>
+at::Tensor block_mm(const at::Tensor& x, const at::Tensor& packed, const char* name) {
+  constexpr int64_t group_bytes = Q4 ? kQ4GroupBytes : kQ8GroupBytes;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
+              ": x must be a contiguous float32 (T, K) tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == kQ8GroupBytes && packed.size(1) * kQ4Block == x.size(1),
-              "q8mm: packed must be uint8 (N / 8, K / 32, 272) for K = ", x.size(1));
+                  packed.size(2) == group_bytes && packed.size(1) * kQ4Block == x.size(1),
+              name, ": packed must be uint8 (N / 8, K / 32, ", group_bytes, ") for K = ", x.size(1));
   const int64_t M = x.size(0), K = x.size(1), G = packed.size(0), nb = packed.size(1);
   const int64_t N = G * 8;
   std::vector<int8_t> xq(M * K);
@@ -446,15 +435,25 @@ at::Tensor q8mm(const at::Tensor& x, const at::Tensor& packed) {
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* w = wp + g * nb * kQ8GroupBytes;
+      const uint8_t* w = wp + g * nb * group_bytes;
       int64_t m = 0;
       for (; m + 4 <= M; m += 4)
-        q8_rows<4>(w, nb, xq.data() + m * K, dx.data() + m * nb, op + m * N + g * 8, N);
+        block_rows<Q4, 4>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
+                          op + m * N + g * 8, N);
       for (; m < M; ++m)
-        q8_rows<1>(w, nb, xq.data() + m * K, dx.data() + m * nb, op + m * N + g * 8, N);
+        block_rows<Q4, 1>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
+                          op + m * N + g * 8, N);
     }
   });
   return out;
+}
+
+at::Tensor q4mm(const at::Tensor& x, const at::Tensor& packed) {
+  return block_mm<true>(x, packed, "q4mm");
+}
+
+at::Tensor q8mm(const at::Tensor& x, const at::Tensor& packed) {
+  return block_mm<false>(x, packed, "q8mm");
 }
 
 // out[n][i] = dot(hidden[n], row ids[n][i] of an int8-block weight), in float32 (the exact
@@ -509,31 +508,7 @@ at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-// gate_up (T, 2 I) float32 -> silu(gate) * up (T, I) float32
-at::Tensor silu_mul_f32(const at::Tensor& gate_up) {
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({T, I}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = gp + t * 2 * I;
-      const float* u = g + I;
-      float* o = op + t * I;
-      int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-      for (; i + 8 <= I; i += 8) {
-        const __m256 gi = _mm256_loadu_ps(g + i);
-        const __m256 silu = _mm256_div_ps(
-            gi, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gi))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-      }
-#endif
-      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
-  });
-  return out;
-}
+at::Tensor silu_mul_f32(const at::Tensor& gate_up) { return silu_mul<float>(gate_up, "silu_mul_f32"); }
 
 at::Tensor rms_norm_q4mm(const at::Tensor& x, const at::Tensor& w, double eps,
                          const at::Tensor& packed) {
