@@ -68,7 +68,9 @@ def main() -> None:
             f"{s * 1e3:.3f} ms ({flops / s / 1e9:.0f} GFLOP/s)" for s in times) + " |")  # fmt: skip
     head = torch.randn(*HEAD, generator=gen) * 0.05
     int8, q8 = Int8Weight.quantize(head), Q8Weight.quantize(head)
-    print("\n| LM head rows | torch int8 (per row, bf16 activations) | kvwise q8mm |\n|---:|---:|---:|")
+    print(
+        "\n| LM head rows | torch int8 (per row, bf16 activations) | kvwise q8mm |\n|---:|---:|---:|"
+    )
     for rows in (1, 16):
         x = torch.randn(rows, HEAD[1], generator=gen)
         times = [median_seconds(lambda x=x: int8.mm(x)), median_seconds(lambda x=x: q8.mm(x))]
