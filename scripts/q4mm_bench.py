@@ -1,8 +1,9 @@
 """The four matmuls of one default-model layer (qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536) and the LM head (49,152x576) at several row counts: torch's CPU int4 kernel
-(bfloat16 activations, what kvwise ran before), kvwise's int4 x int8 kernel (q4mm) and
-float32 GEMM; for the LM head, torch's int8 kernel against kvwise's q8mm. Interleaved,
-medians of 9 (docs/BENCHMARKS.md, issue 11)::
+(bfloat16 activations, what kvwise ran before), kvwise's int4 x int8 kernel (q4mm: its AVX2
+code, and its AVX-512 VNNI code where this CPU runs it) and float32 GEMM; for the LM head,
+torch's int8 kernel against kvwise's q8mm. Interleaved, medians of 9 (docs/BENCHMARKS.md,
+issue 11)::
 
     .venv/bin/python scripts/q4mm_bench.py
 """
@@ -54,13 +55,26 @@ def main() -> None:
     theirs = [torch_int4(w) for w in floats]
     ours = [Int4Weight.quantize(w) for w in floats]
     dense = [w.t().contiguous() for w in floats]
-    print("| rows | torch int4 (bf16 activations) | kvwise q4mm (int8 activations) | "
-          "float32 GEMM |\n|---:|---:|---:|---:|")  # fmt: skip
+    isas = ["avx2"] + (["avx512vnni"] if kernels.block_isa() == "avx512vnni" else [])
+
+    def ours_on(isa: str, fn):
+        def run():
+            kernels.block_isa(isa)
+            return fn()
+
+        return run
+
+    print("| rows | torch int4 (bf16 activations) | "
+          + " | ".join(f"kvwise q4mm, {isa}" for isa in isas)
+          + " | float32 GEMM |\n|---:|---:|" + "---:|" * len(isas) + "---:|")  # fmt: skip
     for rows in (1, 4, 16, 64, 512):
         xs = [torch.randn(rows, i, generator=gen) for _, i in SHAPES]
         times = [
             median_seconds(lambda xs=xs: [f(x) for f, x in zip(theirs, xs)]),
-            median_seconds(lambda xs=xs: [w.mm(x) for w, x in zip(ours, xs)]),
+            *(
+                median_seconds(ours_on(isa, lambda xs=xs: [w.mm(x) for w, x in zip(ours, xs)]))
+                for isa in isas
+            ),
             median_seconds(lambda xs=xs: [x @ w for w, x in zip(dense, xs)]),
         ]
         flops = 2 * rows * sum(o * i for o, i in SHAPES)
@@ -68,12 +82,15 @@ def main() -> None:
             f"{s * 1e3:.3f} ms ({flops / s / 1e9:.0f} GFLOP/s)" for s in times) + " |")  # fmt: skip
     head = torch.randn(*HEAD, generator=gen) * 0.05
     int8, q8 = Int8Weight.quantize(head), Q8Weight.quantize(head)
-    print(
-        "\n| LM head rows | torch int8 (per row, bf16 activations) | kvwise q8mm |\n|---:|---:|---:|"
-    )
+    print("\n| LM head rows | torch int8 (per row, bf16 activations) | "
+          + " | ".join(f"kvwise q8mm, {isa}" for isa in isas)
+          + " |\n|---:|---:|" + "---:|" * len(isas))  # fmt: skip
     for rows in (1, 16):
         x = torch.randn(rows, HEAD[1], generator=gen)
-        times = [median_seconds(lambda x=x: int8.mm(x)), median_seconds(lambda x=x: q8.mm(x))]
+        times = [
+            median_seconds(lambda x=x: int8.mm(x)),
+            *(median_seconds(ours_on(isa, lambda x=x: q8.mm(x))) for isa in isas),
+        ]
         print(f"| {rows} | " + " | ".join(f"{s * 1e3:.3f} ms" for s in times) + " |")
 
 

@@ -14,6 +14,8 @@ import contextlib
 import hashlib
 import logging
 import os
+import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,6 +42,48 @@ def _cpu_flags() -> list[str]:
             flags = set(line.split(":", 1)[1].split())
             break
     return ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
+
+
+_VNNI_PROBE = r"""
+#include <immintrin.h>
+int main() {
+  __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), a, b);
+  __m512 f = _mm512_cvtph_ps(_mm256_set1_epi16(0x3c00));
+  return (_mm512_reduce_add_epi32(s) == -384 && _mm512_reduce_add_ps(f) == 16.f) ? 0 : 1;
+}
+"""
+_VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+
+
+def _vnni_flags(base: list[str]) -> list[str]:
+    """AVX-512 VNNI for the block matmuls when a test program using it compiles AND runs here
+    (a CPU can report instructions it traps on: only running them tells), else nothing.
+    ``KVWISE_AVX512=0`` keeps the AVX2 build."""
+    if not base or os.environ.get("KVWISE_AVX512", "1") == "0":
+        return []
+    compiler = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "probe.cpp", Path(tmp) / "probe"
+        src.write_text(_VNNI_PROBE)
+        try:
+            subprocess.run([compiler, "-O1", *base, *_VNNI_FLAGS, str(src), "-o", str(exe)],
+                           check=True, capture_output=True, timeout=60)  # fmt: skip
+            ok = subprocess.run([str(exe)], capture_output=True, timeout=10).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+    if not ok:
+        return []
+    # 256-bit vectors elsewhere, as in the AVX2 build: only the VNNI kernels use 512
+    return [*_VNNI_FLAGS, "-mprefer-vector-width=256", "-DKVWISE_AVX512VNNI"]
+
+
+def block_isa(isa: str = "") -> str:
+    """The instructions of the int4 / int8-block matmuls: ``"avx512vnni"`` or ``"avx2"``;
+    ``isa`` switches between them where both are built (the same results either way)."""
+    if not available():
+        raise RuntimeError("block_isa: the kvwise kernels are unavailable")
+    return torch.ops.kvwise.block_isa(isa)
 
 
 def _header_stamp() -> str:
@@ -97,7 +141,8 @@ def _our_ninja():
 
 
 def _load(cpp_extension) -> None:
-    flags = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *_cpu_flags()]
+    cpu = _cpu_flags()
+    flags = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *cpu, *_vnni_flags(cpu)]
     # one build directory per checkout: two checkouts sharing one would rebuild alternately
     where = hashlib.sha256(str(_SOURCES[0].parent).encode()).hexdigest()[:8]
     cpp_extension.load(

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kvwise.core.kv_spec import KVSpec
 from kvwise.models.layers import apply_rope, rms_norm, rope_table
-from kvwise.models.quant import Int4Weight
+from kvwise.models.quant import Int4Weight, Q8Weight
 from kvwise.worker import kernels
 from kvwise.worker.kv_cache import PagedKVCache
 
@@ -196,10 +196,36 @@ def test_q4mm_matches_its_float64_reference_and_is_row_invariant(shape):
     want = _q4_reference(x, weight)
     scale = want.abs().max().item()
     assert (full.double() - want).abs().max().item() <= 1e-5 * scale
-    for rows in (1, 2, 3, 4, 5, 7, 64):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17, 64):
         for start in (0, 1, 5):
             assert torch.equal(ops.q4mm(x[start : start + rows], weight.packed),
                                full[start : start + rows]), (rows, start)  # fmt: skip
+
+
+@pytest.mark.skipif(kernels.block_isa() != "avx512vnni", reason="no AVX-512 VNNI build here")
+@pytest.mark.parametrize("shape", [(960, 576), (40, 64), (49152 // 32, 576)])
+def test_avx512_vnni_block_matmuls_give_the_avx2_bits(shape):
+    """The VNNI code (two column groups a vector, 8-row tiles, an odd last group on the AVX2
+    code) sums the same exact integers and runs the same float operations: same bits as the
+    AVX2 code, for int4 and Q8_0 weights, at every row count."""
+    gen = torch.Generator().manual_seed(shape[1])
+    dense = torch.randn(*shape, generator=gen)
+    try:
+        for packed, op in ((Int4Weight.quantize(dense).packed, ops.q4mm),
+                           (Q8Weight.quantize(dense).packed, ops.q8mm)):  # fmt: skip
+            for rows in (1, 3, 8, 9, 23, 64):
+                x = torch.randn(rows, shape[1], generator=gen) * 3
+                kernels.block_isa("avx2")
+                avx2 = op(x, packed)
+                kernels.block_isa("avx512vnni")
+                assert torch.equal(op(x, packed), avx2), (op, rows)
+    finally:
+        kernels.block_isa("avx512vnni")
+
+
+def test_block_isa_refuses_an_unknown_name():
+    with pytest.raises(RuntimeError, match="expected 'avx2' or 'avx512vnni'"):
+        kernels.block_isa("sse2")
 
 
 def test_q4mm_refuses_mismatched_shapes():

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -242,8 +243,8 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
 constexpr int64_t kQ4Block = 32;
 constexpr int64_t kQ4GroupBytes = 160;
 
-// a row's activations -> int8 codes, dx and sx per block of 32
-void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* dx, float* sx) {
+// a row's activations -> int8 codes, dx, sx and the codes' integer sum per block of 32
+void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* dx, float* sx, int32_t* xs) {
   for (int64_t b = 0; b < K / kQ4Block; ++b) {
     const float* src = x + b * kQ4Block;
     float amax = 0.f;
@@ -281,6 +282,7 @@ void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* dx, float* sx)
 #endif
     dx[b] = amax / 127.f;
     sx[b] = dx[b] * static_cast<float>(total);
+    xs[b] = total;
   }
 }
 
@@ -400,6 +402,105 @@ inline void q8_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float*
 #endif
 }
 
+
+// ---- the same two matmuls with AVX-512 VNNI ---------------------------------------------------
+//
+// Where the CPU runs AVX-512 VNNI (kernels.py probes it by running a test program, then builds
+// with KVWISE_AVX512VNNI), `vpdpbusd` does a maddubs, its 16-bit add and the widening to 32 bits
+// in one instruction, on 512-bit vectors: two column groups side by side (16 columns), each row
+// a broadcast of 4 activations. The integer block sums are the same exact integers and the float
+// operations after them the same, in the same order, so the results are bit-identical to the
+// AVX2 path (tested). For Q8_0 weights, vpdpbusd too wants unsigned weights: it sums
+// (w + 128) * x, and 128 * sum(x) comes off again (both exact).
+#if defined(KVWISE_AVX512VNNI)
+bool g_vnni = true;
+
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512 load_ph_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// R rows x two groups of 8 columns (w0, w1) over all K: out[r][0..15]
+template <bool Q4, int R>
+inline void vnni_rows(const uint8_t* w0, const uint8_t* w1, int64_t nb, const int8_t* xq,
+                      const float* dx, const float* sx, const int32_t* xs, float* out,
+                      int64_t ldo) {
+  constexpr int64_t gb = Q4 ? kQ4GroupBytes : kQ8GroupBytes;
+  const int64_t K = nb * kQ4Block;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w0 += gb, w1 += gb) {
+    __m512i s0[R], s1[R];
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+    if constexpr (Q4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i c = load_pair(w0 + 32 * j, w1 + 32 * j);
+        const __m512i lo = _mm512_and_si512(c, mask);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + r * K + b * kQ4Block;
+          s0[r] = _mm512_dpbusd_epi32(s0[r], lo, bcast4(xr + 4 * j));
+          s1[r] = _mm512_dpbusd_epi32(s1[r], hi, bcast4(xr + 16 + 4 * j));
+        }
+      }
+      const __m512 d = load_ph_pair(w0 + 128, w1 + 128);
+      const __m512 m = load_ph_pair(w0 + 144, w1 + 144);
+      for (int r = 0; r < R; ++r) {
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));
+        const int64_t i = r * nb + b;
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[i])), isum, acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i]), acc[r]);
+      }
+    } else {
+      for (int j = 0; j < 8; j += 2) {
+        const __m512i u0 = _mm512_xor_si512(load_pair(w0 + 32 * j, w1 + 32 * j), bias);
+        const __m512i u1 = _mm512_xor_si512(load_pair(w0 + 32 * j + 32, w1 + 32 * j + 32), bias);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + r * K + b * kQ4Block;
+          s0[r] = _mm512_dpbusd_epi32(s0[r], u0, bcast4(xr + 4 * j));
+          s1[r] = _mm512_dpbusd_epi32(s1[r], u1, bcast4(xr + 4 * j + 4));
+        }
+      }
+      const __m512 d = load_ph_pair(w0 + 256, w1 + 256);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = r * nb + b;
+        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0[r], s1[r]),
+                                              _mm512_set1_epi32(128 * xs[i]));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[i])),
+                                 _mm512_cvtepi32_ps(isum), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+template <bool Q4, int R>
+void vnni_tile(const uint8_t* w0, const uint8_t* w1, int64_t nb, int64_t rows, const int8_t* xq,
+               const float* dx, const float* sx, const int32_t* xs, float* out, int64_t ldo) {
+  if constexpr (R > 0) {
+    if (rows == R) return vnni_rows<Q4, R>(w0, w1, nb, xq, dx, sx, xs, out, ldo);
+    vnni_tile<Q4, R - 1>(w0, w1, nb, rows, xq, dx, sx, xs, out, ldo);
+  }
+}
+#else
+bool g_vnni = false;
+#endif
+
 template <bool Q4, int R>
 inline void block_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float* dx,
                        const float* sx, float* out, int64_t ldo) {
@@ -425,15 +526,18 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& packed, const char* n
   const int64_t N = G * 8;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * nb), sx(M * nb);
+  std::vector<int32_t> xs(M * nb);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, grain_rows(4 * K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      quantize_row_q8(xp + m * K, K, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb);
+      quantize_row_q8(xp + m * K, K, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
+                      xs.data() + m * nb);
   });
   at::Tensor out = at::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+  // the groups one AVX2 tile runs: those the VNNI pairs leave (an odd last one), or all
+  auto avx2_groups = [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* w = wp + g * nb * group_bytes;
       int64_t m = 0;
@@ -444,8 +548,43 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& packed, const char* n
         block_rows<Q4, 1>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
                           op + m * N + g * 8, N);
     }
-  });
+  };
+#if defined(KVWISE_AVX512VNNI)
+  if (g_vnni) {
+    constexpr int64_t kRows = 8;
+    at::parallel_for(0, G / 2, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* w0 = wp + 2 * p * nb * group_bytes;
+        const uint8_t* w1 = w0 + nb * group_bytes;
+        for (int64_t m = 0; m < M; m += kRows)
+          vnni_tile<Q4, kRows>(w0, w1, nb, std::min(kRows, M - m), xq.data() + m * K,
+                               dx.data() + m * nb, sx.data() + m * nb, xs.data() + m * nb,
+                               op + m * N + p * 16, N);
+      }
+    });
+    if (G % 2) avx2_groups(G - 1, G);
+    return out;
+  }
+#endif
+  at::parallel_for(0, G, 1, avx2_groups);
   return out;
+}
+
+// which instructions q4mm / q8mm run: "avx512vnni" where built and the CPU runs them, else
+// "avx2"; `isa` non-empty switches (the results are the same bits either way)
+std::string block_isa(c10::string_view isa) {
+  if (isa == "avx2") {
+    g_vnni = false;
+  } else if (isa == "avx512vnni") {
+#if defined(KVWISE_AVX512VNNI)
+    g_vnni = true;
+#else
+    TORCH_CHECK(false, "block_isa: this build has no AVX-512 VNNI kernels");
+#endif
+  } else {
+    TORCH_CHECK(isa.empty(), "block_isa: expected 'avx2' or 'avx512vnni', got '", std::string(isa), "'");
+  }
+  return g_vnni ? "avx512vnni" : "avx2";
 }
 
 at::Tensor q4mm(const at::Tensor& x, const at::Tensor& packed) {
@@ -535,6 +674,7 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
       "qkv_rope(Tensor qkv, Tensor? bias, Tensor? qk_norm, Tensor cos, Tensor sin, int num_heads, "
       "int num_kv_heads, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
+  m.def("block_isa(str isa='') -> str", &block_isa);  // no tensors: a catch-all kernel
   m.def("q4mm(Tensor x, Tensor packed) -> Tensor");
   m.def("q8mm(Tensor x, Tensor packed) -> Tensor");
   m.def("q8_rows_dot(Tensor hidden, Tensor packed, Tensor ids) -> Tensor");
