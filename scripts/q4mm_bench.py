@@ -55,7 +55,7 @@ def main() -> None:
     theirs = [torch_int4(w) for w in floats]
     ours = [Int4Weight.quantize(w) for w in floats]
     dense = [w.t().contiguous() for w in floats]
-    isas = ["avx2"] + (["avx512vnni"] if kernels.block_isa() == "avx512vnni" else [])
+    isas = kernels.block_isas()
 
     def ours_on(isa: str, fn):
         def run():

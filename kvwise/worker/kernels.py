@@ -86,6 +86,19 @@ def block_isa(isa: str = "") -> str:
     return torch.ops.kvwise.block_isa(isa)
 
 
+def block_isas() -> list[str]:
+    """Every ``block_isa`` this build and CPU can run, slowest first (the current one kept)."""
+    current, found = block_isa(), []
+    for isa in ("avx2", "avx512vnni"):
+        try:
+            block_isa(isa)
+            found.append(isa)
+        except RuntimeError:
+            pass
+    block_isa(current)
+    return found
+
+
 def _header_stamp() -> str:
     """A define that changes with the shared header: torch rebuilds when sources or flags
     change, and would not notice an edit to the header alone."""

@@ -365,12 +365,15 @@ at::Tensor attend(const at::Tensor& q, const void* k_base, const void* v_base,
                 "paged_decode_attention: context length outside the block table");
     max_len = std::max(max_len, lens[b]);
   }
-  // Spans: enough tasks to keep every thread busy, but no span shorter than 32 keys.
+  // Spans: enough tasks to keep every thread busy, but no span shorter than 32 keys. A task is
+  // one span of one sequence for all its KV heads, one head after the other: a token's K (and
+  // V) row holds every head side by side, so the span's rows come from memory once, and the
+  // later heads find them in cache (one task per head read each row from memory KVH times).
   const int64_t threads = at::get_num_threads();
-  const int64_t want = std::max<int64_t>(1, (4 * threads + B * KVH - 1) / (B * KVH));
+  const int64_t want = std::max<int64_t>(1, (4 * threads + B - 1) / B);
   const int64_t span = std::max<int64_t>(32, (max_len + want - 1) / want);
   const int64_t num_spans = (max_len + span - 1) / span;
-  const int64_t num_tasks = B * KVH * num_spans;
+  const int64_t num_tasks = B * KVH * num_spans;  // partial results: one per (b, h, span)
 
   at::Tensor out = at::empty({B, H, D}, q.options());
   // per task and query head: max, sum, then D weighted values
@@ -388,12 +391,36 @@ at::Tensor attend(const at::Tensor& q, const void* k_base, const void* v_base,
   // a handful of keys runs on the calling thread alone; from ~8 keys on, sharing the work
   // wins even at a 10 us thread wake-up (measured in the decode step)
   const bool small = B * max_len * H * D < (1 << 12);
-  at::parallel_for(0, num_tasks, small ? num_tasks : 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * num_spans, small ? B * num_spans : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row_scales;
     std::vector<const float*> rows;
     std::vector<const int8_t*> rows8;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task % num_spans, h = (task / num_spans) % KVH, b = task / (num_spans * KVH);
+    for (int64_t bs = begin; bs < end; ++bs)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t s = bs % num_spans, b = bs / num_spans;
+      const int64_t task = (b * KVH + h) * num_spans + s;
+      // the span's K/V rows, every head, asked for at once (the heads then find them in L2):
+      // the rows arrive at the memory's streaming rate, ~1.8x the rate the head-by-head reads
+      // alone got (measured, 16 sequences of 165 tokens, each layer's K/V out of cache)
+#if defined(__AVX2__)
+      if (h == 0) {
+        const int64_t first = s * span, last = std::min(lens[b], first + span);
+        const int64_t* table = tables + b * max_blocks;
+        const int64_t elem = Q8 ? 1 : 4;  // bytes a value
+        for (int64_t p = first; p < last;) {
+          const int64_t off = p % block_size, n_rows = std::min(block_size - off, last - p);
+          const int64_t at = table[p / block_size] * (Q8 ? half_bytes : block_stride * 4) +
+                             off * row_stride * elem;
+          const char* kr = static_cast<const char*>(k_base) + at;
+          const char* vr = static_cast<const char*>(v_base) + at;
+          for (int64_t byte = 0; byte < n_rows * row_stride * elem; byte += 64) {
+            _mm_prefetch(kr + byte, _MM_HINT_T1);
+            _mm_prefetch(vr + byte, _MM_HINT_T1);
+          }
+          p += n_rows;
+        }
+      }
+#endif
       const int64_t start = s * span, stop = std::min(lens[b], start + span);
       float* res = part + task * G * (D + 2);
       if (start >= stop) {  // this sequence is shorter than the longest: an empty span
