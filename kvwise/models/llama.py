@@ -313,7 +313,11 @@ class LlamaForCausalLM(nn.Module):
         if head is None:
             return torch.mm(hidden, self.lm_head).float()  # (N, vocab)
         logits = head.mm(hidden)  # (N, vocab), int8-activation precision
-        top = logits.topk(min(_EXACT_TOP_K, logits.shape[-1]), dim=-1).indices  # (N, k)
+        k = min(_EXACT_TOP_K, logits.shape[-1])
+        if kernels.available():
+            top = torch.ops.kvwise.top_k_ids(logits, k)  # (N, k), one pass a row
+        else:
+            top = logits.topk(k, dim=-1).indices  # (N, k)
         exact = head.dot_rows(hidden, top)  # (N, k)
         return logits.scatter_(1, top, exact)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvwise.types import SamplingParams
+from kvwise.worker import kernels
 
 _SEED_STRIDE = 1_000_003
 _SEED_RANGE = 2**63  # manual_seed takes a signed 64-bit value
@@ -44,6 +45,10 @@ def sample(
     output_indices: list[int],
 ) -> tuple[list[int], list[float]]:
     """Pick one token per row; return the token ids and their logprobs."""
+    if all(p.temperature < _MIN_TEMPERATURE for p in params) and kernels.available():
+        # all greedy: the argmax and its logprob in one C++ pass a row (no (S, V) log-softmax)
+        ids, chosen = torch.ops.kvwise.greedy_pick(logits.float().contiguous())
+        return ids.tolist(), chosen.tolist()
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (S, V)
     token_ids = torch.argmax(logits, dim=-1)  # (S,)
     for row, p in enumerate(params):

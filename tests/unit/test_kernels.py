@@ -234,3 +234,28 @@ def test_q4mm_refuses_mismatched_shapes():
         ops.q4mm(torch.randn(2, 96), weight.packed)
     with pytest.raises(RuntimeError, match="float32"):
         ops.q4mm(torch.randn(2, 64).to(torch.bfloat16), weight.packed)
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(1, 49152, 64), (16, 1000, 64), (3, 70, 70), (2, 9, 1)])
+def test_top_k_ids_finds_the_same_set_as_torch_topk(rows, vocab, k):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(rows, vocab, generator=gen) * 3
+    ids = ops.top_k_ids(x, k)
+    want = x.topk(k, dim=-1).indices
+    assert torch.equal(ids.sort(-1).values, want.sort(-1).values)
+
+
+def test_top_k_ids_refuses_a_k_beyond_the_row():
+    with pytest.raises(RuntimeError, match="k must be in 1..8"):
+        ops.top_k_ids(torch.randn(2, 8), 9)
+
+
+def test_greedy_pick_is_torch_argmax_and_log_softmax():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 49152 + 5, generator=gen) * 4
+    x[1, 10] = x[1, 4000] = x[1].max() + 1  # a tie: the first id, as torch.argmax
+    x[2, 77] = float("nan")  # NaN wins, as in torch.argmax
+    ids, logprobs = ops.greedy_pick(x)
+    assert torch.equal(ids, x.argmax(-1))
+    want = torch.log_softmax(x, -1).gather(1, ids[:, None])[:, 0]
+    assert torch.allclose(logprobs[[0, 1, *range(3, 16)]], want[[0, 1, *range(3, 16)]], atol=1e-5)

@@ -634,6 +634,116 @@ at::Tensor q8_rows_dot(const at::Tensor& hidden, const at::Tensor& packed, const
   return out;
 }
 
+
+// ---- the rows of logits: top-k candidates, greedy picks ---------------------------------------
+
+// ids (N, k) int64 of the k largest values of each row of x (N, V) float32, in no set order
+// (ties at the k-th value: the earlier ids). One pass a row: a min-heap of k, and 8 values at a
+// time skipped while none beats the heap's least (after the first few hundred, nearly all).
+at::Tensor top_k_ids(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "top_k_ids: x must be a contiguous float32 (N, V) tensor");
+  const int64_t N = x.size(0), V = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "top_k_ids: k must be in 1..", V, ", got ", k);
+  at::Tensor ids = at::empty({N, k}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<float, int64_t>> heap;  // min-heap by value, then by later id
+    const auto after = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    };
+    for (int64_t n = begin; n < end; ++n) {
+      const float* row = xp + n * V;
+      heap.clear();
+      auto offer = [&](int64_t i) {
+        if (static_cast<int64_t>(heap.size()) < k) {
+          heap.emplace_back(row[i], i);
+          std::push_heap(heap.begin(), heap.end(), after);
+        } else if (row[i] > heap.front().first) {
+          std::pop_heap(heap.begin(), heap.end(), after);
+          heap.back() = {row[i], i};
+          std::push_heap(heap.begin(), heap.end(), after);
+        }
+      };
+      int64_t i = 0;
+      for (; i < V && static_cast<int64_t>(heap.size()) < k; ++i) offer(i);
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= V; i += 8) {
+        const __m256 least = _mm256_set1_ps(heap.front().first);
+        int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), least, _CMP_GT_OQ));
+        while (bits) {
+          offer(i + __builtin_ctz(bits));
+          bits &= bits - 1;
+        }
+      }
+#endif
+      for (; i < V; ++i) offer(i);
+      for (int64_t j = 0; j < k; ++j) ip[n * k + j] = heap[j].second;
+    }
+  });
+  return ids;
+}
+
+// greedy picks of logits (N, V) float32: the id of each row's largest value (the first, on a
+// tie) and its log-probability, -log(sum exp(x - max)), in one pass and a half a row
+std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                  logits.size(1) > 0,
+              "greedy_pick: logits must be a contiguous float32 (N, V) tensor");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  at::Tensor ids = at::empty({N}, logits.options().dtype(at::kLong));
+  at::Tensor logprobs = at::empty({N}, logits.options());
+  const float* xp = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* lp = logprobs.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* row = xp + n * V;
+      // the largest value (NaN counts as largest, as in torch.argmax), then its first id
+      float m = row[0];
+      bool nan = std::isnan(m);
+      int64_t i = 1;
+#if defined(__AVX2__) && defined(__FMA__)
+      if (V >= 8) {
+        __m256 mx = _mm256_loadu_ps(row), un = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+        for (i = 8; i + 8 <= V; i += 8) {
+          const __m256 v = _mm256_loadu_ps(row + i);
+          mx = _mm256_max_ps(mx, v);
+          un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mx);
+        for (float v : lanes) m = std::max(m, v);
+        nan = nan || _mm256_movemask_ps(un) != 0;
+      }
+#endif
+      for (; i < V; ++i) {
+        nan = nan || std::isnan(row[i]);
+        m = std::max(m, row[i]);
+      }
+      int64_t best = 0;
+      while (best < V && !(nan ? std::isnan(row[best]) : row[best] == m)) ++best;
+      m = row[best];
+      double total = 0.0;
+      i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      __m256 acc = _mm256_setzero_ps();
+      const __m256 mv = _mm256_set1_ps(m);
+      for (; i + 8 <= V; i += 8)
+        acc = _mm256_add_ps(acc, exp256(_mm256_sub_ps(_mm256_loadu_ps(row + i), mv)));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc);
+      for (float v : lanes) total += v;
+#endif
+      for (; i < V; ++i) total += std::exp(row[i] - m);
+      ip[n] = best;
+      lp[n] = static_cast<float>(-std::log(total));
+    }
+  });
+  return {ids, logprobs};
+}
+
 at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, w, "rms_norm_f32");
   const int64_t T = x.size(0), N = x.size(1);
@@ -678,6 +788,8 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def("q4mm(Tensor x, Tensor packed) -> Tensor");
   m.def("q8mm(Tensor x, Tensor packed) -> Tensor");
   m.def("q8_rows_dot(Tensor hidden, Tensor packed, Tensor ids) -> Tensor");
+  m.def("top_k_ids(Tensor x, int k) -> Tensor");
+  m.def("greedy_pick(Tensor logits) -> (Tensor, Tensor)");
   m.def("rms_norm_q4mm(Tensor x, Tensor weight, float eps, Tensor packed) -> Tensor");
   m.def(
       "mlp_q4(Tensor(a!) residual, Tensor o, Tensor weight, float eps, Tensor gu_packed, "
@@ -692,6 +804,8 @@ TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
   m.impl("q4mm", &q4mm);
   m.impl("q8mm", &q8mm);
   m.impl("q8_rows_dot", &q8_rows_dot);
+  m.impl("top_k_ids", &top_k_ids);
+  m.impl("greedy_pick", &greedy_pick);
   m.impl("rms_norm_q4mm", &rms_norm_q4mm);
   m.impl("mlp_q4", &mlp_q4);
 }

@@ -391,7 +391,7 @@ at::Tensor attend(const at::Tensor& q, const void* k_base, const void* v_base,
   // a handful of keys runs on the calling thread alone; from ~8 keys on, sharing the work
   // wins even at a 10 us thread wake-up (measured in the decode step)
   const bool small = B * max_len * H * D < (1 << 12);
-  at::parallel_for(0, B * num_spans, small ? B * num_spans : 1, [&](int64_t begin, int64_t end) {
+  auto work = [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row_scales;
     std::vector<const float*> rows;
     std::vector<const int8_t*> rows8;
@@ -500,7 +500,14 @@ at::Tensor attend(const at::Tensor& q, const void* k_base, const void* v_base,
         }
       }
     }
-  });
+  };
+  // one task (or a handful of keys) runs here: waking the other threads costs more than it
+  const int64_t num_work = B * num_spans;
+  if (small || num_work == 1) {
+    work(0, num_work);
+  } else {
+    at::parallel_for(0, num_work, 1, work);
+  }
 
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * H, std::max<int64_t>(1, 4096 / (num_spans * D)), [&](int64_t begin, int64_t end) {
