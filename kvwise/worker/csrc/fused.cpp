@@ -540,6 +540,9 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& packed, const char* n
   auto avx2_groups = [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* w = wp + g * nb * group_bytes;
+      if (g + 1 < g1)  // the next group's weights on their way while this one runs
+        for (int64_t byte = 0; byte < nb * group_bytes; byte += 64)
+          __builtin_prefetch(w + nb * group_bytes + byte, 0, 3);
       int64_t m = 0;
       for (; m + 4 <= M; m += 4)
         block_rows<Q4, 4>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
@@ -556,6 +559,9 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& packed, const char* n
       for (int64_t p = p0; p < p1; ++p) {
         const uint8_t* w0 = wp + 2 * p * nb * group_bytes;
         const uint8_t* w1 = w0 + nb * group_bytes;
+        if (p + 1 < p1)  // the next pair's weights on their way while this one runs
+          for (int64_t byte = 0; byte < 2 * nb * group_bytes; byte += 64)
+            __builtin_prefetch(w1 + nb * group_bytes + byte, 0, 3);
         for (int64_t m = 0; m < M; m += kRows)
           vnni_tile<Q4, kRows>(w0, w1, nb, std::min(kRows, M - m), xq.data() + m * K,
                                dx.data() + m * nb, sx.data() + m * nb, xs.data() + m * nb,

@@ -414,8 +414,8 @@ at::Tensor attend(const at::Tensor& q, const void* k_base, const void* v_base,
           const char* kr = static_cast<const char*>(k_base) + at;
           const char* vr = static_cast<const char*>(v_base) + at;
           for (int64_t byte = 0; byte < n_rows * row_stride * elem; byte += 64) {
-            _mm_prefetch(kr + byte, _MM_HINT_T1);
-            _mm_prefetch(vr + byte, _MM_HINT_T1);
+            __builtin_prefetch(kr + byte, 0, 2);
+            __builtin_prefetch(vr + byte, 0, 2);
           }
           p += n_rows;
         }
