@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from kvwise.models.layers import dense_causal_attention
 from kvwise.models.loader import LoadedModel, load_model
-from kvwise.worker.kv_quant import ROUND_TRIP_DTYPES, round_trip
+from kvwise.worker.kv_quant import KC_BLOCK, ROUND_TRIP_DTYPES, round_trip
 
 # Rows of logits per slice: 256 x 49,152 x 4 B = 48 MiB per tensor, a few tensors per model.
 ROWS_PER_SLICE = 256
@@ -168,6 +168,7 @@ def evaluate(
     kv_cache_dtype: str = "float32",
     reference_kv_cache_dtype: str = "float32",
     kv_int4_group_size: int = 0,
+    kv_kc_block: int = KC_BLOCK,
 ) -> EvalResult:
     """Sliding-window perplexity of ``candidate`` on ``token_ids`` and, with ``reference``, its
     KL divergence from and top-1 agreement with the reference at every scored token.
@@ -182,7 +183,8 @@ def evaluate(
             forwards run, so KL ~ 0 and 100% agreement confirm the comparison path).
         progress: a tqdm bar over windows.
         kv_cache_dtype, reference_kv_cache_dtype: the KV format each side attends over
-            (``kv_int4_group_size``: int4's group, 0 for its default).
+            (``kv_int4_group_size``: int4's group, 0 for its default; ``kv_kc_block``:
+            int4-kc's tokens per key block).
 
     Raises:
         ValueError: bad ``ctx`` / ``stride`` / ``max_windows``, or models that disagree on the
@@ -203,11 +205,13 @@ def evaluate(
             # hidden row i predicts token start + i + 1: the scored targets' rows
             rows = slice(window.first_scored - 1 - window.start, window.end - 1 - window.start)
             targets = tokens[window.first_scored : window.end]  # (S,)
-            hidden = _hidden(candidate, ids, kv_cache_dtype, kv_int4_group_size)[
+            hidden = _hidden(candidate, ids, kv_cache_dtype, kv_int4_group_size, kv_kc_block)[
                 rows
             ]  # (S, hidden)
             ref_hidden = (
-                _hidden(reference, ids, reference_kv_cache_dtype, kv_int4_group_size)[rows]
+                _hidden(reference, ids, reference_kv_cache_dtype, kv_int4_group_size, kv_kc_block)[
+                    rows
+                ]  # fmt: skip
                 if reference is not None
                 else None
             )
@@ -272,15 +276,19 @@ def _score(candidate: LoadedModel, hidden: torch.Tensor, targets: torch.Tensor, 
 
 
 def _hidden(
-    loaded: LoadedModel, ids: torch.Tensor, kv_dtype: str = "float32", group: int = 0
+    loaded: LoadedModel,
+    ids: torch.Tensor,
+    kv_dtype: str = "float32",
+    group: int = 0,
+    kc_block: int = KC_BLOCK,
 ) -> torch.Tensor:
     """Final hidden states `(T, hidden)` of one window, with dense causal attention over K/V
     in the format ``kv_dtype``."""
     window = loaded.arch.sliding_window
 
     def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k = round_trip(k.float(), kv_dtype, group, keys=True)
-        v = round_trip(v.float(), kv_dtype, group)
+        k = round_trip(k.float(), kv_dtype, group, keys=True, kc_block=kc_block)
+        v = round_trip(v.float(), kv_dtype, group, kc_block=kc_block)
         return dense_causal_attention(q, k, v, sliding_window=window)  # (T, H*D)
 
     positions = torch.arange(len(ids), dtype=torch.int64)  # (T,)
@@ -301,6 +309,7 @@ def run(
     kv_cache_dtype: str = "float32",
     reference_kv_cache_dtype: str = "float32",
     kv_int4_group_size: int = 0,
+    kv_kc_block: int = KC_BLOCK,
 ) -> EvalResult:
     """``kvwise eval``: load the model(s), tokenize the corpus, evaluate, print a table and
     write ``json_path``. The candidate is loaded once; the reference is loaded too when its
@@ -319,6 +328,8 @@ def run(
             raise ValueError(f"{name}: expected one of {ROUND_TRIP_DTYPES}, got {dtype!r}")
     if kv_int4_group_size and (kv_int4_group_size < 2 or kv_int4_group_size % 2):
         raise ValueError(f"kv_int4_group_size: expected an even number, got {kv_int4_group_size}")
+    if kv_kc_block < 2 or kv_kc_block % 2:
+        raise ValueError(f"kv_kc_block: expected an even number of tokens, got {kv_kc_block}")
     corpus = Corpus.from_file(text) if text else Corpus.default()
     started = time.perf_counter()
     candidate = _load(model, quantization, "--quantization", progress)
@@ -342,7 +353,7 @@ def run(
                          f"{candidate.arch.head_dim}")  # fmt: skip
     result = evaluate(
         candidate, token_ids, ctx, stride, max_windows, reference, progress,
-        kv_cache_dtype, reference_kv_cache_dtype, kv_int4_group_size,
+        kv_cache_dtype, reference_kv_cache_dtype, kv_int4_group_size, kv_kc_block,
     )  # fmt: skip
     record = {
         "model": str(candidate.source),
@@ -353,6 +364,7 @@ def run(
         "kv_cache_dtype": kv_cache_dtype,
         "reference_kv_cache_dtype": kv_cache_dtype if self_check else reference_kv_cache_dtype,
         "kv_int4_group_size": kv_int4_group_size,
+        "kv_kc_block": kv_kc_block,
         "reference_weight_format": reference.weight_format if reference else None,
         "reference_fingerprint": reference.fingerprint if reference else None,
         "comparison": mode,
@@ -388,8 +400,17 @@ def format_table(result: EvalResult, record: dict) -> str:
     kv, ref_kv = record.get("kv_cache_dtype"), record.get("reference_kv_cache_dtype")
     if kv and (kv != "float32" or ref_kv != "float32"):
         group = record.get("kv_int4_group_size") or 32
-        q += f", KV {kv}" + (f" g{group}" if kv == "int4" else "")
-        ref_q += f", KV {ref_kv}" + (f" g{group}" if ref_kv == "int4" else "")
+        block = record.get("kv_kc_block") or 16
+
+        def kv_label(name: str) -> str:
+            if name == "int4":
+                return f", KV int4 g{group}"
+            if name == "int4-kc":
+                return f", KV int4-kc (keys per {block} tokens, values g{group})"
+            return f", KV {name}"
+
+        q += kv_label(kv)
+        ref_q += kv_label(ref_kv)
     corpus = record["corpus"]
     lines = [
         f"model {Path(record['model']).name}; corpus {corpus['name']}: "

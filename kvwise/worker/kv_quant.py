@@ -70,23 +70,27 @@ ROUND_TRIP_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4", "int4-kc"
 KC_BLOCK = 16  # "int4-kc": tokens per key block (the pool's block size)
 
 
-def round_trip(x: torch.Tensor, dtype: str, group: int = 0, keys: bool = False) -> torch.Tensor:
+def round_trip(
+    x: torch.Tensor, dtype: str, group: int = 0, keys: bool = False, kc_block: int = KC_BLOCK
+) -> torch.Tensor:
     """``x`` ``(T, heads, D)`` float32 as a pool of ``dtype`` hands it back to attention
     (stored, then read): what ``kvwise eval`` feeds its attention to measure a KV format.
 
     ``"int4-kc"`` is measured only, not stored by the pool: KIVI's layout, keys (``keys``)
-    quantized per channel over each block of ``KC_BLOCK`` tokens (4-bit, a float16 scale and
+    quantized per channel over each block of ``kc_block`` tokens (4-bit, a float16 scale and
     minimum per block, head and channel; the last, partial block kept in float32, as a pool
     that quantizes a block when it is sealed would), values as ``int4``."""
     if dtype == "int4-kc":
         if not keys:
             return round_trip(x, "int4", group)
-        full = x.shape[0] // KC_BLOCK * KC_BLOCK
+        if kc_block < 2 or kc_block % 2:
+            raise ValueError(f"kv_kc_block: expected an even number of tokens, got {kc_block}")
+        full = x.shape[0] // kc_block * kc_block
         if full == 0:
             return x
-        blocks = x[:full].reshape(full // KC_BLOCK, KC_BLOCK, *x.shape[1:])
-        per_channel = blocks.movedim(1, -1)  # (blocks, heads, D, KC_BLOCK): a group per channel
-        back = dequantize_int4(*quantize_int4(per_channel, KC_BLOCK), KC_BLOCK)
+        blocks = x[:full].reshape(full // kc_block, kc_block, *x.shape[1:])
+        per_channel = blocks.movedim(1, -1)  # (blocks, heads, D, kc_block): a group per channel
+        back = dequantize_int4(*quantize_int4(per_channel, kc_block), kc_block)
         return torch.cat([back.movedim(-1, 1).reshape(full, *x.shape[1:]), x[full:]])
     if dtype == "float32":
         return x

@@ -79,5 +79,9 @@ def test_round_trip_per_format():
     assert errs["int4-kc"] < errs["int4"] / 2
     kc = kv_quant.round_trip(x, "int4-kc", keys=True)
     assert torch.equal(kc[32:], x[32:])  # the partial last block stays full precision
+    kc32 = kv_quant.round_trip(x, "int4-kc", keys=True, kc_block=32)  # one 32-token block
+    assert torch.equal(kc32[32:], x[32:]) and not torch.equal(kc32[:32], kc[:32])
+    with pytest.raises(ValueError, match="kv_kc_block"):
+        kv_quant.round_trip(x, "int4-kc", keys=True, kc_block=3)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kv_quant.round_trip(x, "int3")
