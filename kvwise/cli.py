@@ -206,7 +206,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         reference_kv_cache_dtype=args.reference_kv_cache_dtype,
         kv_int4_group_size=args.kv_int4_group_size,
-        kv_kc_block=args.kv_kc_block,
+        kv_block_size=args.kv_block_size,
     )
     return 0
 
@@ -226,16 +226,17 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
         default="none",
         help="the reference's weights; equal to --quantization: the comparison is skipped",
     )
-    kv_formats = ["float32", "bfloat16", "float16", "int8", "int4", "int4-kc"]
+    kv_formats = ["float32", "bfloat16", "float16", "int8", "int4", "int4-pt"]
     p.add_argument("--kv-cache-dtype", choices=kv_formats, default="float32",
-                   help="the KV format the candidate attends over (default float32; int4-kc: "
-                   "keys per channel within blocks of --kv-kc-block tokens, measured only)")  # fmt: skip
+                   help="the KV format the candidate attends over (default float32; int4: keys "
+                   "per channel over blocks of --kv-block-size tokens; int4-pt: keys per token, "
+                   "measured only)")  # fmt: skip
     p.add_argument("--reference-kv-cache-dtype", choices=kv_formats, default="float32",
                    help="the KV format the reference attends over (default float32)")  # fmt: skip
     p.add_argument("--kv-int4-group-size", type=int, default=0,
                    help="int4 KV: channels per scale group (default 32)")  # fmt: skip
-    p.add_argument("--kv-kc-block", type=int, default=16,
-                   help="int4-kc: tokens per key block, each channel's scale group (default 16)")  # fmt: skip
+    p.add_argument("--kv-block-size", type=int, default=32,
+                   help="int4: tokens per key block, each channel's scale group (default 32)")  # fmt: skip
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default: 512)")
     p.add_argument("--stride", type=int, default=None, help="tokens between windows (ctx // 2)")
     p.add_argument("--max-windows", type=int, default=None, help="stop after N windows (all)")

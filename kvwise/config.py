@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvwise.core.kv_spec import STORAGE_DTYPES
+from kvwise.core.kv_spec import STORAGE_DTYPES, default_block_size
 from kvwise.utils import parse_bytes, parse_duration
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -49,7 +49,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int | None = None  # None: 16 tokens, 32 for int4 KV (default_block_size)
     kv_cache_dtype: str = "auto"  # how the KV pool stores K/V; "auto": the model's dtype
     kv_int4_group_size: int = 0  # int4 KV: channels per scale group (0: 32)
     kv_cache_memory: int | str | None = None  # bytes or "2GiB"; None: a fraction of free RAM
@@ -62,12 +62,14 @@ class CacheConfig:
     max_retained_fraction_per_tenant: float = 0.5  # share of the pool one tenant may keep
 
     def __post_init__(self) -> None:
-        _positive_int("block_size", self.block_size)
         if self.kv_cache_dtype not in ("auto", *STORAGE_DTYPES):
             raise ValueError(
                 f"kv_cache_dtype: expected 'auto' or one of {STORAGE_DTYPES}, "
                 f"got {self.kv_cache_dtype!r}"
             )
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
+        _positive_int("block_size", self.block_size)
         if self.kv_int4_group_size and self.kv_cache_dtype != "int4":
             raise ValueError("kv_int4_group_size: only for kv_cache_dtype='int4'")
         if self.kv_cache_memory is not None:

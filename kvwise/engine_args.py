@@ -35,7 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16", "int8", "int4"],
         help="how the KV pool and tiers store K/V (auto: the compute dtype; int8: a scale per "
-        "token and head; int4: a scale and minimum per group of channels)",
+        "token and head; int4: keys per channel over each 32-token block, values per token)",
     )
     g.add_argument(
         "--kv-int4-group-size",
@@ -44,7 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="int4 KV: channels per scale group (default 32)",
     )
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block (16; 32 for int4 KV)"
+    )
     g.add_argument(
         "--kv-cache-memory",
         default=None,

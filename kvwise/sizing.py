@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvwise.core.kv_spec import KV_DTYPE_BYTES as DTYPE_BYTES
-from kvwise.core.kv_spec import KVSpec
+from kvwise.core.kv_spec import KVSpec, default_block_size
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class KVShape:
 
     @property
     def spec(self) -> KVSpec:
-        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, 1, self.dtype)
+        block_size = default_block_size(self.dtype)  # int4's key scales are per block
+        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, block_size, self.dtype)
 
     @property
     def bytes_per_token(self) -> float:
@@ -123,7 +124,8 @@ def report(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None
 
 
 _SCALES = {"int8": " + scales (4 B per token and KV head)",
-           "int4": " + scales (4 B per 32 channels)"}  # fmt: skip
+           "int4": " + scales (4 B per 32 values: keys per channel over 32-token blocks, "
+                   "values per 32 channels)"}  # fmt: skip
 
 # per format: what one element costs and the scales beside it (KVSpec's layouts)
 _FORMAT_NOTES = {
@@ -132,7 +134,8 @@ _FORMAT_NOTES = {
     "bfloat16": "2 B",
     "fp8": "1 B (one scale per tensor; size only, kvwise does not store it)",
     "int8": "1 B + a float32 scale per token and KV head",
-    "int4": "0.5 B + a float16 scale and minimum per 32 channels",
+    "int4": "0.5 B + a float16 scale and minimum per 32 values (keys: per channel over a "
+    "32-token block; values: per token and 32 channels)",
 }
 
 

@@ -23,6 +23,15 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def smollm2_int4():
+    """The same GGUF on kvwise's int4 kernels (``quantization="auto"``): the default weights,
+    whose steps give the same bits for a row whatever else is in the batch."""
+    from kvwise.models.loader import load_model
+
+    return load_model(None, progress=False, quantization="auto")
+
+
+@pytest.fixture(scope="session")
 def make_engine(smollm2):
     """Build an engine over the shared weights: ``make_engine(block_size=4, ...)``."""
     from kvwise.config import EngineConfig

@@ -5,9 +5,11 @@ A candidate model (``--quantization``, ``--kv-cache-dtype``) and a reference
 (``--reference-quantization``, float32 weights by default; ``--reference-kv-cache-dtype``,
 float32 KV by default) read the same text in sliding windows. A KV format is applied as the
 engine applies it: every K and V row goes through the format (quantized, dequantized) before
-any attention reads it, including the rows of the query's own window. ``int4-kc`` (keys per
-channel within 16-token blocks, KIVI's layout) is a measured alternative the pool does not
-store. For every scored token we take the candidate's
+any attention reads it, including the rows of the query's own window. ``int4`` is the pool's
+(keys per channel over each block of ``kv_block_size`` tokens, KIVI's layout): a query sees
+earlier blocks' keys sealed and its own block's keys in full precision, through the engine's
+own ``attend_open_blocks``. ``int4-pt`` (keys per token, like values) is a measured
+alternative the pool does not store. For every scored token we take the candidate's
 log-probability of the true next token (perplexity = exp(mean NLL)) and, against the reference,
 KL(reference || candidate) over the whole vocabulary and whether the two argmaxes agree.
 
@@ -47,7 +49,8 @@ from tqdm.auto import tqdm
 
 from kvwise.models.layers import dense_causal_attention
 from kvwise.models.loader import LoadedModel, load_model
-from kvwise.worker.kv_quant import KC_BLOCK, ROUND_TRIP_DTYPES, round_trip
+from kvwise.worker.attention import attend_open_blocks
+from kvwise.worker.kv_quant import KEY_BLOCK, ROUND_TRIP_DTYPES, round_trip
 
 # Rows of logits per slice: 256 x 49,152 x 4 B = 48 MiB per tensor, a few tensors per model.
 ROWS_PER_SLICE = 256
@@ -168,7 +171,7 @@ def evaluate(
     kv_cache_dtype: str = "float32",
     reference_kv_cache_dtype: str = "float32",
     kv_int4_group_size: int = 0,
-    kv_kc_block: int = KC_BLOCK,
+    kv_block_size: int = KEY_BLOCK,
 ) -> EvalResult:
     """Sliding-window perplexity of ``candidate`` on ``token_ids`` and, with ``reference``, its
     KL divergence from and top-1 agreement with the reference at every scored token.
@@ -183,8 +186,8 @@ def evaluate(
             forwards run, so KL ~ 0 and 100% agreement confirm the comparison path).
         progress: a tqdm bar over windows.
         kv_cache_dtype, reference_kv_cache_dtype: the KV format each side attends over
-            (``kv_int4_group_size``: int4's group, 0 for its default; ``kv_kc_block``:
-            int4-kc's tokens per key block).
+            (``kv_int4_group_size``: int4's group, 0 for its default; ``kv_block_size``:
+            int4's tokens per key block, the pool's block size).
 
     Raises:
         ValueError: bad ``ctx`` / ``stride`` / ``max_windows``, or models that disagree on the
@@ -205,13 +208,13 @@ def evaluate(
             # hidden row i predicts token start + i + 1: the scored targets' rows
             rows = slice(window.first_scored - 1 - window.start, window.end - 1 - window.start)
             targets = tokens[window.first_scored : window.end]  # (S,)
-            hidden = _hidden(candidate, ids, kv_cache_dtype, kv_int4_group_size, kv_kc_block)[
+            hidden = _hidden(candidate, ids, kv_cache_dtype, kv_int4_group_size, kv_block_size)[
                 rows
             ]  # (S, hidden)
             ref_hidden = (
-                _hidden(reference, ids, reference_kv_cache_dtype, kv_int4_group_size, kv_kc_block)[
-                    rows
-                ]  # fmt: skip
+                _hidden(
+                    reference, ids, reference_kv_cache_dtype, kv_int4_group_size, kv_block_size
+                )[rows]  # fmt: skip
                 if reference is not None
                 else None
             )
@@ -280,16 +283,21 @@ def _hidden(
     ids: torch.Tensor,
     kv_dtype: str = "float32",
     group: int = 0,
-    kc_block: int = KC_BLOCK,
+    block_size: int = KEY_BLOCK,
 ) -> torch.Tensor:
     """Final hidden states `(T, hidden)` of one window, with dense causal attention over K/V
     in the format ``kv_dtype``."""
     window = loaded.arch.sliding_window
 
     def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k = round_trip(k.float(), kv_dtype, group, keys=True, kc_block=kc_block)
-        v = round_trip(v.float(), kv_dtype, group, kc_block=kc_block)
-        return dense_causal_attention(q, k, v, sliding_window=window)  # (T, H*D)
+        k, v = k.float(), v.float()
+        stored_k = round_trip(k, kv_dtype, group, keys=True, key_block=block_size)
+        v = round_trip(v, kv_dtype, group)
+        if kv_dtype == "int4":  # the engine's attention: a query's own block in full precision
+            qp = q.transpose(0, 1).contiguous().unsqueeze(0)  # (1, H, T, D)
+            out = attend_open_blocks(qp, stored_k, v, k, 0, block_size, q.shape[-1] ** -0.5)
+            return out.reshape(q.shape[0], -1)
+        return dense_causal_attention(q, stored_k, v, sliding_window=window)  # (T, H*D)
 
     positions = torch.arange(len(ids), dtype=torch.int64)  # (T,)
     return loaded.model.forward(ids, positions, attn)
@@ -309,7 +317,7 @@ def run(
     kv_cache_dtype: str = "float32",
     reference_kv_cache_dtype: str = "float32",
     kv_int4_group_size: int = 0,
-    kv_kc_block: int = KC_BLOCK,
+    kv_block_size: int = KEY_BLOCK,
 ) -> EvalResult:
     """``kvwise eval``: load the model(s), tokenize the corpus, evaluate, print a table and
     write ``json_path``. The candidate is loaded once; the reference is loaded too when its
@@ -328,8 +336,8 @@ def run(
             raise ValueError(f"{name}: expected one of {ROUND_TRIP_DTYPES}, got {dtype!r}")
     if kv_int4_group_size and (kv_int4_group_size < 2 or kv_int4_group_size % 2):
         raise ValueError(f"kv_int4_group_size: expected an even number, got {kv_int4_group_size}")
-    if kv_kc_block < 2 or kv_kc_block % 2:
-        raise ValueError(f"kv_kc_block: expected an even number of tokens, got {kv_kc_block}")
+    if kv_block_size < 2 or kv_block_size % 2:
+        raise ValueError(f"kv_block_size: expected an even number of tokens, got {kv_block_size}")
     corpus = Corpus.from_file(text) if text else Corpus.default()
     started = time.perf_counter()
     candidate = _load(model, quantization, "--quantization", progress)
@@ -353,7 +361,7 @@ def run(
                          f"{candidate.arch.head_dim}")  # fmt: skip
     result = evaluate(
         candidate, token_ids, ctx, stride, max_windows, reference, progress,
-        kv_cache_dtype, reference_kv_cache_dtype, kv_int4_group_size, kv_kc_block,
+        kv_cache_dtype, reference_kv_cache_dtype, kv_int4_group_size, kv_block_size,
     )  # fmt: skip
     record = {
         "model": str(candidate.source),
@@ -364,7 +372,7 @@ def run(
         "kv_cache_dtype": kv_cache_dtype,
         "reference_kv_cache_dtype": kv_cache_dtype if self_check else reference_kv_cache_dtype,
         "kv_int4_group_size": kv_int4_group_size,
-        "kv_kc_block": kv_kc_block,
+        "kv_block_size": kv_block_size,
         "reference_weight_format": reference.weight_format if reference else None,
         "reference_fingerprint": reference.fingerprint if reference else None,
         "comparison": mode,
@@ -400,13 +408,13 @@ def format_table(result: EvalResult, record: dict) -> str:
     kv, ref_kv = record.get("kv_cache_dtype"), record.get("reference_kv_cache_dtype")
     if kv and (kv != "float32" or ref_kv != "float32"):
         group = record.get("kv_int4_group_size") or 32
-        block = record.get("kv_kc_block") or 16
+        block = record.get("kv_block_size") or 32
 
         def kv_label(name: str) -> str:
             if name == "int4":
-                return f", KV int4 g{group}"
-            if name == "int4-kc":
-                return f", KV int4-kc (keys per {block} tokens, values g{group})"
+                return f", KV int4 (keys per channel over {block} tokens, values g{group})"
+            if name == "int4-pt":
+                return f", KV int4-pt (keys and values per token, g{group})"
             return f", KV {name}"
 
         q += kv_label(kv)

@@ -68,6 +68,7 @@ class KVCacheManager:
                 f"got {public_min_tokens}"
             )
         self.block_size = block_size
+        self.released: list[int] = []  # see take_released
         self.enable_caching = enable_caching
         self.model_fingerprint = model_fingerprint
         self.public_prefixes = [list(p) for p in public_prefixes]
@@ -217,7 +218,14 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so its tail is evicted before its head)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.released.extend(b.block_id for b in blocks if b.block_hash is None)
         self.pool.free_blocks(reversed(blocks))
+
+    def take_released(self) -> list[int]:
+        """Ids of blocks freed without a hash (open tails) since the last call: the worker
+        drops whatever it keeps beside them (int4's staged keys)."""
+        released, self.released = self.released, []
+        return released
 
     def check_integrity(self) -> None:
         """Assert reference counts equal the number of live block tables holding each block."""

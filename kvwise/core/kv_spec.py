@@ -14,8 +14,14 @@ Float formats have no scales. The quantized formats keep their scales beside the
 block's half is one run of bytes in the pool and in every tier entry:
 
 - ``int8``: symmetric, one float32 scale per token and KV head (``x = q * scale``);
-- ``int4``: asymmetric, per token and KV head in groups of ``group_size`` channels, each group
-  a float16 scale and minimum (``x = q * scale + min``, q in 0..15), two codes a byte.
+- ``int4``: asymmetric 4-bit (``x = q * scale + min``, q in 0..15, each scale and minimum a
+  float16), KIVI's layout: **keys per channel** over the block (codes ``(num_kv_heads,
+  head_dim, block_size / 2)``, two tokens a byte, then a scale and minimum per head and
+  channel), so a block's keys are quantized once it is full ("sealed"); **values per token**
+  in groups of ``group_size`` channels (codes ``(block_size, num_kv_heads, head_dim / 2)``,
+  two channels a byte, then a scale and minimum per token, head and group). The shorter half
+  is padded to the longer one's size; the halves are equal when ``group_size ==
+  block_size``.
 """
 
 from __future__ import annotations
@@ -35,6 +41,14 @@ KV_DTYPE_BYTES: dict[str, float] = {
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")  # what the pool can hold
 QUANTIZED_DTYPES = ("int8", "int4")
 DEFAULT_INT4_GROUP = 32
+DEFAULT_BLOCK_SIZE = 16
+INT4_BLOCK_SIZE = 32  # int4's default block: its key scales are per block (see docs/BENCHMARKS.md)
+
+
+def default_block_size(dtype: str) -> int:
+    """The block size when none is given: 32 tokens for int4 (whose keys are scaled per block
+    and channel: +1.97% perplexity at 2,048 tokens with 32-token blocks), else 16."""
+    return INT4_BLOCK_SIZE if dtype == "int4" else DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,11 @@ class KVSpec:
                 f"kv_cache_dtype: expected one of {sorted(KV_DTYPE_BYTES)}, got {self.dtype!r}"
             )
         if self.dtype == "int4":
+            if self.block_size % 2:
+                raise ValueError(
+                    f"block_size: int4 KV packs two tokens a byte, expected an even block size, "
+                    f"got {self.block_size}"
+                )
             if self.group_size == 0:
                 object.__setattr__(self, "group_size", min(DEFAULT_INT4_GROUP, self.head_dim))
             if (
@@ -95,8 +114,15 @@ class KVSpec:
         return int(self.block_size * self.num_kv_heads * self.head_dim * self.itemsize)
 
     @property
-    def scale_bytes(self) -> int:
-        """Bytes of the scales beside one block's K (or V) codes in one layer; 0 for floats."""
+    def key_scale_bytes(self) -> int:
+        """Bytes of the scales beside one block's K codes in one layer; 0 for floats."""
+        if self.dtype == "int4":
+            return self.num_kv_heads * self.head_dim * 4  # float16 scale and min per channel
+        return self.value_scale_bytes
+
+    @property
+    def value_scale_bytes(self) -> int:
+        """Bytes of the scales beside one block's V codes in one layer; 0 for floats."""
         rows = self.block_size * self.num_kv_heads
         if self.dtype == "int8":
             return rows * 4  # float32 scale
@@ -105,14 +131,26 @@ class KVSpec:
         return 0
 
     @property
+    def scale_bytes(self) -> int:
+        """Bytes after the codes in each half of a block: the longer half's scales (the other
+        half is padded to it)."""
+        return max(self.key_scale_bytes, self.value_scale_bytes)
+
+    @property
     def half_block_bytes(self) -> int:
         """Bytes of K (or V) of one block in one layer: codes and their scales."""
         return self.codes_bytes + self.scale_bytes
 
     @property
     def side_bytes(self) -> int:
-        """Bytes of scales in one block of one layer (K and V)."""
+        """Bytes of scales (and padding) in one block of one layer (K and V)."""
         return 2 * self.scale_bytes
+
+    @property
+    def sealed_keys(self) -> bool:
+        """Keys are quantized per block (int4): a block's keys are written when it is full;
+        until then the worker keeps them in full precision."""
+        return self.dtype == "int4"
 
     @property
     def layer_block_bytes(self) -> int:
@@ -135,7 +173,7 @@ class KVSpec:
     @property
     def dtype_tag(self) -> str:
         """The storage format in at most 8 characters (entry headers): dtype, and the group."""
-        return f"int4g{self.group_size}" if self.dtype == "int4" else self.dtype
+        return f"i4kcg{self.group_size}" if self.dtype == "int4" else self.dtype
 
     @property
     def layout(self) -> str:

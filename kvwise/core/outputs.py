@@ -56,6 +56,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)  # copy in before the step runs
+    # blocks freed before being cached (open tails): the worker drops what it kept for them
+    released_block_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -135,7 +135,7 @@ class Scheduler:
         return min(num_new, budget)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(released_block_ids=self.kv.take_released())
         self._step_loads = {}
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[int]]] = []

@@ -14,6 +14,13 @@ their slots, then attends:
   When the pool stores K/V lossily (quantized, or a narrower float), every chunk attends to
   its gathered blocks, so that a prompt sees the K/V the cache holds whether it was computed
   now or loaded.
+
+int4 keys are quantized per block once it is full (``kv_cache.py``). A query then attends to
+the keys of earlier blocks as their sealed bytes hold them and to its own block's keys in full
+precision (``attend_open_blocks``; decodes overlay their own block's staged keys on the
+gathered ones). What a token sees depends only on its position, never on how the prompt was
+chunked or whether its prefix was cached: the sealed bytes of a block are the same whichever
+way it was computed.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     decode_first_block: int | None = None  # one decode whose blocks are consecutive ids
     decode_ctx_lens: torch.Tensor | None = None  # (Bd,) long: each decode's context length
+    decode_open_blocks: list[int] | None = None  # each decode's own (last) block id
+    decode_open_index: torch.Tensor | None = None  # (Bd,) long: its index in the block table
 
 
 class TorchSDPAAttention:
@@ -62,6 +71,7 @@ class TorchSDPAAttention:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.sealed_keys = kv_cache.spec.sealed_keys
         self.paged_kernel = (
             paged_kernel and kv_cache.dtype == torch.float32 and not kv_cache._cast
             and kernels.available()
@@ -133,6 +143,11 @@ class TorchSDPAAttention:
             )  # fmt: skip
         # (Bd, L, kv_heads, head_dim) each
         kc, vc = cache.gather(layer, meta.decode_block_table, meta.decode_first_block)
+        if self.sealed_keys:  # each decode reads its own block's keys in full precision
+            bd, length = kc.shape[:2]
+            blocks = kc.view(bd, -1, *cache.spec.block_shape)
+            own = cache.decode_open_keys(layer, meta.decode_open_blocks)
+            blocks[torch.arange(bd), meta.decode_open_index] = own
         ctx = meta.decode_ctx_len
         kc = kc[:, :ctx].transpose(1, 2)  # (Bd, kv_heads, ctx, head_dim)
         vc = vc[:, :ctx].transpose(1, 2)
@@ -151,6 +166,15 @@ class TorchSDPAAttention:
         # inputs than on strided views of the (T, heads, head_dim) rows.
         qp = q[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, num_heads, n, head_dim)
         n = e - s
+        if self.sealed_keys:
+            cache, bs, start = self.kv_cache, self.kv_cache.block_size, chunk.start_pos
+            kc, vc = cache.gather(layer, chunk.block_table, chunk.first_block)
+            first_open = start // bs * bs
+            open_k = k[s:e].float()
+            if start > first_open:  # rows of the first block written by earlier steps
+                first_id = int(chunk.block_table[0, start // bs])
+                open_k = torch.cat([cache.open_keys(layer, first_id, start - first_open), open_k])
+            return attend_open_blocks(qp, kc[0], vc[0], open_k, start, bs, self.scale)
         if chunk.start_pos == 0 and not self.kv_cache.lossy:
             kp = k[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, kv_heads, n, head_dim)
             vp = v[s:e].transpose(0, 1).contiguous().unsqueeze(0)
@@ -168,3 +192,36 @@ class TorchSDPAAttention:
                 qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
         return op.squeeze(0).transpose(0, 1)
+
+
+def attend_open_blocks(
+    qp: torch.Tensor,  # (1, num_heads, n, head_dim): queries at positions start .. start + n - 1
+    kc: torch.Tensor,  # (L, kv_heads, head_dim): keys as the sealed blocks hold them, L >= ctx
+    vc: torch.Tensor,  # (L, kv_heads, head_dim): values as stored
+    open_k: torch.Tensor,  # (ctx - first_open, kv_heads, head_dim): full-precision keys
+    start: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention where each query sees earlier blocks' keys as sealed and its own
+    block's keys in full precision (``open_k`` from ``first_open``, the start of the first
+    query's block). One call per block of queries, ``(n, num_heads, head_dim)``."""
+    n = qp.shape[2]
+    ctx = start + n
+    first_open = start // block_size * block_size
+    kt = kc[:ctx].transpose(0, 1).contiguous()  # (kv_heads, ctx, head_dim), patched per block
+    vt = vc[:ctx].transpose(0, 1).unsqueeze(0)  # (1, kv_heads, ctx, head_dim)
+    open_t = open_k.transpose(0, 1)  # (kv_heads, ctx - first_open, head_dim)
+    out = qp.new_empty(1, qp.shape[1], n, qp.shape[3])
+    for lo in range(first_open, ctx, block_size):
+        hi = min(ctx, lo + block_size)
+        q_lo = max(start, lo)
+        sealed = kt[:, lo:hi].clone()
+        kt[:, lo:hi] = open_t[:, lo - first_open : hi - first_open]
+        mask = torch.arange(hi).unsqueeze(0) <= torch.arange(q_lo, hi).unsqueeze(1)
+        out[:, :, q_lo - start : hi - start] = F.scaled_dot_product_attention(
+            qp[:, :, q_lo - start : hi - start], kt[:, :hi].unsqueeze(0), vt[:, :, :hi],
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        kt[:, lo:hi] = sealed
+    return out.squeeze(0).transpose(0, 1)

@@ -59,7 +59,8 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
             sample_rows.append(row + n - 1)
             sample_requests.append(item)
 
-    decode_rows = decode_table = decode_mask = decode_lens = None
+    decode_rows = decode_table = decode_mask = decode_lens = open_index = None
+    open_blocks = None
     decode_ctx_len = 0
     if decodes:
         ctx_lens = [d.start_pos + 1 for d in decodes]
@@ -67,6 +68,8 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
         max_blocks = -(-decode_ctx_len // block_size)
         decode_rows = torch.arange(len(decodes))
         decode_lens = torch.tensor(ctx_lens, dtype=torch.long)
+        open_index = torch.tensor([d.start_pos // block_size for d in decodes], dtype=torch.long)
+        open_blocks = [d.block_ids[d.start_pos // block_size] for d in decodes]
         decode_table = torch.tensor(
             [
                 d.block_ids[:max_blocks] + [0] * (max_blocks - len(d.block_ids[:max_blocks]))
@@ -92,6 +95,8 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
         prefills=chunks,
         decode_first_block=decode_first_block,
         decode_ctx_lens=decode_lens,
+        decode_open_blocks=open_blocks,
+        decode_open_index=open_index,
     )
     return InputBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),

@@ -11,6 +11,12 @@ bytes of one block come from a ``KVSpec``:
   codes then their scales (``raw`` ``(layers, 2, num_blocks, half_block_bytes)`` uint8), with
   typed views of both; rows are quantized as they are written (``kv_quant``) and dequantized
   as they are gathered.
+- ``int4`` keys are quantized per channel over the whole block, so a block's keys are written
+  when it is full ("sealed"). Until then its rows wait in ``staged``, full precision, one
+  slot per open block; attention reads a query's own block from there
+  (``open_keys``, ``decode_open_keys``). A sealed block's slot lives until the next step
+  (that step's attention still reads it); a slot is released when the core frees its block
+  (``begin_step``) or reused when its block's first row is written again.
 
 Either way ``raw`` is the pool as bytes, in the order the tiers store it.
 """
@@ -18,6 +24,7 @@ Either way ``raw`` is the pool as bytes, in the order the tiers store it.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -63,11 +70,18 @@ class PagedKVCache:
                     if spec.dtype == "int8":
                         codes.append(half[:, :cb].view(torch.int8).view(-1, bs, heads, dim))
                         scales.append(half[:, cb:].view(torch.float32).view(-1, bs, heads))
-                    else:
+                    elif kv == 0:  # int4 keys: per channel over the block
+                        codes.append(half[:, :cb].view(-1, heads, dim, bs // 2))
+                        scale_end = cb + spec.key_scale_bytes
+                        scales.append(
+                            half[:, cb:scale_end].view(torch.float16).view(-1, heads, dim, 2)
+                        )
+                    else:  # int4 values: per token, in groups of channels
                         groups = dim // spec.group_size
                         codes.append(half[:, :cb].view(-1, bs, heads, dim // 2))
+                        scale_end = cb + spec.value_scale_bytes
                         scales.append(
-                            half[:, cb:].view(torch.float16).view(-1, bs, heads, groups, 2)
+                            half[:, cb:scale_end].view(torch.float16).view(-1, bs, heads, groups, 2)
                         )
                 self.codes.append(codes)
                 self.scales.append(scales)
@@ -79,6 +93,15 @@ class PagedKVCache:
                 if spec.dtype == "int8" and kernels.available()
                 else None
             )
+            if spec.sealed_keys:
+                # (layers, slot, block_size, kv_heads, head_dim); zeros: rows a decode has not
+                # reached are masked, but must be finite (NaN * 0 is NaN)
+                self.staged = torch.zeros(spec.num_layers, 8, bs, heads, dim)
+                self._slots: dict[int, int] = {}  # open block id -> its staging slot
+                self._free_slots = list(range(7, -1, -1))
+                self._sealed: list[int] = []  # blocks sealed this step: slots freed next step
+                self._plan_key: torch.Tensor | None = None
+                self._plan: _WritePlan | None = None
             return
         # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
         self.kv = torch.zeros(spec.cache_shape(num_blocks), dtype=self.dtype)
@@ -98,6 +121,9 @@ class PagedKVCache:
         if self._write_int8 is not None:
             self._write_int8(self.k_blocks[layer], self.v_blocks[layer], k, v, slot_mapping,
                              self.block_size)  # fmt: skip
+            return
+        if self.spec.sealed_keys:
+            self._write_int4(layer, slot_mapping, k, v)
             return
         if self.quantized:
             blocks = slot_mapping // self.block_size
@@ -129,8 +155,11 @@ class PagedKVCache:
             for half in (0, 1):
                 codes = self.codes[layer][half].index_select(0, ids)
                 scales = self.scales[layer][half].index_select(0, ids)
-                x = kv_quant.dequantize(codes, scales, self.spec.dtype, self.spec.group_size)
-                out.append(x.view(shape))
+                if self.spec.sealed_keys and half == 0:
+                    x = kv_quant.dequantize_int4_keys(codes, scales)
+                else:
+                    x = kv_quant.dequantize(codes, scales, self.spec.dtype, self.spec.group_size)
+                out.append(x.reshape(shape))
             return out[0], out[1]
         if first_block is not None:
             shape = (1, nb * self.block_size, self.num_kv_heads, self.head_dim)
@@ -145,6 +174,114 @@ class PagedKVCache:
         if self._cast:
             k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         return k, v
+
+    # ---- int4: keys sealed per block ---------------------------------------------------
+
+    def begin_step(self, released_block_ids: list[int] = ()) -> None:
+        """Before a step: free the staging slots of blocks sealed in the last step and of
+        open blocks the core has freed since."""
+        if not self.spec.sealed_keys:
+            return
+        for block_id in (*self._sealed, *released_block_ids):
+            slot = self._slots.pop(block_id, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+        self._sealed = []
+
+    def _write_int4(self, layer: int, slot_mapping: torch.Tensor, k, v) -> None:
+        if slot_mapping is not self._plan_key:  # the same plan serves every layer of a step
+            self._plan = self._plan_writes(slot_mapping.tolist())
+            self._plan_key = slot_mapping
+        plan = self._plan
+        blocks = slot_mapping // self.block_size
+        offsets = slot_mapping % self.block_size
+        codes, scales = kv_quant.quantize_int4(v.float(), self.spec.group_size)
+        self.codes[layer][1][blocks, offsets] = codes
+        self.scales[layer][1][blocks, offsets] = scales
+        k = k.float()
+        staged = self.staged[layer]  # (slots, block_size, kv_heads, head_dim)
+        if plan.stage_rows is not None:
+            staged.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+                0, plan.stage_dst, k.index_select(0, plan.stage_rows)
+            )
+        parts = []
+        if plan.direct_rows is not None:  # blocks written whole in this step
+            parts.append(k.index_select(0, plan.direct_rows).view(-1, *self.spec.block_shape))
+        if plan.seal_slots is not None:  # blocks completed from their staged rows
+            parts.append(staged.index_select(0, plan.seal_slots))
+        if parts:
+            full = parts[0] if len(parts) == 1 else torch.cat(parts)
+            codes, scales = kv_quant.quantize_int4_keys(full)
+            self.codes[layer][0][plan.seal_blocks] = codes
+            self.scales[layer][0][plan.seal_blocks] = scales
+
+    def _plan_writes(self, slots: list[int]) -> _WritePlan:
+        """Where one step's rows go: blocks written whole are sealed from the rows at once;
+        rows of open blocks go to their staging slots (a block's first row takes a slot), and
+        a block their rows complete is sealed from its slot."""
+        bs = self.block_size
+        direct, stage_rows, stage_dst, seal_slots, seal_direct, seal_staged = [], [], [], [], [], []
+        i, n = 0, len(slots)
+        while i < n:
+            block, first = divmod(slots[i], bs)
+            j = i + 1
+            while j < n and slots[j] == slots[j - 1] + 1 and slots[j] % bs:
+                j += 1
+            count = j - i
+            full = first + count == bs
+            if first == 0 and full:
+                direct.extend(range(i, j))
+                seal_direct.append(block)
+            else:
+                if first == 0:
+                    slot = self._slots.get(block)
+                    if slot is None:
+                        slot = self._take_slot()
+                        self._slots[block] = slot
+                else:
+                    slot = self._slots.get(block)
+                    if slot is None:
+                        raise RuntimeError(f"block {block}: rows from offset {first} were "
+                                           f"written, but its first rows never were")  # fmt: skip
+                stage_rows.extend(range(i, j))
+                stage_dst.extend(range(slot * bs + first, slot * bs + first + count))
+                if full:
+                    seal_slots.append(slot)
+                    seal_staged.append(block)
+            if full:
+                self._sealed.append(block)
+            i = j
+
+        def tensor(values: list[int]) -> torch.Tensor | None:
+            return torch.tensor(values, dtype=torch.long) if values else None
+
+        return _WritePlan(
+            direct_rows=tensor(direct),
+            stage_rows=tensor(stage_rows),
+            stage_dst=tensor(stage_dst),
+            seal_slots=tensor(seal_slots),
+            seal_blocks=tensor(seal_direct + seal_staged),
+        )
+
+    def _take_slot(self) -> int:
+        if not self._free_slots:  # grow the staging area (doubling)
+            old = self.staged
+            grown = torch.zeros(old.shape[0], old.shape[1] * 2, *old.shape[2:])
+            grown[:, : old.shape[1]] = old
+            self.staged = grown
+            self._free_slots = list(range(grown.shape[1] - 1, old.shape[1] - 1, -1))
+        return self._free_slots.pop()
+
+    def open_keys(self, layer: int, block_id: int, rows: int) -> torch.Tensor:
+        """The first ``rows`` staged (full-precision) keys of an open block ``(rows, kv_heads,
+        head_dim)``."""
+        return self.staged[layer, self._slots[block_id], :rows]
+
+    def decode_open_keys(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """The staged keys of each decode's own block ``(B, block_size, kv_heads, head_dim)``
+        (rows past a decode's position are stale: attention masks them)."""
+        slots = torch.tensor([self._slots[b] for b in block_ids], dtype=torch.long)
+        return self.staged[layer].index_select(0, slots)
 
     # ---- block copies for the slower tiers ----------------------------------------------
 
@@ -214,6 +351,17 @@ class PagedKVCache:
                     views.append(scratch[used : used + tail * block_bytes])
                     used += tail * block_bytes
         return views
+
+
+@dataclass
+class _WritePlan:
+    """Row indices (into one step's rows) and block ids of an int4 write; None: none."""
+
+    direct_rows: torch.Tensor | None  # rows of blocks written whole, block by block
+    stage_rows: torch.Tensor | None  # rows going to staging slots...
+    stage_dst: torch.Tensor | None  # ...at these flat (slot * block_size + offset) places
+    seal_slots: torch.Tensor | None  # slots of staged blocks this step completes
+    seal_blocks: torch.Tensor | None  # blocks sealed: the direct ones, then the staged ones
 
 
 def first_if_consecutive(block_ids: list[int]) -> int | None:

@@ -5,10 +5,12 @@ quantized by either has the same bytes.
 
 - ``int8``: ``scale = amax * (1/127)`` per token and KV head (float32), ``q = round(x / scale)``
   computed as ``round(x * (127 / amax))``; ``x ≈ q * scale``. An all-zero row has scale 0.
-- ``int4``: per token, KV head and group of ``group`` channels: ``min``, ``scale = (max - min)
-  / 15``, both rounded to float16 first, then ``q = clamp(round((x - min) * (1 / scale)), 0,
-  15)``; ``x ≈ q * scale + min``. Two codes a byte: channel ``2i`` in the low nibble, ``2i+1``
-  in the high one.
+- ``int4`` (``quantize_int4``): over each group of ``group`` values along the last dimension:
+  ``min``, ``scale = (max - min) / 15``, both rounded to float16 first, then ``q =
+  clamp(round((x - min) * (1 / scale)), 0, 15)``; ``x ≈ q * scale + min``. Two codes a byte:
+  element ``2i`` in the low nibble, ``2i+1`` in the high one. The pool's int4 applies it to
+  values per token (groups of channels) and to keys per channel over a sealed block
+  (``quantize_int4_keys``: groups of tokens).
 """
 
 from __future__ import annotations
@@ -66,37 +68,52 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: str, group: int
     return dequantize_int4(codes, scales, group)
 
 
-ROUND_TRIP_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4", "int4-kc")
-KC_BLOCK = 16  # "int4-kc": tokens per key block (the pool's block size)
+def quantize_int4_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full blocks of keys ``(n, block_size, heads, D)`` float32 -> codes ``(n, heads, D,
+    block_size // 2)`` uint8 (two tokens a byte) and ``(n, heads, D, 2)`` float16 (scale, min):
+    one group per block, head and channel."""
+    block_size = x.shape[1]
+    codes, scale_min = quantize_int4(x.permute(0, 2, 3, 1), block_size)
+    return codes, scale_min.squeeze(-2)
+
+
+def dequantize_int4_keys(codes: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+    """``quantize_int4_keys``'s inverse: ``(n, block_size, heads, D)`` float32."""
+    block_size = codes.shape[-1] * 2
+    x = dequantize_int4(codes, scale_min.unsqueeze(-2), block_size)  # (n, heads, D, bs)
+    return x.permute(0, 3, 1, 2)
+
+
+ROUND_TRIP_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4", "int4-pt")
+KEY_BLOCK = 32  # int4: tokens per key block (the pool's block size for int4)
 
 
 def round_trip(
-    x: torch.Tensor, dtype: str, group: int = 0, keys: bool = False, kc_block: int = KC_BLOCK
+    x: torch.Tensor, dtype: str, group: int = 0, keys: bool = False, key_block: int = KEY_BLOCK
 ) -> torch.Tensor:
     """``x`` ``(T, heads, D)`` float32 as a pool of ``dtype`` hands it back to attention
     (stored, then read): what ``kvwise eval`` feeds its attention to measure a KV format.
 
-    ``"int4-kc"`` is measured only, not stored by the pool: KIVI's layout, keys (``keys``)
-    quantized per channel over each block of ``kc_block`` tokens (4-bit, a float16 scale and
-    minimum per block, head and channel; the last, partial block kept in float32, as a pool
-    that quantizes a block when it is sealed would), values as ``int4``."""
-    if dtype == "int4-kc":
-        if not keys:
-            return round_trip(x, "int4", group)
-        if kc_block < 2 or kc_block % 2:
-            raise ValueError(f"kv_kc_block: expected an even number of tokens, got {kc_block}")
-        full = x.shape[0] // kc_block * kc_block
+    ``"int4"`` is the pool's: keys (``keys``) per channel over each full block of
+    ``key_block`` tokens (the last, partial block is returned as it is: the pool keeps an
+    unsealed block in full precision), values per token in groups of ``group`` channels.
+    ``"int4-pt"`` is measured only, never stored: keys per token like values (what 4-bit
+    costs without KIVI's per-channel keys)."""
+    if dtype == "int4" and keys:
+        if key_block < 2 or key_block % 2:
+            raise ValueError(f"kv_key_block: expected an even number of tokens, got {key_block}")
+        full = x.shape[0] // key_block * key_block
         if full == 0:
             return x
-        blocks = x[:full].reshape(full // kc_block, kc_block, *x.shape[1:])
-        per_channel = blocks.movedim(1, -1)  # (blocks, heads, D, kc_block): a group per channel
-        back = dequantize_int4(*quantize_int4(per_channel, kc_block), kc_block)
-        return torch.cat([back.movedim(-1, 1).reshape(full, *x.shape[1:]), x[full:]])
+        blocks = x[:full].reshape(full // key_block, key_block, *x.shape[1:])
+        back = dequantize_int4_keys(*quantize_int4_keys(blocks))
+        return torch.cat([back.reshape(full, *x.shape[1:]), x[full:]])
     if dtype == "float32":
         return x
     if dtype in ("bfloat16", "float16"):
         return x.to(getattr(torch, dtype)).float()
-    if dtype in ("int8", "int4"):
+    if dtype in ("int8", "int4", "int4-pt"):
         group = group or min(32, x.shape[-1])
+        dtype = dtype[:4]
         return dequantize(*quantize(x, dtype, group), dtype, group)
     raise ValueError(f"kv_cache_dtype: expected one of {ROUND_TRIP_DTYPES}, got {dtype!r}")

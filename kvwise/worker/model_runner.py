@@ -59,6 +59,7 @@ class ModelRunner:
     def execute(self, sched_out: SchedulerOutput, layer_ready=None) -> ModelOutput:
         """Run one step; ``layer_ready(layer)`` (optional) blocks until loads for that layer
         are in the cache."""
+        self.kv_cache.begin_step(sched_out.released_block_ids)
         if sched_out.is_empty:
             return ModelOutput()
         batch = build_input_batch(sched_out, self.block_size)

@@ -125,7 +125,7 @@ def test_quantized_kv_round_trips_through_redis(redis_engine, make_engine, dtype
     engine.flush()
     evict_device(engine)
     out = run(engine)
-    assert out.num_loaded_tokens > 300 and out.token_ids == cold.token_ids
+    assert out.num_loaded_tokens > 250 and out.token_ids == cold.token_ids
     redis_stats = engine.stats().store.tiers["redis"]
     spec = engine.runner.spec
     float_bytes = (

@@ -69,8 +69,8 @@ def test_quantized_tiny_models_match_a_dequantized_reference(tmp_path, name, wei
 
 
 @pytest.fixture(scope="module")
-def quantized():
-    return load_model(None, progress=False, quantization="auto")
+def quantized(smollm2_int4):
+    return smollm2_int4
 
 
 def test_the_default_gguf_runs_its_q4_1_weights_natively(quantized, smollm2):

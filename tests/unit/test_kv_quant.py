@@ -72,16 +72,42 @@ def test_round_trip_per_format():
     x[..., 5] *= 30  # an outlier key channel
     assert kv_quant.round_trip(x, "float32") is x
     assert torch.equal(kv_quant.round_trip(x, "bfloat16"), x.bfloat16().float())
-    errs = {d: (kv_quant.round_trip(x, d, keys=True) - x).abs().mean().item()
-            for d in ("float16", "int8", "int4", "int4-kc")}  # fmt: skip
+    errs = {d: (kv_quant.round_trip(x[:32], d, keys=True) - x[:32]).abs().mean().item()
+            for d in ("float16", "int8", "int4-pt", "int4")}  # fmt: skip
     assert errs["float16"] < errs["int8"] < errs["int4"]
     # per-channel keys absorb the outlier channel: far less error than per-token groups
-    assert errs["int4-kc"] < errs["int4"] / 2
-    kc = kv_quant.round_trip(x, "int4-kc", keys=True)
+    assert errs["int4"] < errs["int4-pt"] / 2
+    kc = kv_quant.round_trip(x, "int4", keys=True)  # one 32-token block, then 8 open rows
     assert torch.equal(kc[32:], x[32:])  # the partial last block stays full precision
-    kc32 = kv_quant.round_trip(x, "int4-kc", keys=True, kc_block=32)  # one 32-token block
-    assert torch.equal(kc32[32:], x[32:]) and not torch.equal(kc32[:32], kc[:32])
-    with pytest.raises(ValueError, match="kv_kc_block"):
-        kv_quant.round_trip(x, "int4-kc", keys=True, kc_block=3)
+    kc16 = kv_quant.round_trip(x, "int4", keys=True, key_block=16)
+    assert torch.equal(kc16[32:], x[32:]) and not torch.equal(kc16[:32], kc[:32])
+    values = kv_quant.round_trip(x, "int4")  # values: per token, whatever the block
+    assert torch.equal(values, kv_quant.round_trip(x, "int4-pt", keys=True))
+    with pytest.raises(ValueError, match="kv_key_block"):
+        kv_quant.round_trip(x, "int4", keys=True, key_block=3)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kv_quant.round_trip(x, "int3")
+
+
+@settings(max_examples=100, deadline=None)
+@given(arrays(np.float32, st.tuples(st.integers(1, 3), st.sampled_from([2, 16, 32]),
+                                    st.integers(1, 3), st.just(8)), elements=finite))  # fmt: skip
+def test_int4_keys_round_trip_per_channel_within_half_a_step(x):
+    """Keys are grouped per block, head and channel (over the block's tokens)."""
+    x = torch.from_numpy(x)  # (blocks, block_size, heads, D)
+    codes, scale_min = kv_quant.quantize_int4_keys(x)
+    n, bs, heads, dim = x.shape
+    assert codes.shape == (n, heads, dim, bs // 2) and scale_min.shape == (n, heads, dim, 2)
+    back = kv_quant.dequantize_int4_keys(codes, scale_min)
+    assert back.shape == x.shape
+    span = x.amax(1, keepdim=True) - x.amin(1, keepdim=True)  # per channel over the block
+    mag = x.abs().amax(1, keepdim=True)
+    bound = span / 30 + mag * 2.0**-11 + 16 * (span / 15) * 2.0**-11 + 1e-6
+    assert ((back - x).abs() <= bound).all()
+
+
+def test_int4_keys_pack_two_tokens_a_byte():
+    x = torch.zeros(1, 4, 1, 2)
+    x[:, 0::2] = 15.0  # tokens 0 and 2 at the top of the range, 1 and 3 at the bottom
+    codes, scale_min = kv_quant.quantize_int4_keys(x)
+    assert (codes == 0x0F).all() and (scale_min[..., 0] == 1).all()

@@ -26,16 +26,24 @@ def test_dtype_and_side_data_change_bytes_and_layout():
     int8 = KVSpec(30, 3, 64, 16, "int8")  # + a float32 scale per token and head
     assert int8.layer_block_bytes == 2 * (16 * 3 * 64 + 16 * 3 * 4)
     assert int8.side_bytes == 2 * 16 * 3 * 4
-    int4 = KVSpec(30, 3, 64, 16, "int4")  # groups of 32: float16 scale + min per group
-    assert int4.group_size == 32
-    assert int4.half_block_bytes == 16 * 3 * 32 + 16 * 3 * 2 * 4
-    int4_64 = KVSpec(30, 3, 64, 16, "int4", group_size=64)
-    assert int4_64.half_block_bytes == 16 * 3 * 32 + 16 * 3 * 1 * 4
-    layouts = {s.layout for s in (SMOLLM2, half, int8, int4, int4_64)}
-    assert len(layouts) == 5 and int4.dtype_tag == "int4g32"
+    # int4, 32-token blocks: keys a float16 scale + min per head and channel; values per
+    # token in groups of 32 channels: both halves 3,840 B
+    int4 = KVSpec(30, 3, 64, 32, "int4")
+    assert int4.group_size == 32 and int4.sealed_keys
+    assert int4.key_scale_bytes == int4.value_scale_bytes == 3 * 64 * 4
+    assert int4.half_block_bytes == 32 * 3 * 32 + 3 * 64 * 4 == 3840
+    # 16-token blocks: the values' scales are the shorter half, padded to the keys'
+    int4_16 = KVSpec(30, 3, 64, 16, "int4")
+    assert int4_16.value_scale_bytes == 16 * 3 * 2 * 4 < int4_16.key_scale_bytes
+    assert int4_16.half_block_bytes == 16 * 3 * 32 + 3 * 64 * 4
+    int4_64 = KVSpec(30, 3, 64, 32, "int4", group_size=64)  # values' scales shorter: padded
+    assert int4_64.half_block_bytes == 32 * 3 * 32 + 3 * 64 * 4
+    layouts = {s.layout for s in (SMOLLM2, half, int8, int4, int4_16, int4_64)}
+    assert len(layouts) == 6 and int4.dtype_tag == "i4kcg32"
     # capacity against float32 (the issue's targets: >= 3.5x int8, >= 6x 4-bit)
     assert SMOLLM2.block_bytes / int8.block_bytes >= 3.5
-    assert SMOLLM2.block_bytes / int4.block_bytes >= 6
+    assert SMOLLM2.bytes_per_token / int4.bytes_per_token == 6.4
+    assert SMOLLM2.bytes_per_token / int4_16.bytes_per_token < 6
 
 
 def test_sizing_and_entries_use_the_spec():
@@ -53,7 +61,8 @@ def test_sizing_and_entries_use_the_spec():
     [({"num_layers": 0}, "num_layers"), ({"dtype": "int3"}, "kv_cache_dtype"),
      ({"dtype": "int4", "group_size": 3}, "kv_int4_group_size"),
      ({"dtype": "int4", "group_size": 8}, "kv_int4_group_size"),
-     ({"dtype": "int8", "group_size": 2}, "kv_int4_group_size")],
+     ({"dtype": "int8", "group_size": 2}, "kv_int4_group_size"),
+     ({"dtype": "int4", "block_size": 5}, "block_size")],
 )  # fmt: skip
 def test_bad_spec_names_the_field(kwargs, field):
     base = dict(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4)

@@ -1,0 +1,97 @@
+"""int4 KV at the worker (kv_cache.py, attention.py) on synthetic K/V: a block's keys are
+quantized per channel once it is full, whichever steps its rows came in; until then they wait
+in full precision; every query sees earlier blocks' sealed keys and its own block's keys
+exactly as written, whether its sequence was prefilled whole, in chunks or decoded."""
+
+from __future__ import annotations
+
+import torch
+
+from kvwise.core.kv_spec import KVSpec
+from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
+from kvwise.types import SamplingParams
+from kvwise.worker import kv_quant
+from kvwise.worker.attention import TorchSDPAAttention
+from kvwise.worker.input_batch import build_input_batch
+from kvwise.worker.kv_cache import PagedKVCache
+
+BS, KV_HEADS, HEADS, DIM, T = 4, 2, 4, 8, 11
+SPEC = KVSpec(1, KV_HEADS, DIM, BS, "int4", group_size=4)
+TABLE = [5, 2, 7]  # the sequence's blocks, deliberately out of order
+
+
+def _data(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, HEADS, DIM, generator=g)
+    k = torch.randn(T, KV_HEADS, DIM, generator=g)
+    k[..., 3] += 20  # an outlier channel: per-channel scales absorb it
+    v = torch.randn(T, KV_HEADS, DIM, generator=g)
+    return q, k, v
+
+
+def _run(steps: list[tuple[int, int]], released=()):
+    """Feed rows [start, end) of one sequence step by step; return attention outputs (T, H*D)
+    and the cache."""
+    q, k, v = _data()
+    cache = PagedKVCache(SPEC, 8)
+    attention = TorchSDPAAttention(cache, HEADS, DIM)
+    out = torch.empty(T, HEADS * DIM)
+    for start, end in steps:
+        cache.begin_step(list(released))
+        sched = SchedulerOutput(scheduled=[ScheduledRequest(
+            "r", list(range(start, end)), start, TABLE, True, SamplingParams(), 0)])  # fmt: skip
+        meta = build_input_batch(sched, BS).attn_meta
+        out[start:end] = attention.forward(0, q[start:end], k[start:end], v[start:end], meta)
+    return out, cache
+
+
+def _reference() -> torch.Tensor:
+    """Each query: sealed (quantized per channel) keys of earlier blocks, its own block's keys
+    as written; values quantized per token."""
+    q, k, v = _data()
+    full = T // BS * BS
+    sealed = kv_quant.dequantize_int4_keys(*kv_quant.quantize_int4_keys(
+        k[:full].reshape(-1, BS, KV_HEADS, DIM))).reshape(full, KV_HEADS, DIM)  # fmt: skip
+    values = kv_quant.dequantize_int4(*kv_quant.quantize_int4(v, 4), 4)
+    out = torch.empty(T, HEADS * DIM)
+    for p in range(T):
+        own = p // BS * BS
+        keys = torch.cat([sealed[:own], k[own : p + 1]]).repeat_interleave(2, dim=1)
+        vals = values[: p + 1].repeat_interleave(2, dim=1)  # (p + 1, HEADS, DIM)
+        scores = torch.einsum("hd,thd->ht", q[p], keys) * DIM**-0.5
+        out[p] = torch.einsum("ht,thd->hd", scores.softmax(-1), vals).reshape(-1)
+    return out
+
+
+def test_whole_chunked_and_decoded_see_the_same_keys():
+    expected = _reference()
+    whole, whole_cache = _run([(0, T)])
+    chunked, chunked_cache = _run([(0, 3), (3, 5), (5, 6), (6, 10), (10, 11)])
+    decoded, decoded_cache = _run([(0, 2)] + [(i, i + 1) for i in range(2, T)])
+    for out in (whole, chunked, decoded):
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # the sealed blocks hold the same bytes whichever way their rows came in
+    for cache in (chunked_cache, decoded_cache):
+        assert torch.equal(cache.raw[:, :, TABLE[:2]], whole_cache.raw[:, :, TABLE[:2]])
+    # and their keys are quantized per channel: the outlier channel has its own scale
+    scales = whole_cache.scales[0][0][TABLE[0]].float()  # (kv_heads, head_dim, 2)
+    assert (scales[:, 3, 1] > 15).all() and (scales[:, :3, 1].abs() < 5).all()
+
+
+def test_staging_slots_are_taken_sealed_and_released():
+    _, cache = _run([(0, 3), (3, 5)])
+    assert set(cache._slots) == {TABLE[0], TABLE[1]}  # block 0 sealed this step, 1 open
+    cache.begin_step()
+    assert set(cache._slots) == {TABLE[1]}  # the sealed block's slot freed a step later
+    cache.begin_step([TABLE[1]])  # the core freed the open block
+    assert cache._slots == {}
+    assert len(cache._free_slots) == cache.staged.shape[1]
+
+
+def test_staging_grows_past_its_first_slots():
+    cache = PagedKVCache(SPEC, 64)
+    k = torch.randn(20, KV_HEADS, DIM)
+    slots = torch.tensor([b * BS for b in range(20)])  # the first row of 20 blocks
+    cache.write(0, slots, k, k)
+    assert len(cache._slots) == 20 and cache.staged.shape[1] >= 20
+    assert torch.equal(cache.open_keys(0, 19, 1)[0], k[19])
