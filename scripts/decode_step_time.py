@@ -1,7 +1,8 @@
 """Median time of one engine decode step for a single request, optionally with a torch
 profile of 10 steps (the figures of the kernel work in docs/BENCHMARKS.md, issue 11)::
 
-    .venv/bin/python scripts/decode_step_time.py --quantization auto --context 32 [--profile]
+    .venv/bin/python scripts/decode_step_time.py --quantization auto --context 32 [--profile] \
+        [--kv-cache-dtype int4]
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quantization", default="auto")
     p.add_argument("--context", type=int, default=32, help="prompt tokens before decoding")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the KV pool's format")
     p.add_argument("--profile", action="store_true", help="print a torch profile of 10 steps")
     args = p.parse_args()
     config = EngineConfig.from_kwargs(
-        quantization=args.quantization, kv_disk_path="off", kv_host_memory="off",
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, kv_disk_path="off", kv_host_memory="off",
         kv_cache_memory="512MiB", enable_prefix_caching=False, prefill_chunk_size=2048,
         max_num_batched_tokens=2048,
     )  # fmt: skip

@@ -53,7 +53,9 @@ def llama_rates(binary: str, model: str) -> dict[int, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--llama-bench", required=True, help="path of llama.cpp's llama-bench")
+    p.add_argument("--llama-bench", default=None,
+                   help="path of llama.cpp's llama-bench (without it: kvwise alone, ratios "
+                   "against its first setting)")  # fmt: skip
     p.add_argument("--formats", default="auto,none", help="kvwise quantization settings")
     p.add_argument("--kv-dtypes", default="auto", help="kvwise kv_cache_dtype settings")
     p.add_argument("--contexts", default="32,2048", help="context lengths before decoding")
@@ -81,15 +83,16 @@ def main() -> None:
     rng = random.Random(0)
     for engine, _ in engines.values():  # warm-up
         kvwise_rate(engine, rng, 32)
-    rates: dict[str, dict[int, list[float]]] = {
-        name: {c: [] for c in CONTEXTS} for name in [*engines, "llama.cpp"]
-    }
+    peer = "llama.cpp" if args.llama_bench else next(iter(engines))
+    names = [*engines, "llama.cpp"] if args.llama_bench else [*engines]
+    rates: dict[str, dict[int, list[float]]] = {name: {c: [] for c in CONTEXTS} for name in names}
     for _ in tqdm(range(args.reps), desc="rounds"):
         for name, (engine, _) in engines.items():
             for context in CONTEXTS:
                 rates[name][context].append(kvwise_rate(engine, rng, context))
-        for context, rate in llama_rates(args.llama_bench, model).items():
-            rates["llama.cpp"][context].append(rate)
+        if args.llama_bench:
+            for context, rate in llama_rates(args.llama_bench, model).items():
+                rates["llama.cpp"][context].append(rate)
     medians = {n: {c: statistics.median(r) for c, r in by.items()} for n, by in rates.items()}
     print(f"| decode tokens/s (median of {args.reps}) | " + " | ".join(
         f"after {c} tokens" for c in CONTEXTS) + " |")  # fmt: skip
@@ -97,7 +100,7 @@ def main() -> None:
     for name, by in medians.items():
         cells = []
         for c in CONTEXTS:
-            ratio = by[c] / medians["llama.cpp"][c]
+            ratio = by[c] / medians[peer][c]
             cells.append(f"{by[c]:.1f} ({ratio:.2f}x)")
         print(f"| {name} | " + " | ".join(cells) + " |")
     if args.out:

@@ -5,8 +5,8 @@ scheduled request flattened into one dimension. The backend first writes all new
 their slots, then attends:
 
 - decode rows (one new token each) in one call of kvwise's paged decode kernel
-  (``csrc/paged_attention.cpp``), which reads K/V where they lie in the pool (float32, or
-  int8 codes and their scales); without the kernel (no compiler, another cache format,
+  (``csrc/paged_attention.cpp``, ``csrc/kv_int4.cpp``), which reads K/V where they lie in the
+  pool (float32, int8 or int4 codes and their scales); without the kernel (no compiler, another cache format,
   ``paged_kernel=False``), in one batched SDPA call over their gathered (dequantized) blocks,
   with a padding mask when their context lengths differ;
 - each prefill chunk in its own call: a chunk starting at position 0 attends to its own K/V
@@ -72,6 +72,8 @@ class TorchSDPAAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sealed_keys = kv_cache.spec.sealed_keys
+        # int4 decodes: a kernel reading codes and scales in place (csrc/kv_int4.cpp)
+        self.paged_int4 = paged_kernel and self.sealed_keys and kernels.available()
         self.paged_kernel = (
             paged_kernel and kv_cache.dtype == torch.float32 and not kv_cache._cast
             and kernels.available()
@@ -140,6 +142,13 @@ class TorchSDPAAttention:
             return self._decode(
                 qd, cache.k_blocks[layer], cache.v_blocks[layer], meta.decode_block_table,
                 meta.decode_ctx_lens, self.scale,
+            )  # fmt: skip
+        if self.paged_int4:
+            return torch.ops.kvwise.paged_decode_attention_int4.default(
+                qd, cache.k_blocks[layer], cache.v_blocks[layer], cache.staged[layer],
+                meta.decode_block_table, meta.decode_ctx_lens,
+                cache.slots_of(meta.decode_open_blocks), self.scale, cache.block_size,
+                cache.spec.group_size,
             )  # fmt: skip
         # (Bd, L, kv_heads, head_dim) each
         kc, vc = cache.gather(layer, meta.decode_block_table, meta.decode_first_block)

@@ -24,7 +24,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "fused.cpp")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_attention.cpp", "fused.cpp", "kv_int4.cpp")
+]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 

@@ -102,6 +102,11 @@ class PagedKVCache:
                 self._sealed: list[int] = []  # blocks sealed this step: slots freed next step
                 self._plan_key: torch.Tensor | None = None
                 self._plan: _WritePlan | None = None
+                self._slots_key: list[int] | None = None
+                self._int4_write_op = (
+                    torch.ops.kvwise.kv_write_int4.default if kernels.available() else None
+                )
+                self._slots_tensor: torch.Tensor | None = None
             return
         # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
         self.kv = torch.zeros(spec.cache_shape(num_blocks), dtype=self.dtype)
@@ -193,17 +198,21 @@ class PagedKVCache:
             self._plan = self._plan_writes(slot_mapping.tolist())
             self._plan_key = slot_mapping
         plan = self._plan
-        blocks = slot_mapping // self.block_size
-        offsets = slot_mapping % self.block_size
-        codes, scales = kv_quant.quantize_int4(v.float(), self.spec.group_size)
-        self.codes[layer][1][blocks, offsets] = codes
-        self.scales[layer][1][blocks, offsets] = scales
         k = k.float()
         staged = self.staged[layer]  # (slots, block_size, kv_heads, head_dim)
-        if plan.stage_rows is not None:
-            staged.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
-                0, plan.stage_dst, k.index_select(0, plan.stage_rows)
-            )
+        if self._int4_write_op is not None:  # values and staging in one C++ call, same bytes
+            self._int4_write_op(self.v_blocks[layer], staged, k, v, slot_mapping, plan.stage_index,
+                             self.block_size, self.spec.group_size)  # fmt: skip
+        else:
+            blocks = slot_mapping // self.block_size
+            offsets = slot_mapping % self.block_size
+            codes, scales = kv_quant.quantize_int4(v.float(), self.spec.group_size)
+            self.codes[layer][1][blocks, offsets] = codes
+            self.scales[layer][1][blocks, offsets] = scales
+            if plan.stage_rows is not None:
+                staged.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+                    0, plan.stage_dst, k.index_select(0, plan.stage_rows)
+                )
         parts = []
         if plan.direct_rows is not None:  # blocks written whole in this step
             parts.append(k.index_select(0, plan.direct_rows).view(-1, *self.spec.block_shape))
@@ -255,7 +264,11 @@ class PagedKVCache:
         def tensor(values: list[int]) -> torch.Tensor | None:
             return torch.tensor(values, dtype=torch.long) if values else None
 
+        stage_index = [-1] * n  # each row's flat staging place, -1: none (for the C++ write)
+        for row, dst in zip(stage_rows, stage_dst, strict=True):
+            stage_index[row] = dst
         return _WritePlan(
+            stage_index=torch.tensor(stage_index, dtype=torch.long),
             direct_rows=tensor(direct),
             stage_rows=tensor(stage_rows),
             stage_dst=tensor(stage_dst),
@@ -277,11 +290,17 @@ class PagedKVCache:
         head_dim)``."""
         return self.staged[layer, self._slots[block_id], :rows]
 
+    def slots_of(self, block_ids: list[int]) -> torch.Tensor:
+        """The staging slots of open blocks ``(B,)``, cached for the step (every layer asks)."""
+        if self._slots_key is not block_ids:
+            self._slots_key = block_ids
+            self._slots_tensor = torch.tensor([self._slots[b] for b in block_ids])
+        return self._slots_tensor
+
     def decode_open_keys(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         """The staged keys of each decode's own block ``(B, block_size, kv_heads, head_dim)``
         (rows past a decode's position are stale: attention masks them)."""
-        slots = torch.tensor([self._slots[b] for b in block_ids], dtype=torch.long)
-        return self.staged[layer].index_select(0, slots)
+        return self.staged[layer].index_select(0, self.slots_of(block_ids))
 
     # ---- block copies for the slower tiers ----------------------------------------------
 
@@ -357,6 +376,7 @@ class PagedKVCache:
 class _WritePlan:
     """Row indices (into one step's rows) and block ids of an int4 write; None: none."""
 
+    stage_index: torch.Tensor  # (T,) each row's flat staging place, -1 where it has none
     direct_rows: torch.Tensor | None  # rows of blocks written whole, block by block
     stage_rows: torch.Tensor | None  # rows going to staging slots...
     stage_dst: torch.Tensor | None  # ...at these flat (slot * block_size + offset) places

@@ -95,3 +95,37 @@ def test_staging_grows_past_its_first_slots():
     cache.write(0, slots, k, k)
     assert len(cache._slots) == 20 and cache.staged.shape[1] >= 20
     assert torch.equal(cache.open_keys(0, 19, 1)[0], k[19])
+
+
+def test_the_kernels_write_and_attend_as_the_torch_path():
+    """The C++ int4 write gives the torch path's bytes; its decode attention the same outputs
+    to float32 rounding."""
+    from kvwise.worker import kernels
+
+    if not kernels.available():
+        import pytest
+
+        pytest.skip("kvwise kernels not built")
+    steps = [(0, 5)] + [(i, i + 1) for i in range(5, T)]
+    out, cache = _run(steps)
+    torch_cache = PagedKVCache(SPEC, 8)
+    torch_cache._int4_write_op = None
+    q, k, v = _data()
+    attention = TorchSDPAAttention(torch_cache, HEADS, DIM, paged_kernel=False)
+    torch_out = torch.empty(T, HEADS * DIM)
+    for start, end in steps:
+        torch_cache.begin_step()
+        sched = SchedulerOutput(scheduled=[ScheduledRequest(
+            "r", list(range(start, end)), start, TABLE, True, SamplingParams(), 0)])  # fmt: skip
+        meta = build_input_batch(sched, BS).attn_meta
+        torch_out[start:end] = attention.forward(0, q[start:end], k[start:end], v[start:end], meta)
+    assert torch.equal(cache.raw[:, :, TABLE], torch_cache.raw[:, :, TABLE])
+    torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
+    # wide-range values: the float16 scale and minimum round alike in both
+    x = torch.randn(6, KV_HEADS, DIM) * torch.logspace(-3, 4, 6).view(6, 1, 1)
+    a, b = PagedKVCache(SPEC, 8), PagedKVCache(SPEC, 8)
+    b._int4_write_op = None
+    slots = torch.tensor([0, 4, 8, 12, 16, 20])  # first rows of six blocks
+    a.write(0, slots, x, x)
+    b.write(0, slots, x, x)
+    assert torch.equal(a.raw[0, 1], b.raw[0, 1])
