@@ -6,9 +6,9 @@ their slots, then attends:
 
 - decode rows (one new token each) in one call of kvwise's paged decode kernel
   (``csrc/paged_attention.cpp``, ``csrc/kv_int4.cpp``), which reads K/V where they lie in the
-  pool (float32, int8 or int4 codes and their scales); without the kernel (no compiler, another cache format,
-  ``paged_kernel=False``), in one batched SDPA call over their gathered (dequantized) blocks,
-  with a padding mask when their context lengths differ;
+  pool (float32, int8 or int4 codes and their scales); without it (no compiler, a 16-bit
+  float pool, ``paged_kernel=False``), in one batched SDPA call over their gathered
+  (dequantized) blocks, with a padding mask when their context lengths differ;
 - each prefill chunk in its own call: a chunk starting at position 0 attends to its own K/V
   with a causal mask; a later chunk attends to its gathered blocks with an offset causal mask.
   When the pool stores K/V lossily (quantized, or a narrower float), every chunk attends to
@@ -153,7 +153,7 @@ class TorchSDPAAttention:
         # (Bd, L, kv_heads, head_dim) each
         kc, vc = cache.gather(layer, meta.decode_block_table, meta.decode_first_block)
         if self.sealed_keys:  # each decode reads its own block's keys in full precision
-            bd, length = kc.shape[:2]
+            bd = kc.shape[0]
             blocks = kc.view(bd, -1, *cache.spec.block_shape)
             own = cache.decode_open_keys(layer, meta.decode_open_blocks)
             blocks[torch.arange(bd), meta.decode_open_index] = own

@@ -102,11 +102,12 @@ class PagedKVCache:
                 self._sealed: list[int] = []  # blocks sealed this step: slots freed next step
                 self._plan_key: torch.Tensor | None = None
                 self._plan: _WritePlan | None = None
-                self._slots_key: list[int] | None = None
+                self._slots_key: list[int] | None = None  # see slots_of
+                self._slots_tensor: torch.Tensor | None = None
+                # values and staging written by a C++ op where it is built (the same bytes)
                 self._int4_write_op = (
                     torch.ops.kvwise.kv_write_int4.default if kernels.available() else None
                 )
-                self._slots_tensor: torch.Tensor | None = None
             return
         # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
         self.kv = torch.zeros(spec.cache_shape(num_blocks), dtype=self.dtype)
