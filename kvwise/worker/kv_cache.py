@@ -61,30 +61,11 @@ class PagedKVCache:
         if self.quantized:
             self.kv = None
             self.raw = torch.zeros(shape, dtype=torch.uint8)
-            self.codes, self.scales = [], []  # [layer][0 = K, 1 = V]: (blocks, block_size, ...)
-            cb, bs = spec.codes_bytes, spec.block_size
-            for i in range(spec.num_layers):
-                codes, scales = [], []
-                for kv in (0, 1):
-                    half = self.raw[i, kv]  # (num_blocks, half_block_bytes)
-                    if spec.dtype == "int8":
-                        codes.append(half[:, :cb].view(torch.int8).view(-1, bs, heads, dim))
-                        scales.append(half[:, cb:].view(torch.float32).view(-1, bs, heads))
-                    elif kv == 0:  # int4 keys: per channel over the block
-                        codes.append(half[:, :cb].view(-1, heads, dim, bs // 2))
-                        scale_end = cb + spec.key_scale_bytes
-                        scales.append(
-                            half[:, cb:scale_end].view(torch.float16).view(-1, heads, dim, 2)
-                        )
-                    else:  # int4 values: per token, in groups of channels
-                        groups = dim // spec.group_size
-                        codes.append(half[:, :cb].view(-1, bs, heads, dim // 2))
-                        scale_end = cb + spec.value_scale_bytes
-                        scales.append(
-                            half[:, cb:scale_end].view(torch.float16).view(-1, bs, heads, groups, 2)
-                        )
-                self.codes.append(codes)
-                self.scales.append(scales)
+            # [layer][0 = K, 1 = V]: typed views of the codes and the scales of every block
+            halves = [[self._typed_views(self.raw[i, kv], kv) for kv in (0, 1)]
+                      for i in range(spec.num_layers)]  # fmt: skip
+            self.codes = [[h[0] for h in layer] for layer in halves]
+            self.scales = [[h[1] for h in layer] for layer in halves]
             self.k_blocks = [self.raw[i, 0] for i in range(spec.num_layers)]
             self.v_blocks = [self.raw[i, 1] for i in range(spec.num_layers)]
             # int8 rows are quantized by the C++ op where it is built (the same bytes)
@@ -94,20 +75,7 @@ class PagedKVCache:
                 else None
             )
             if spec.sealed_keys:
-                # (layers, slot, block_size, kv_heads, head_dim); zeros: rows a decode has not
-                # reached are masked, but must be finite (NaN * 0 is NaN)
-                self.staged = torch.zeros(spec.num_layers, 8, bs, heads, dim)
-                self._slots: dict[int, int] = {}  # open block id -> its staging slot
-                self._free_slots = list(range(7, -1, -1))
-                self._sealed: list[int] = []  # blocks sealed this step: slots freed next step
-                self._plan_key: torch.Tensor | None = None
-                self._plan: _WritePlan | None = None
-                self._slots_key: list[int] | None = None  # see slots_of
-                self._slots_tensor: torch.Tensor | None = None
-                # values and staging written by a C++ op where it is built (the same bytes)
-                self._int4_write_op = (
-                    torch.ops.kvwise.kv_write_int4.default if kernels.available() else None
-                )
+                self._init_staging()
             return
         # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
         self.kv = torch.zeros(spec.cache_shape(num_blocks), dtype=self.dtype)
@@ -117,6 +85,40 @@ class PagedKVCache:
         self.v_blocks = [self.kv[i, 1] for i in range(spec.num_layers)]
         self.k_slots = [self.kv[i, 0].view(-1, heads, dim) for i in range(spec.num_layers)]
         self.v_slots = [self.kv[i, 1].view(-1, heads, dim) for i in range(spec.num_layers)]
+
+    def _typed_views(self, half: torch.Tensor, kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and scales of one layer's K (``kv`` 0) or V (1) block halves, ``half``
+        ``(num_blocks, half_block_bytes)`` uint8, in the layouts ``KVSpec`` documents."""
+        spec = self.spec
+        cb, bs, heads, dim = spec.codes_bytes, spec.block_size, spec.num_kv_heads, spec.head_dim
+        if spec.dtype == "int8":
+            codes = half[:, :cb].view(torch.int8).view(-1, bs, heads, dim)
+            return codes, half[:, cb:].view(torch.float32).view(-1, bs, heads)
+        if kv == 0:  # int4 keys: per channel over the block
+            scales = half[:, cb : cb + spec.key_scale_bytes].view(torch.float16)
+            return half[:, :cb].view(-1, heads, dim, bs // 2), scales.view(-1, heads, dim, 2)
+        # int4 values: per token, in groups of channels
+        scales = half[:, cb : cb + spec.value_scale_bytes].view(torch.float16)
+        groups = dim // spec.group_size
+        return half[:, :cb].view(-1, bs, heads, dim // 2), scales.view(-1, bs, heads, groups, 2)
+
+    def _init_staging(self) -> None:
+        """int4: the full-precision key rows of open blocks, a slot each (grown on demand)."""
+        spec = self.spec
+        # (layers, slot, block_size, kv_heads, head_dim); zeros: rows a decode has not reached
+        # are masked, but must be finite (NaN * 0 is NaN)
+        self.staged = torch.zeros(spec.num_layers, 8, *spec.block_shape)
+        self._slots: dict[int, int] = {}  # open block id -> its staging slot
+        self._free_slots = list(range(7, -1, -1))
+        self._sealed: list[int] = []  # blocks sealed this step: slots freed next step
+        self._plan_key: torch.Tensor | None = None
+        self._plan: _WritePlan | None = None
+        self._slots_key: list[int] | None = None  # see slots_of
+        self._slots_tensor: torch.Tensor | None = None
+        # values and staging written by a C++ op where it is built (the same bytes)
+        self._int4_write_op = (
+            torch.ops.kvwise.kv_write_int4.default if kernels.available() else None
+        )
 
     @property
     def num_bytes(self) -> int:
