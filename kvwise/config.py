@@ -122,7 +122,8 @@ class StoreConfig:
     kv_host_memory: int | str | None = "2GiB"  # host-RAM tier budget
     kv_disk_path: str | None = None  # None: default_kv_disk_path(); "off": no disk tier
     kv_disk_size: int | str = "20GiB"
-    kv_redis_url: str | None = None  # redis:// or rediss:// URL (password allowed); None: off
+    # redis:// or rediss:// URL (password allowed), redis+cluster:// for Redis Cluster; None: off
+    kv_redis_url: str | None = None
     kv_redis_ttl: str | float = "1h"  # how long Redis keeps an entry (retention may extend it)
     kv_redis_timeout: str | float = 0.5  # seconds before a Redis call counts as a fault
     kv_chunk_blocks: int = 8  # blocks per stored chunk (measured: see docs/BENCHMARKS.md)
@@ -153,10 +154,16 @@ class StoreConfig:
         if url in ("", "off"):
             url = None
         if url is not None and (
-            not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))
+            not isinstance(url, str)
+            or not url.startswith(
+                ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+            )
         ):
             # NOTE: the URL may hold a password: never echo it
-            raise ValueError("kv_redis_url: expected redis://[:password@]host:port[/db]")
+            raise ValueError(
+                "kv_redis_url: expected redis://[:password@]host:port[/db] "
+                "(or redis+cluster://[:password@]host:port for Redis Cluster)"
+            )
         object.__setattr__(self, "kv_redis_url", url)
         object.__setattr__(self, "kv_redis_ttl", parse_duration(self.kv_redis_ttl, "kv_redis_ttl"))
         object.__setattr__(

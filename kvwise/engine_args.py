@@ -157,7 +157,8 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
         "--kv-redis-url",
         default=os.environ.get("KVWISE_KV_REDIS_URL") or None,
         metavar="URL",
-        help="Redis tier, redis://[:password@]host:port[/db] (or rediss://, unix://); off unless "
+        help="Redis tier, redis://[:password@]host:port[/db] (or rediss://, unix://; "
+        "redis+cluster://host:port for Redis Cluster); off unless "
         "a URL is given; default: $KVWISE_KV_REDIS_URL, which keeps a password off the "
         "command line",
     )

@@ -19,6 +19,13 @@ Contract (on top of ``base.KVStore``):
   it holds (``bytes_written`` says what this process sent).
 - Thread safety: redis-py's client draws connections from a thread-safe pool; this store
   locks only its own counters and outage state.
+
+Redis Cluster (``redis+cluster://`` / ``rediss+cluster://``, any node as the seed): entry keys
+are HMACs, so they spread over every hash slot. Each call groups its keys by the node that
+serves their slot and sends each node one non-transactional pipeline of single-key commands
+(GET, EXISTS, SET, DEL: no multi-key command has to stay within one slot). A node's fault
+and outage window are its own: its entries are misses while the other nodes keep serving.
+The cluster's slot map is read on the first call, not at start-up.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import redis
+import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -40,7 +48,7 @@ from kvwise.store.index import check_key, check_value
 if TYPE_CHECKING:
     from kvwise.config import StoreConfig
 
-_SCHEMES = ("redis", "rediss", "unix")
+_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 _SKIPPED = object()  # the call did not reach the server (closed, down, or a fault)
 
 
@@ -74,7 +82,7 @@ class RedisStore:
             # NOTE: never echo the URL itself, it may hold a password
             raise ValueError(
                 "kv_redis_url: expected redis://[:password@]host:port/db (or rediss://, "
-                f"unix://), got scheme {scheme!r}"
+                f"unix://, redis+cluster://), got scheme {scheme!r}"
             )
         if ttl_s <= 0:
             raise ValueError(f"ttl_s: expected > 0 seconds, got {ttl_s}")
@@ -90,47 +98,49 @@ class RedisStore:
         self._clock = clock
         self._faults = FaultLog(self.name, self.stats)
         self._lock = threading.Lock()
-        self._down_until = 0.0
+        self._down_until: dict[str, float] = {}  # per node ("" for a single server)
         self._closed = False
+        self.cluster = scheme.endswith("+cluster")
+        options = dict(
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # redis-py retries 3 times by default
+        )
+        self._client: Any = None
+        self._cluster_url = url.replace("+cluster", "", 1) if self.cluster else None
+        self._cluster_options = options
         try:
-            self._client = redis.Redis.from_url(
-                url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 0),  # redis-py retries 3 times by default
-                health_check_interval=0,
-            )
+            if not self.cluster:
+                self._client = redis.Redis.from_url(url, health_check_interval=0, **options)
+            else:
+                redis.connection.parse_url(self._cluster_url)  # a bad URL fails now, not later
         except ValueError as exc:
             raise ValueError(f"kv_redis_url: {exc}") from None
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         names = self._names(keys)
-        if not names:
-            return []
-
-        def run() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for name in names:
-                pipe.exists(name)
-            return pipe.execute()
-
-        found = self._call("contains", run)
-        if found is _SKIPPED:
-            return [False] * len(names)
-        return [bool(n) for n in found]
+        found = self._per_node("contains", names, lambda pipe, name: pipe.exists(name))
+        return [n is not _SKIPPED and bool(n) for n in found]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         names = self._names(keys)
         if not names:
             return []
         start = time.perf_counter()
-        values = self._call("get", lambda: self._client.mget(names))
-        if values is _SKIPPED:
-            return [None] * len(names)
-        num_hits = sum(v is not None for v in values)
+        if self.cluster:
+            values = self._per_node("get", names, lambda pipe, name: pipe.get(name))
+        else:
+            values = self._call("get", lambda: self._client.mget(names))
+            if values is _SKIPPED:
+                values = [_SKIPPED] * len(names)
+        served = [v for v in values if v is not _SKIPPED]
+        values = [None if v is _SKIPPED else v for v in values]
+        if not served:
+            return values
+        num_hits = sum(v is not None for v in served)
         with self._lock:
             self.stats.hits += num_hits
-            self.stats.misses += len(names) - num_hits
+            self.stats.misses += len(served) - num_hits
             self.stats.bytes_read += sum(len(v) for v in values if v is not None)
             if num_hits:
                 self.stats.loads += 1
@@ -142,32 +152,37 @@ class RedisStore:
         if not checked:
             return True
         ex = max(1, math.ceil(max(self.ttl_s, ttl_s or 0.0)))
+        values = {name: value for name, value, _ in checked}
 
-        def run() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for name, value, _ in checked:
-                pipe.set(name, value if isinstance(value, bytes) else bytes(value), ex=ex)
-            return pipe.execute()
+        def add(pipe, name: str) -> None:
+            value = values[name]
+            pipe.set(name, value if isinstance(value, bytes) else bytes(value), ex=ex)
 
-        if self._call("put", run) is _SKIPPED:
-            return False  # a fault (server down, timeout) or the breaker open: nothing stored
+        done = self._per_node("put", [name for name, _, _ in checked], add)
+        stored = [c for c, d in zip(checked, done, strict=True) if d is not _SKIPPED]
         with self._lock:
-            self.stats.bytes_written += sum(num_bytes for _, _, num_bytes in checked)
-        return True
+            self.stats.bytes_written += sum(num_bytes for _, _, num_bytes in stored)
+        # False: a fault (server or node down, timeout) or the breaker open: not all stored
+        return len(stored) == len(checked)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         names = self._names(keys)
-        if names:
+        if names and not self.cluster:
             self._call("delete", lambda: self._client.delete(*names))
+        elif names:  # one key a DEL: a multi-key DEL must stay within one slot
+            self._per_node("delete", names, lambda pipe, name: pipe.delete(name))
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        if self._client is None:
+            return
         try:
             self._client.close()
-            self._client.connection_pool.disconnect()
+            if not self.cluster:
+                self._client.connection_pool.disconnect()
         except (redis.exceptions.RedisError, OSError):
             pass
 
@@ -178,18 +193,59 @@ class RedisStore:
     def _names(self, keys: Sequence[bytes]) -> list[str]:
         return [self.prefix + check_key(k).hex() for k in keys]
 
-    def _call(self, op: str, run: Callable[[], Any]) -> Any:
-        """``run()``'s result, or ``_SKIPPED`` if closed, down, or it faulted."""
+    def _per_node(self, op: str, names: list[str], add: Callable[[Any, str], Any]) -> list[Any]:
+        """One pipeline a node of ``add(pipe, name)`` commands; the results in ``names``'
+        order, ``_SKIPPED`` where the node was down or faulted."""
+        results: list[Any] = [_SKIPPED] * len(names)
+        if not names:
+            return results
+        groups = self._call(op, lambda: self._groups(names))
+        if groups is _SKIPPED:
+            return results
+        for node, client, indices in groups:
+
+            def run(client=client, indices=indices) -> list[Any]:
+                pipe = client.pipeline(transaction=False)
+                for i in indices:
+                    add(pipe, names[i])
+                return pipe.execute()
+
+            out = self._call(op, run, node)
+            if out is not _SKIPPED:
+                for i, value in zip(indices, out, strict=True):
+                    results[i] = value
+        return results
+
+    def _groups(self, names: list[str]) -> list[tuple[str, Any, list[int]]]:
+        """``(node, client, indices)`` for each node serving some of ``names``."""
+        if not self.cluster:
+            return [("", self._client, list(range(len(names))))]
+        if self._client is None:  # the slot map is read on the first call
+            self._client = redis.cluster.RedisCluster.from_url(
+                self._cluster_url, require_full_coverage=False, **self._cluster_options
+            )
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for i, name in enumerate(names):
+            node = self._client.get_node_from_key(name)
+            entry = by_node.setdefault(node.name, (node, []))
+            entry[1].append(i)
+        return [(key, self._client.get_redis_connection(node), indices)
+                for key, (node, indices) in by_node.items()]  # fmt: skip
+
+    def _call(self, op: str, run: Callable[[], Any], node: str = "") -> Any:
+        """``run()``'s result, or ``_SKIPPED`` if closed, ``node`` down, or it faulted."""
         with self._lock:
-            if self._closed or self._clock() < self._down_until:
+            if self._closed or self._clock() < self._down_until.get(node, 0.0):
                 return _SKIPPED
         try:
             return run()
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException,
+                OSError) as exc:  # fmt: skip
             with self._lock:
                 if not isinstance(exc, redis.exceptions.ResponseError):
-                    self._down_until = self._clock() + self.retry_after_s
-                self._faults.fault(type(exc).__name__, f"in {op}: {exc}")
+                    self._down_until[node] = self._clock() + self.retry_after_s
+                where = f" (node {node})" if node else ""
+                self._faults.fault(type(exc).__name__, f"in {op}{where}: {exc}")
             return _SKIPPED
 
 

@@ -29,11 +29,14 @@ class RedisServer:
     """One ``redis-server`` process on 127.0.0.1, no persistence; can be killed and restarted
     on the same port."""
 
-    def __init__(self, directory: Path, password: str | None = None) -> None:
+    def __init__(
+        self, directory: Path, password: str | None = None, extra: tuple[str, ...] = ()
+    ) -> None:
         self.directory = directory
         self.password = password
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
+        self.extra = extra  # more redis-server arguments
 
     @property
     def url(self) -> str:
@@ -50,6 +53,7 @@ class RedisServer:
         args += ["--bind", "127.0.0.1", "--dir", str(self.directory), "--daemonize", "no"]
         if self.password:
             args += ["--requirepass", self.password]
+        args += list(self.extra)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = self.client(timeout_s=0.5)
         deadline = time.monotonic() + 10
@@ -140,3 +144,58 @@ def start_redis(tmp_path) -> Iterator:
     yield start
     for server in servers:
         server.stop()
+
+
+class RedisCluster:
+    """Three cluster-enabled ``redis-server``s on 127.0.0.1 joined by ``redis-cli --cluster
+    create`` (no replicas; serving whatever slots stay up when a node dies)."""
+
+    def __init__(self, directory: Path, size: int = 3) -> None:
+        self.nodes = []
+        for i in range(size):
+            node_dir = directory / f"node{i}"
+            node_dir.mkdir()
+            # the bus port on a free port of its own (by default port + 10000: maybe taken,
+            # or past 65535 for an ephemeral port)
+            extra = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-require-full-coverage", "no",
+                     "--cluster-port", str(free_port()))  # fmt: skip
+            self.nodes.append(RedisServer(node_dir, extra=extra))
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        subprocess.run([cli, "--cluster", "create", *addresses, "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:  # every node agrees the slots are assigned
+            states = [node.client().cluster("info") for node in self.nodes]
+            if all(s.get("cluster_state") == "ok" for s in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis cluster did not come up: {states}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path) -> Iterator[RedisCluster]:
+    """A fresh 3-node Redis Cluster (``.url``, ``.nodes``), stopped after the test."""
+    _require_binary()
+    cluster = RedisCluster(tmp_path)
+    try:
+        cluster.start()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        cluster.stop()
+        pytest.skip(f"no local Redis Cluster: {exc}")
+    yield cluster
+    cluster.stop()
