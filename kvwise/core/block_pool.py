@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from kvwise.core.hashing import BlockHash
+from kvwise.core.kv_events import KVEventLog
 
 
 class KVBlock:
@@ -117,6 +118,7 @@ class BlockPool:
         enable_caching: bool = True,
         max_retained_blocks_per_tenant: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        events: KVEventLog | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
@@ -134,6 +136,7 @@ class BlockPool:
         self.num_retained: dict[str, int] = {}  # tenant -> blocks it keeps (used or free)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.events = events  # KV events for routers: hashes cached and evicted (optional)
 
     @property
     def num_free_blocks(self) -> int:
@@ -247,19 +250,31 @@ class BlockPool:
         """Record that ``blocks[i]`` holds the full block hashed ``block_hashes[i]``."""
         if not self.enable_caching:
             return
-        for block, block_hash in zip(blocks, block_hashes):
-            if block.block_hash is not None:
-                continue  # already cached (a prefix hit or an earlier step)
-            if block_hash in self.cached:
-                continue  # computed twice by two requests at once: keep the first copy
+        run: list[BlockHash] = []  # newly cached consecutive hashes, for one event
+        parent: BlockHash | None = None
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
+            if block.block_hash is not None or block_hash in self.cached:
+                # already cached (a prefix hit, an earlier step) or computed twice by two
+                # requests at once (the first copy stays)
+                if self.events is not None and run:
+                    self.events.stored(run, parent)
+                run = []
+                continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            if not run:
+                parent = block_hashes[i - 1] if i else None
+            run.append(block_hash)
+        if self.events is not None and run:
+            self.events.stored(run, parent)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed([block.block_hash])
         self.num_evictions += 1
         block.block_hash = None
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from kvwise.core.block_pool import BlockPool, KVBlock
 from kvwise.core.hashing import PUBLIC_TENANT, BlockHash, hash_block, junction_hash, root_hash
+from kvwise.core.kv_events import KVEvent, KVEventLog
 from kvwise.core.request import Request
 
 
@@ -59,6 +60,7 @@ class KVCacheManager:
         public_min_tokens: int = 256,
         max_retained_blocks_per_tenant: int | None = None,
         clock: Callable[[], float] | None = None,
+        kv_events: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
@@ -74,6 +76,9 @@ class KVCacheManager:
         self.public_prefixes = [list(p) for p in public_prefixes]
         self.public_min_tokens = public_min_tokens
         kwargs = {} if clock is None else {"clock": clock}
+        # KV events for cache-aware routers (take_kv_events); off: nothing is recorded
+        self.events = KVEventLog(block_size) if kv_events else None
+        kwargs["events"] = self.events
         self.pool = BlockPool(
             num_blocks,
             enable_caching,
@@ -220,6 +225,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.released.extend(b.block_id for b in blocks if b.block_hash is None)
         self.pool.free_blocks(reversed(blocks))
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The pool's KV events since the last call (none when ``kv_events`` is off)."""
+        return self.events.drain() if self.events is not None else []
 
     def take_released(self) -> list[int]:
         """Ids of blocks freed without a hash (open tails) since the last call: the worker

@@ -50,6 +50,7 @@ def assemble_engine(
         max_retained_blocks_per_tenant=int(
             runner.num_blocks * cache.max_retained_fraction_per_tenant
         ),
+        kv_events=cache.enable_kv_events,
     )
     store = None
     if kv_manager.enable_caching:

@@ -101,6 +101,11 @@ class LLMEngine:
         self._save_blocks()
         self.outputs.drop(list(request_ids))
 
+    def take_kv_events(self) -> list:
+        """The device pool's KV events (``core/kv_events.py``) since the last call; empty
+        unless ``enable_kv_events`` is set."""
+        return self.kv_manager.take_kv_events()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

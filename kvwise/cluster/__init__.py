@@ -1,0 +1,5 @@
+"""Scale-out: many kvwise replicas behind one endpoint, routed by where the KV already is.
+
+- ``kv_events_codec``: KV event batches as msgpack, in vLLM's wire shape;
+- ``routing``: the router's index of block hashes per replica and its choice of replica.
+"""

@@ -1,0 +1,126 @@
+"""Cache-aware routing: which replica should serve a request. Pure Python, no Ray.
+
+The router keeps, per replica, the set of block hashes its device pool holds, learnt from the
+replica's KV events (``PrefixIndex``). A request arrives as its block-hash chain (hashed the
+way the engines hash it: the same tokenizer, block size and tenant-rooted chain, so another
+tenant's identical prompt has other hashes and finds nothing). ``choose`` scores each replica
+as NVIDIA Dynamo's KV router does — ``overlap_weight × tokens left to prefill + tokens it is
+already working on`` — and takes the cheapest; with no replica holding any of the prefix, or
+when the cheapest is far busier than the least loaded, it falls back to the power of two
+choices (two replicas at random, the less loaded one), Ray Serve's default.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvwise.core.hashing import BlockHash
+from kvwise.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class PrefixIndex:
+    """Block hashes held per replica (the device pool's: ``medium == "device"``)."""
+
+    def __init__(self, medium: str = "device") -> None:
+        self.medium = medium
+        self._held: dict[str, set[BlockHash]] = {}
+
+    def apply(self, replica: str, events: Iterable[KVEvent]) -> None:
+        held = self._held.setdefault(replica, set())
+        for event in events:
+            if getattr(event, "medium", self.medium) != self.medium:
+                continue
+            if isinstance(event, BlockStored):
+                held.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                held.clear()
+
+    def drop(self, replica: str) -> None:
+        """Forget a replica (gone, or restarted with an empty pool)."""
+        self._held.pop(replica, None)
+
+    def overlap(self, replica: str, chain: Sequence[BlockHash]) -> int:
+        """How many leading blocks of ``chain`` the replica holds."""
+        held = self._held.get(replica, ())
+        n = 0
+        for block_hash in chain:
+            if block_hash not in held:
+                break
+            n += 1
+        return n
+
+    def num_blocks(self, replica: str) -> int:
+        return len(self._held.get(replica, ()))
+
+
+@dataclass(frozen=True)
+class Load:
+    """What a replica is busy with, in tokens: prompts queued or prefilling, and sequences
+    decoding (their context length)."""
+
+    queued_tokens: int = 0
+    running_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.queued_tokens + self.running_tokens
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica: str
+    overlap_blocks: int  # of the chosen replica
+    reason: str  # "cache", "power-of-two" (no overlap anywhere) or "balance" (too busy)
+
+
+class CacheAwarePolicy:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        block_size: int,
+        overlap_weight: float = 1.0,
+        imbalance_tokens: int = 16_384,
+        rng: random.Random | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size: expected a positive integer, got {block_size}")
+        if overlap_weight < 0:
+            raise ValueError(f"overlap_weight: expected >= 0, got {overlap_weight}")
+        if imbalance_tokens < 0:
+            raise ValueError(f"imbalance_tokens: expected >= 0, got {imbalance_tokens}")
+        self.index = index
+        self.block_size = block_size
+        self.overlap_weight = overlap_weight
+        self.imbalance_tokens = imbalance_tokens
+        self.rng = rng or random.Random()
+
+    def choose(
+        self, chain: Sequence[BlockHash], num_prompt_tokens: int, loads: Mapping[str, Load]
+    ) -> Choice:
+        """The replica for a prompt of ``num_prompt_tokens`` whose full blocks hash to
+        ``chain``, among ``loads``' replicas."""
+        if not loads:
+            raise ValueError("loads: no replica to choose from")
+        overlaps = {r: self.index.overlap(r, chain) for r in loads}
+        if max(overlaps.values()) == 0:
+            return self._two_choices(loads, overlaps, "power-of-two")
+
+        def cost(replica: str) -> float:
+            to_prefill = num_prompt_tokens - overlaps[replica] * self.block_size
+            return self.overlap_weight * max(to_prefill, 0) + loads[replica].tokens
+
+        best = min(sorted(loads), key=cost)
+        least = min(load.tokens for load in loads.values())
+        if loads[best].tokens - least > self.imbalance_tokens:
+            return self._two_choices(loads, overlaps, "balance")
+        return Choice(best, overlaps[best], "cache")
+
+    def _two_choices(self, loads: Mapping[str, Load], overlaps, reason: str) -> Choice:
+        replicas = sorted(loads)
+        pair = self.rng.sample(replicas, 2) if len(replicas) > 1 else replicas
+        pick = min(pair, key=lambda r: (loads[r].tokens, -overlaps[r]))
+        return Choice(pick, overlaps[pick], reason)

@@ -1,0 +1,147 @@
+"""KV events (core/kv_events.py) from the block pool, their msgpack batches in vLLM's shape
+(cluster/kv_events_codec.py) and the cache-aware choice of replica (cluster/routing.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvwise.cluster.routing import CacheAwarePolicy, Load, PrefixIndex
+from kvwise.core.kv_cache_manager import KVCacheManager
+from kvwise.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+from kvwise.core.request import Request
+from kvwise.types import RequestOptions, SamplingParams
+
+BS = 4
+
+
+def _request(rid: str, tokens: list[int], tenant: str = "default") -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4), options=RequestOptions(tenant=tenant))
+
+
+def _compute(manager: KVCacheManager, request: Request) -> list[bytes]:
+    """Allocate and 'compute' the whole prompt; return its full blocks' hashes."""
+    computed, num_cached = manager.get_computed_blocks(request)
+    manager.allocate_slots(request, request.num_tokens - num_cached, computed)
+    request.num_computed_tokens = request.num_tokens
+    manager.cache_full_blocks(request)
+    return list(request.block_hashes[: request.num_tokens // BS])
+
+
+def test_the_pool_reports_blocks_stored_and_evicted():
+    manager = KVCacheManager(num_blocks=6, block_size=BS, model_fingerprint="m", kv_events=True)
+    a = _request("a", list(range(10)))  # two full blocks and a partial one
+    hashes = _compute(manager, a)
+    events = manager.take_kv_events()
+    assert events == [BlockStored(hashes, None, BS, "device")]  # the partial block: not yet
+    assert manager.take_kv_events() == []
+    manager.free(a)
+    b = _request("b", list(range(100, 124)))  # six blocks: evicts a's cached blocks
+    _compute(manager, b)
+    events = manager.take_kv_events()
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    assert removed and sorted(h for e in removed for h in e.block_hashes) == sorted(hashes)
+    off = KVCacheManager(num_blocks=6, block_size=BS, model_fingerprint="m")
+    _compute(off, _request("c", list(range(10))))
+    assert off.take_kv_events() == []
+
+
+def test_the_log_is_bounded_and_merges_removals():
+    log = KVEventLog(block_size=BS, max_events=2)
+    log.removed([b"a"])
+    log.removed([b"b"])  # merged into one event
+    log.stored([b"c"], None)
+    log.stored([b"d"], b"c")  # the oldest is dropped
+    assert log.dropped == 1
+    assert log.drain() == [BlockStored([b"c"], None, BS), BlockStored([b"d"], b"c", BS)]
+
+
+def test_batches_round_trip_in_vllms_shape():
+    msgpack = pytest.importorskip("msgpack")
+    from kvwise.cluster.kv_events_codec import decode_batch, encode_batch
+
+    events = [BlockStored([b"\x01" * 32, b"\x02" * 32], None, 16), BlockRemoved([b"\x03" * 32]),
+              AllBlocksCleared()]  # fmt: skip
+    data = encode_batch(events, ts=12.5)
+    raw = msgpack.unpackb(data)
+    assert raw[0] == 12.5
+    assert raw[1][0] == ["BlockStored", [b"\x01" * 32, b"\x02" * 32], None, [], 16, None, "device"]
+    assert raw[1][1] == ["BlockRemoved", [b"\x03" * 32], "device"] and raw[1][2] == [
+        "AllBlocksCleared"
+    ]
+    assert decode_batch(data) == (12.5, events)
+    vllm_style = msgpack.packb([1.0, [["BlockStored", [7, 8], 6, [1, 2, 3, 4], 2, None]]])
+    assert decode_batch(vllm_style)[1] == [BlockStored([7, 8], 6, 2, "device")]
+    with pytest.raises(ValueError, match="^kv_events:"):
+        decode_batch(msgpack.packb([1.0, [["Nope"]]]))
+
+
+def _chains(tokens: list[int], tenant: str = "default") -> list[bytes]:
+    manager = KVCacheManager(num_blocks=64, block_size=BS, model_fingerprint="m")
+    return _compute(manager, _request("x", tokens, tenant))
+
+
+def test_routing_follows_the_prefix_and_never_another_tenants():
+    index = PrefixIndex()
+    conversation = list(range(40))
+    held = _chains(conversation)
+    index.apply("r1", [BlockStored(held, None, BS)])
+    index.apply("r2", [BlockStored(_chains(list(range(500, 540))), None, BS)])
+    policy = CacheAwarePolicy(index, BS, rng=random.Random(0))
+    loads = {"r1": Load(), "r2": Load()}
+    next_turn = _chains(conversation + list(range(900, 912)))
+    choice = policy.choose(next_turn, 52, loads)
+    assert (choice.replica, choice.overlap_blocks, choice.reason) == ("r1", 10, "cache")
+    # the same tokens from another tenant hash apart: nobody holds them, power of two
+    other = _chains(conversation + list(range(900, 912)), tenant="acme")
+    assert not set(other) & set(held)
+    assert policy.choose(other, 52, loads).reason == "power-of-two"
+    assert policy.choose(other, 52, loads).overlap_blocks == 0
+
+
+def test_load_outweighs_a_short_overlap_and_imbalance_falls_back():
+    index = PrefixIndex()
+    chain = _chains(list(range(40)))
+    index.apply("r1", [BlockStored(chain[:2], None, BS)])  # 8 of 40 tokens cached
+    policy = CacheAwarePolicy(index, BS, imbalance_tokens=1000, rng=random.Random(0))
+    busy = {"r1": Load(running_tokens=500), "r2": Load()}
+    assert policy.choose(chain, 40, busy).replica == "r2"  # 32 + 500 vs 40 tokens
+    # weighted 4x, prefill outweighs r1's load, but r1 is 1,500 tokens busier than r2: the
+    # imbalance cap sends the request by the power of two instead
+    long_chain = _chains(list(range(400)))
+    index.apply("r1", [BlockStored(long_chain, None, BS)])
+    policy = CacheAwarePolicy(index, BS, overlap_weight=4, imbalance_tokens=1000,
+                              rng=random.Random(0))  # fmt: skip
+    loads = {"r1": Load(running_tokens=1500), "r2": Load()}
+    choice = policy.choose(long_chain, 400, loads)
+    assert (choice.replica, choice.reason) == ("r2", "balance")
+    relaxed = CacheAwarePolicy(index, BS, overlap_weight=4, imbalance_tokens=2000)
+    assert relaxed.choose(long_chain, 400, loads).replica == "r1"  # 1,500 < 1,600
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"block_size": 0}, "block_size"),
+                                                ({"overlap_weight": -1}, "overlap_weight"),
+                                                ({"imbalance_tokens": -1}, "imbalance_tokens")])  # fmt: skip
+def test_bad_policy_settings_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        CacheAwarePolicy(PrefixIndex(), **{"block_size": BS, **kwargs})
+    with pytest.raises(ValueError, match="^loads:"):
+        CacheAwarePolicy(PrefixIndex(), BS).choose([], 1, {})
+
+
+def test_an_engine_hands_out_its_pools_events_when_asked():
+    from kvwise.types import RequestOptions as Options
+    from tests.fakes import fake_engine, run_all
+
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine = fake_engine(enable_kv_events=True)
+    run_all(engine, ["abcdefgh" * 4], greedy, Options(tenant="t1"))
+    stored = [e for e in engine.take_kv_events() if isinstance(e, BlockStored)]
+    hashes = [h for e in stored for h in e.block_hashes]
+    assert len(hashes) == (32 + 4 - 1) // BS  # full blocks computed (not the last token)
+    assert stored[0].parent_block_hash is None and all(len(h) == 32 for h in hashes)
+    assert engine.take_kv_events() == []
+    quiet = fake_engine()
+    run_all(quiet, ["abcdefgh" * 4], greedy)
+    assert quiet.take_kv_events() == []
