@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvwise.core.block_pool import BlockPool, KVBlock
-from kvwise.core.hashing import PUBLIC_TENANT, BlockHash, hash_block, junction_hash, root_hash
+from kvwise.core.hashing import BlockHash, BlockHasher
 from kvwise.core.kv_events import KVEvent, KVEventLog
 from kvwise.core.request import Request
 
@@ -86,7 +86,10 @@ class KVCacheManager:
             **kwargs,
         )
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
-        self._roots: dict[tuple[str, str | None], BlockHash] = {}
+        # the hash chains (shared with routers: core/hashing.py); owns the public prefixes
+        self.hasher = BlockHasher(
+            model_fingerprint, block_size, self.public_prefixes, public_min_tokens
+        )
         # prefix-cache statistics, in tokens
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
@@ -124,42 +127,19 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
-    def _root(self, tenant: str, salt: str | None) -> BlockHash:
-        key = (tenant, salt)
-        if key not in self._roots:
-            self._roots[key] = root_hash(self.model_fingerprint, tenant, salt)
-        return self._roots[key]
-
     def num_public_blocks(self, token_ids: Sequence[int]) -> int:
         """Leading blocks of ``token_ids`` shared as a public prefix (whole chunks only)."""
-        best = 0
-        for prefix in self.public_prefixes:
-            n = 0
-            limit = min(len(prefix), len(token_ids))
-            while n < limit and prefix[n] == token_ids[n]:
-                n += 1
-            best = max(best, n)
-        shared_tokens = best // self.public_min_tokens * self.public_min_tokens
-        return shared_tokens // self.block_size
+        return self.hasher.num_public_blocks(token_ids)
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend ``request.block_hashes`` to cover the full blocks of the first tokens."""
         if request.num_public_blocks is None:
             prompt = request.token_ids[: request.num_prompt_tokens]
             request.num_public_blocks = self.num_public_blocks(prompt)
-        num_public = request.num_public_blocks
-        hashes = request.block_hashes
-        num_full_blocks = num_tokens // self.block_size
-        bs = self.block_size
-        for i in range(len(hashes), num_full_blocks):
-            if i == 0:
-                tenant = PUBLIC_TENANT if num_public else request.tenant
-                parent = self._root(tenant, None if num_public else request.cache_salt)
-            elif i == num_public:
-                parent = junction_hash(hashes[-1], self._root(request.tenant, request.cache_salt))
-            else:
-                parent = hashes[-1]
-            hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs]))
+        self.hasher.extend(
+            request.block_hashes, request.token_ids, num_tokens, request.tenant,
+            request.cache_salt, request.num_public_blocks,
+        )  # fmt: skip
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a new request: (blocks, number of tokens they hold).

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from kvwise.cluster.routing import CacheAwarePolicy, Load, PrefixIndex
+from kvwise.core.hashing import BlockHasher
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
 from kvwise.core.request import Request
@@ -78,8 +79,22 @@ def test_batches_round_trip_in_vllms_shape():
 
 
 def _chains(tokens: list[int], tenant: str = "default") -> list[bytes]:
-    manager = KVCacheManager(num_blocks=64, block_size=BS, model_fingerprint="m")
-    return _compute(manager, _request("x", tokens, tenant))
+    """A router's chain for a prompt: the engine's own hasher, outside any engine."""
+    return BlockHasher("m", BS).chain(tokens, tenant)
+
+
+def test_a_routers_chain_is_the_engines_public_prefixes_included():
+    public = list(range(1000, 1016))  # four blocks, shared in chunks of 8 tokens
+    manager = KVCacheManager(num_blocks=64, block_size=BS, model_fingerprint="m",
+                             public_prefixes=[public], public_min_tokens=8)  # fmt: skip
+    hasher = BlockHasher("m", BS, [public], public_min_tokens=8)
+    for tenant, tokens in (("t1", public + [1, 2, 3, 4, 5]), ("t2", public[:13] + [9] * 7),
+                           ("t1", list(range(30)))):  # fmt: skip
+        engine_chain = _compute(manager, _request(f"{tenant}-{len(tokens)}", tokens, tenant))
+        assert hasher.chain(tokens, tenant) == engine_chain
+    shared = hasher.chain(public + [1, 2, 3, 4], "t1")
+    other = hasher.chain(public + [1, 2, 3, 4], "t2")
+    assert shared[:4] == other[:4] and shared[4] != other[4]  # the public part only
 
 
 def test_routing_follows_the_prefix_and_never_another_tenants():
