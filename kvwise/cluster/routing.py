@@ -43,6 +43,10 @@ class PrefixIndex:
         """Forget a replica (gone, or restarted with an empty pool)."""
         self._held.pop(replica, None)
 
+    def replace(self, replica: str, hashes: Iterable[BlockHash]) -> None:
+        """What a replica holds, all of it (a snapshot)."""
+        self._held[replica] = set(hashes)
+
     def overlap(self, replica: str, chain: Sequence[BlockHash]) -> int:
         """How many leading blocks of ``chain`` the replica holds."""
         held = self._held.get(replica, ())

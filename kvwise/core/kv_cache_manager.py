@@ -206,6 +206,10 @@ class KVCacheManager:
         self.released.extend(b.block_id for b in blocks if b.block_hash is None)
         self.pool.free_blocks(reversed(blocks))
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash the device pool holds (a router's snapshot of this pool)."""
+        return list(self.pool.cached)
+
     def take_kv_events(self) -> list[KVEvent]:
         """The pool's KV events since the last call (none when ``kv_events`` is off)."""
         return self.events.drain() if self.events is not None else []

@@ -160,3 +160,32 @@ def test_an_engine_hands_out_its_pools_events_when_asked():
     quiet = fake_engine()
     run_all(quiet, ["abcdefgh" * 4], greedy)
     assert quiet.take_kv_events() == []
+
+
+def test_the_router_stays_in_step_and_recovers_from_a_gap_with_a_snapshot():
+    pytest.importorskip("msgpack")
+    from kvwise.cluster.event_sync import EventPublisher, IndexSync
+
+    manager = KVCacheManager(num_blocks=8, block_size=BS, model_fingerprint="m", kv_events=True)
+    publisher = EventPublisher(manager.take_kv_events, manager.cached_hashes, ring=2)
+    sync = IndexSync(PrefixIndex())
+    assert publisher.since(0) == [] and publisher.poll() is None
+    first = _compute(manager, _request("a", list(range(12))))  # 3 blocks cached
+    publisher.poll()
+    assert sync.apply("r1", publisher.since(0)) is True  # a new replica starts at batch 1
+    assert sync.index.overlap("r1", first) == 3 and sync.cursor["r1"] == 1
+    manager.free(_request("a", [1]))
+    for i in range(3):  # three more batches: the ring (2) loses the first of them
+        _compute(manager, _request(f"b{i}", list(range(100 * (i + 1), 100 * (i + 1) + 8))))
+        publisher.poll()
+    assert publisher.since(sync.cursor["r1"]) is None  # a gap: batch 2 is gone
+    assert sync.apply("r1", [(4, b"")]) is False and sync.gaps == 1  # out of order: refused
+    seq, held = publisher.snapshot()
+    sync.apply_snapshot("r1", seq, held)
+    assert sync.index.num_blocks("r1") == len(manager.cached_hashes()) and seq == 4
+    assert sync.apply("r1", publisher.since(seq)) is True
+    # a replica that restarted (its numbers start again) is caught by the same check
+    fresh = EventPublisher(lambda: [], lambda: [])
+    assert fresh.since(seq) is None
+    sync.drop("r1")
+    assert sync.index.num_blocks("r1") == 0 and "r1" not in sync.cursor

@@ -1,0 +1,95 @@
+"""Keeping a router's index in step with a replica's cache over an unreliable channel.
+
+A replica's ``EventPublisher`` turns the engine's KV events into numbered msgpack batches
+(``kv_events_codec``) and keeps the last ``ring`` of them; ``since(seq)`` hands out the batches
+after ``seq``, or None when some were already dropped from the ring. The router's
+``IndexSync`` applies batches to its ``PrefixIndex`` strictly in order: a batch that is not
+the next one (a gap: a batch lost, a replica restarted) is refused, and the router asks for a
+``snapshot`` instead — every hash the replica's pool holds, as of a batch number — which
+replaces what the index held for it. Pure Python: the transport (a Ray actor, a socket) is
+the caller's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from kvwise.cluster.kv_events_codec import decode_batch, encode_batch
+from kvwise.cluster.routing import PrefixIndex
+from kvwise.core.hashing import BlockHash
+from kvwise.core.kv_events import KVEvent
+
+
+class EventPublisher:
+    """Replica side. ``take_events``: the engine's ``take_kv_events``; ``held``: every hash
+    its device pool holds now (both called between engine steps)."""
+
+    def __init__(
+        self,
+        take_events: Callable[[], list[KVEvent]],
+        held: Callable[[], Iterable[BlockHash]],
+        ring: int = 1024,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if ring < 1:
+            raise ValueError(f"ring: expected at least 1 batch, got {ring}")
+        self._take = take_events
+        self._held = held
+        self._clock = clock
+        self.seq = 0  # the number of the last batch
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=ring)
+
+    def poll(self) -> tuple[int, bytes] | None:
+        """Number and encode the events since the last poll; None when there were none."""
+        events = self._take()
+        if not events:
+            return None
+        self.seq += 1
+        batch = (self.seq, encode_batch(events, self._clock()))
+        self._ring.append(batch)
+        return batch
+
+    def since(self, seq: int) -> list[tuple[int, bytes]] | None:
+        """The batches after ``seq``; None when the oldest of them left the ring (or ``seq`` is
+        ahead of this publisher: it restarted): take a ``snapshot``."""
+        if seq > self.seq or (seq < self.seq and (not self._ring or self._ring[0][0] > seq + 1)):
+            return None
+        return [b for b in self._ring if b[0] > seq]
+
+    def snapshot(self) -> tuple[int, list[BlockHash]]:
+        """Every hash held now, as of batch ``seq`` (pending events are numbered first)."""
+        self.poll()
+        return self.seq, list(self._held())
+
+
+class IndexSync:
+    """Router side: each replica's batches applied in order to ``index``."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self.cursor: dict[str, int] = {}  # replica -> the last batch applied
+        self.gaps = 0  # batches refused (a snapshot was needed)
+
+    def apply(self, replica: str, batches: Iterable[tuple[int, bytes]]) -> bool:
+        """Apply the next batches; False (and nothing more applied) at a gap."""
+        for seq, data in batches:
+            last = self.cursor.get(replica, 0)  # a replica not seen yet: from its first batch
+            if seq <= last:
+                continue  # already applied
+            if seq != last + 1:
+                self.gaps += 1
+                return False
+            self.index.apply(replica, decode_batch(data)[1])
+            self.cursor[replica] = seq
+        return True
+
+    def apply_snapshot(self, replica: str, seq: int, hashes: Iterable[BlockHash]) -> None:
+        self.index.replace(replica, hashes)
+        self.cursor[replica] = seq
+
+    def drop(self, replica: str) -> None:
+        """A replica gone: forget it (a restarted one comes back through a snapshot)."""
+        self.index.drop(replica)
+        self.cursor.pop(replica, None)
