@@ -5,6 +5,7 @@ exactly as written, whether its sequence was prefilled whole, in chunks or decod
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvwise.core.kv_spec import KVSpec
@@ -103,8 +104,6 @@ def test_the_kernels_write_and_attend_as_the_torch_path():
     from kvwise.worker import kernels
 
     if not kernels.available():
-        import pytest
-
         pytest.skip("kvwise kernels not built")
     steps = [(0, 5)] + [(i, i + 1) for i in range(5, T)]
     out, cache = _run(steps)
@@ -129,3 +128,35 @@ def test_the_kernels_write_and_attend_as_the_torch_path():
     a.write(0, slots, x, x)
     b.write(0, slots, x, x)
     assert torch.equal(a.raw[0, 1], b.raw[0, 1])
+
+
+@pytest.mark.parametrize(("block_size", "kv_heads", "heads", "group"),
+                         [(32, 3, 9, 32), (16, 2, 4, 16), (32, 1, 4, 64), (8, 2, 10, 8)])  # fmt: skip
+def test_the_decode_kernel_at_real_shapes(block_size, kv_heads, heads, group):
+    """The vectorized paths (blocks of 8k tokens, groups of 16/32/64, up to 4 query heads a KV
+    head) and the plain one (5 query heads a KV head) against the torch path."""
+    from kvwise.worker import kernels
+
+    if not kernels.available():
+        pytest.skip("kvwise kernels not built")
+    dim, n = 64, 3 * block_size + 5
+    spec = KVSpec(1, kv_heads, dim, block_size, "int4", group_size=group)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(n, heads, dim, generator=g)
+    k = torch.randn(n, kv_heads, dim, generator=g) + torch.linspace(-4, 4, dim)
+    v = torch.randn(n, kv_heads, dim, generator=g)
+    table = [9, 3, 0, 6]
+    steps = [(0, block_size + 3)] + [(i, i + 1) for i in range(block_size + 3, n)]
+    outs = []
+    for paged in (True, False):
+        cache = PagedKVCache(spec, 12)
+        attention = TorchSDPAAttention(cache, heads, dim, paged_kernel=paged)
+        out = torch.empty(n, heads * dim)
+        for start, end in steps:
+            cache.begin_step()
+            sched = SchedulerOutput(scheduled=[ScheduledRequest(
+                "r", list(range(start, end)), start, table, True, SamplingParams(), 0)])  # fmt: skip
+            meta = build_input_batch(sched, block_size).attn_meta
+            out[start:end] = attention.forward(0, q[start:end], k[start:end], v[start:end], meta)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

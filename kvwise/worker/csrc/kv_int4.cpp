@@ -30,6 +30,44 @@ inline float half_at(const uint8_t* p, int64_t i) {
   return static_cast<float>(reinterpret_cast<const at::Half*>(p)[i]);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// A sealed block's scores for G query heads, 8 tokens at a time, the G accumulators in
+// registers: s[g][t] = (qm[g] + sum_d qs[g][d] * codes[d][t]) * scale.
+template <int G>
+void block_scores(float* s, int64_t stride, const float* codes, const float* qs,
+                  const float* qm, int64_t D, int64_t bs, float scale) {
+  for (int64_t t8 = 0; t8 < bs; t8 += 8) {
+    __m256 a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm256_set1_ps(qm[g]);
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 c = _mm256_loadu_ps(codes + d * bs + t8);
+      for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_set1_ps(qs[g * D + d]), c, a[g]);
+    }
+    for (int g = 0; g < G; ++g)
+      _mm256_storeu_ps(s + g * stride + t8, _mm256_mul_ps(a[g], _mm256_set1_ps(scale)));
+  }
+}
+
+// One block's weighted values for one query head and one group of 8 * NV channels, the
+// accumulators in registers: a[d] += sum_t (p[t] * scale[t]) * codes[t][d].
+template <int NV>
+void block_values(float* a, float* am, const float* p, const float* codes, int64_t D,
+                  const float* vsm, int64_t groups, int64_t gr, int64_t rows) {
+  __m256 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm256_loadu_ps(a + 8 * v);
+  float m = *am;
+  for (int64_t t = 0; t < rows; ++t) {
+    const float ps = p[t] * vsm[(t * groups + gr) * 2];
+    m += p[t] * vsm[(t * groups + gr) * 2 + 1];
+    const __m256 w = _mm256_set1_ps(ps);
+    const float* c = codes + t * D + gr * 8 * NV;
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(c + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(a + 8 * v, acc[v]);
+  *am = m;
+}
+#endif
+
 at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor& k_raw,
                                        const at::Tensor& v_raw, const at::Tensor& staged,
                                        const at::Tensor& block_tables, const at::Tensor& ctx_lens,
@@ -117,6 +155,16 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
           }
           qm[g] = m;
         }
+#if defined(__AVX2__) && defined(__FMA__)
+        if (bs % 8 == 0 && G <= 4) {  // a sealed block is always full
+          float* s = scores.data() + j * bs;
+          if (G == 1) block_scores<1>(s, n, codes.data(), qs.data(), qm.data(), D, bs, scale);
+          if (G == 2) block_scores<2>(s, n, codes.data(), qs.data(), qm.data(), D, bs, scale);
+          if (G == 3) block_scores<3>(s, n, codes.data(), qs.data(), qm.data(), D, bs, scale);
+          if (G == 4) block_scores<4>(s, n, codes.data(), qs.data(), qm.data(), D, bs, scale);
+          continue;
+        }
+#endif
         for (int64_t g = 0; g < G; ++g) {
           float* s = scores.data() + g * n + j * bs;
           float blockwise[256];
@@ -173,6 +221,21 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
           const uint8_t* sm = vs + (t * KVH + h) * groups * 4;  // (groups, 2) float16
           for (int64_t i = 0; i < 2 * groups; ++i) vsm[t * 2 * groups + i] = half_at(sm, i);
         }
+#if defined(__AVX2__) && defined(__FMA__)
+        if (group == 16 || group == 32 || group == 64) {
+          for (int64_t g = 0; g < G; ++g) {
+            const float* pg = scores.data() + g * n + j * bs;
+            for (int64_t gr = 0; gr < groups; ++gr) {
+              float* a = acc.data() + g * D + gr * group;
+              float* am = accm.data() + g * groups + gr;
+              if (group == 16) block_values<2>(a, am, pg, codes.data(), D, vsm.data(), groups, gr, rows);
+              if (group == 32) block_values<4>(a, am, pg, codes.data(), D, vsm.data(), groups, gr, rows);
+              if (group == 64) block_values<8>(a, am, pg, codes.data(), D, vsm.data(), groups, gr, rows);
+            }
+          }
+          continue;
+        }
+#endif
         for (int64_t g = 0; g < G; ++g) {
           float* a = acc.data() + g * D;
           for (int64_t t = 0; t < rows; ++t) {
