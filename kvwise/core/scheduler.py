@@ -134,6 +134,14 @@ class Scheduler:
             num_new = min(num_new, self.config.prefill_chunk_size)
         return min(num_new, budget)
 
+    def load_tokens(self) -> tuple[int, int]:
+        """``(queued, running)`` tokens, what a router weighs against a cache hit: prompt tokens
+        not computed yet (waiting requests and unfinished prefills), and the context of every
+        running request."""
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        queued += sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
+        return queued, sum(r.num_tokens for r in self.running)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(released_block_ids=self.kv.take_released())
         self._step_loads = {}

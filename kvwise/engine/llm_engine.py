@@ -101,6 +101,10 @@ class LLMEngine:
         self._save_blocks()
         self.outputs.drop(list(request_ids))
 
+    def load_tokens(self) -> tuple[int, int]:
+        """``(queued, running)`` tokens (``Scheduler.load_tokens``): a router's load figure."""
+        return self.scheduler.load_tokens()
+
     def take_kv_events(self) -> list:
         """The device pool's KV events (``core/kv_events.py``) since the last call; empty
         unless ``enable_kv_events`` is set."""

@@ -189,3 +189,17 @@ def test_the_router_stays_in_step_and_recovers_from_a_gap_with_a_snapshot():
     assert fresh.since(seq) is None
     sync.drop("r1")
     assert sync.index.num_blocks("r1") == 0 and "r1" not in sync.cursor
+
+
+def test_an_engine_reports_its_load_in_tokens():
+    from tests.fakes import fake_engine
+
+    engine = fake_engine(max_num_batched_tokens=16)
+    assert engine.load_tokens() == (0, 0)
+    engine.add_request("a" * 40, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("b" * 10, SamplingParams(max_tokens=8, ignore_eos=True))
+    queued, running = engine.load_tokens()
+    assert queued == 50 and running == 0  # byte tokenizer: a token a byte
+    engine.step()  # 16 tokens of the first prompt computed
+    queued, running = engine.load_tokens()
+    assert queued == 50 - 16 and running == 40
