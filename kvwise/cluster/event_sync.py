@@ -6,8 +6,8 @@ after ``seq``, or None when some were already dropped from the ring. The router'
 ``IndexSync`` applies batches to its ``PrefixIndex`` strictly in order: a batch that is not
 the next one (a gap: a batch lost, a replica restarted) is refused, and the router asks for a
 ``snapshot`` instead — every hash the replica's pool holds, as of a batch number — which
-replaces what the index held for it. Pure Python: the transport (a Ray actor, a socket) is
-the caller's.
+replaces what the index held for it. ``EventHub`` sits between them (replicas push, routers
+pull): the Ray deployment wraps it in an actor. Pure Python: the transport is the caller's.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class IndexSync:
         self.index = index
         self.cursor: dict[str, int] = {}  # replica -> the last batch applied
         self.gaps = 0  # batches refused (a snapshot was needed)
+        self.need_snapshot: set[str] = set()  # replicas to ask a snapshot of (sync_from_hub)
 
     def apply(self, replica: str, batches: Iterable[tuple[int, bytes]]) -> bool:
         """Apply the next batches; False (and nothing more applied) at a gap."""
@@ -93,3 +94,76 @@ class IndexSync:
         """A replica gone: forget it (a restarted one comes back through a snapshot)."""
         self.index.drop(replica)
         self.cursor.pop(replica, None)
+        self.need_snapshot.discard(replica)
+
+
+class EventHub:
+    """Between replicas and routers (a Ray actor wraps one): replicas ``publish`` their
+    numbered batches and load; routers ``pull`` what is new past their cursors. A router that
+    finds a gap asks for a snapshot (``want_snapshot``); the replica learns it from the
+    return value of its next ``publish`` and sends one (``publish_snapshot``), which the hub
+    hands to routers in place of batches."""
+
+    def __init__(self, ring: int = 1024) -> None:
+        if ring < 1:
+            raise ValueError(f"ring: expected at least 1 batch, got {ring}")
+        self.ring = ring
+        self._batches: dict[str, deque[tuple[int, bytes]]] = {}
+        self._loads: dict[str, tuple[int, int]] = {}
+        self._snapshots: dict[str, tuple[int, list[BlockHash]]] = {}
+        self._wanted: set[str] = set()
+
+    def publish(
+        self, replica: str, batches: Iterable[tuple[int, bytes]], load: tuple[int, int]
+    ) -> bool:
+        """Store a replica's new batches and its ``(queued, running)`` tokens. True: send a
+        snapshot."""
+        ring = self._batches.setdefault(replica, deque(maxlen=self.ring))
+        ring.extend(batches)
+        self._loads[replica] = load
+        return replica in self._wanted
+
+    def publish_snapshot(self, replica: str, seq: int, hashes: Iterable[BlockHash]) -> None:
+        self._snapshots[replica] = (seq, list(hashes))
+        self._wanted.discard(replica)
+
+    def want_snapshot(self, replica: str) -> None:
+        self._wanted.add(replica)
+
+    def drop(self, replica: str) -> None:
+        """A replica gone (its actor died): nothing of it is handed out any more."""
+        for table in (self._batches, self._loads, self._snapshots):
+            table.pop(replica, None)
+        self._wanted.discard(replica)
+
+    def pull(self, cursors: dict[str, int]) -> dict[str, dict]:
+        """For each replica: ``load``, and ``batches`` past the router's cursor, or a
+        ``snapshot`` ``(seq, hashes)`` when one newer than the cursor is there."""
+        out: dict[str, dict] = {}
+        for replica, load in self._loads.items():
+            cursor = cursors.get(replica, 0)
+            item: dict = {"load": load}
+            snapshot = self._snapshots.get(replica)
+            if snapshot is not None and snapshot[0] > cursor:
+                item["snapshot"] = snapshot
+                cursor = snapshot[0]
+            item["batches"] = [b for b in self._batches.get(replica, ()) if b[0] > cursor]
+            out[replica] = item
+        return out
+
+
+def sync_from_hub(sync: IndexSync, hub_reply: dict[str, dict]) -> dict[str, tuple[int, int]]:
+    """Apply a ``pull`` reply to a router's ``IndexSync``; return the loads. Replicas whose
+    batches do not follow on are listed in ``sync.need_snapshot`` for the caller to ask the
+    hub for (``want_snapshot``)."""
+    loads = {}
+    for replica, item in hub_reply.items():
+        loads[replica] = tuple(item["load"])
+        if "snapshot" in item:
+            seq, hashes = item["snapshot"]
+            sync.apply_snapshot(replica, seq, hashes)
+        if not sync.apply(replica, item["batches"]):
+            sync.need_snapshot.add(replica)
+        else:
+            sync.need_snapshot.discard(replica)
+    return loads

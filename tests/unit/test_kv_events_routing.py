@@ -203,3 +203,39 @@ def test_an_engine_reports_its_load_in_tokens():
     engine.step()  # 16 tokens of the first prompt computed
     queued, running = engine.load_tokens()
     assert queued == 50 - 16 and running == 40
+
+
+def test_replicas_and_a_router_meet_at_the_hub():
+    pytest.importorskip("msgpack")
+    from kvwise.cluster.event_sync import EventHub, EventPublisher, IndexSync, sync_from_hub
+
+    managers = {r: KVCacheManager(num_blocks=8, block_size=BS, model_fingerprint="m",
+                                  kv_events=True) for r in ("r1", "r2")}  # fmt: skip
+    pubs = {r: EventPublisher(m.take_kv_events, m.cached_hashes) for r, m in managers.items()}
+    hub = EventHub(ring=2)
+    sync = IndexSync(PrefixIndex())
+
+    def step(replica: str, tokens: list[int], rid: str) -> list[bytes]:
+        chain = _compute(managers[replica], _request(rid, tokens))
+        batch = pubs[replica].poll()
+        if hub.publish(replica, [batch] if batch else [], (len(tokens), 0)):
+            hub.publish_snapshot(replica, *pubs[replica].snapshot())
+        return chain
+
+    a = step("r1", list(range(12)), "a")
+    step("r2", list(range(50, 58)), "b")
+    loads = sync_from_hub(sync, hub.pull(sync.cursor))
+    assert loads == {"r1": (12, 0), "r2": (8, 0)}
+    assert sync.index.overlap("r1", a) == 3 and sync.index.overlap("r2", a) == 0
+    for i in range(3):  # r1 runs ahead of the router: the hub's ring (2) drops a batch
+        managers["r1"].free(_request("a" if i == 0 else f"c{i - 1}", [1]))
+        step("r1", list(range(100 * (i + 1), 100 * (i + 1) + 8)), f"c{i}")
+    sync_from_hub(sync, hub.pull(sync.cursor))
+    assert sync.need_snapshot == {"r1"}  # a gap
+    hub.want_snapshot("r1")
+    step("r1", list(range(900, 904)), "d")  # its next publish answers with a snapshot
+    sync_from_hub(sync, hub.pull(sync.cursor))
+    assert sync.need_snapshot == set()
+    assert sync.index.num_blocks("r1") == len(managers["r1"].cached_hashes())
+    hub.drop("r2")
+    assert "r2" not in hub.pull({})
