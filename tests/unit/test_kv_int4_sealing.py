@@ -30,20 +30,24 @@ def _data(seed: int = 0):
     return q, k, v
 
 
-def _run(steps: list[tuple[int, int]], released=()):
-    """Feed rows [start, end) of one sequence step by step; return attention outputs (T, H*D)
-    and the cache."""
-    q, k, v = _data()
-    cache = PagedKVCache(SPEC, 8)
-    attention = TorchSDPAAttention(cache, HEADS, DIM)
-    out = torch.empty(T, HEADS * DIM)
+def _feed(attention, q, k, v, steps, table, released=()) -> torch.Tensor:
+    """Feed rows [start, end) of one sequence (blocks ``table``) step by step through one
+    layer's attention; return its outputs ``(T, H * D)``."""
+    cache = attention.kv_cache
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
     for start, end in steps:
         cache.begin_step(list(released))
         sched = SchedulerOutput(scheduled=[ScheduledRequest(
-            "r", list(range(start, end)), start, TABLE, True, SamplingParams(), 0)])  # fmt: skip
-        meta = build_input_batch(sched, BS).attn_meta
+            "r", list(range(start, end)), start, table, True, SamplingParams(), 0)])  # fmt: skip
+        meta = build_input_batch(sched, cache.block_size).attn_meta
         out[start:end] = attention.forward(0, q[start:end], k[start:end], v[start:end], meta)
-    return out, cache
+    return out
+
+
+def _run(steps: list[tuple[int, int]], released=()):
+    """The test sequence fed step by step; attention outputs (T, H*D) and the cache."""
+    cache = PagedKVCache(SPEC, 8)
+    return _feed(TorchSDPAAttention(cache, HEADS, DIM), *_data(), steps, TABLE, released), cache
 
 
 def _reference() -> torch.Tensor:
@@ -109,15 +113,8 @@ def test_the_kernels_write_and_attend_as_the_torch_path():
     out, cache = _run(steps)
     torch_cache = PagedKVCache(SPEC, 8)
     torch_cache._int4_write_op = None
-    q, k, v = _data()
     attention = TorchSDPAAttention(torch_cache, HEADS, DIM, paged_kernel=False)
-    torch_out = torch.empty(T, HEADS * DIM)
-    for start, end in steps:
-        torch_cache.begin_step()
-        sched = SchedulerOutput(scheduled=[ScheduledRequest(
-            "r", list(range(start, end)), start, TABLE, True, SamplingParams(), 0)])  # fmt: skip
-        meta = build_input_batch(sched, BS).attn_meta
-        torch_out[start:end] = attention.forward(0, q[start:end], k[start:end], v[start:end], meta)
+    torch_out = _feed(attention, *_data(), steps, TABLE)
     assert torch.equal(cache.raw[:, :, TABLE], torch_cache.raw[:, :, TABLE])
     torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
     # wide-range values: the float16 scale and minimum round alike in both
@@ -147,16 +144,9 @@ def test_the_decode_kernel_at_real_shapes(block_size, kv_heads, heads, group):
     v = torch.randn(n, kv_heads, dim, generator=g)
     table = [9, 3, 0, 6]
     steps = [(0, block_size + 3)] + [(i, i + 1) for i in range(block_size + 3, n)]
-    outs = []
-    for paged in (True, False):
-        cache = PagedKVCache(spec, 12)
-        attention = TorchSDPAAttention(cache, heads, dim, paged_kernel=paged)
-        out = torch.empty(n, heads * dim)
-        for start, end in steps:
-            cache.begin_step()
-            sched = SchedulerOutput(scheduled=[ScheduledRequest(
-                "r", list(range(start, end)), start, table, True, SamplingParams(), 0)])  # fmt: skip
-            meta = build_input_batch(sched, block_size).attn_meta
-            out[start:end] = attention.forward(0, q[start:end], k[start:end], v[start:end], meta)
-        outs.append(out)
+    outs = [
+        _feed(TorchSDPAAttention(PagedKVCache(spec, 12), heads, dim, paged_kernel=paged),
+              q, k, v, steps, table)
+        for paged in (True, False)
+    ]  # fmt: skip
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
