@@ -71,3 +71,12 @@ class EngineStepError(KVWiseError, RuntimeError):
 
     status = 500
     code = "engine_error"
+
+
+class ReplicaFailedError(KVWiseError, RuntimeError):
+    """The replica serving this request failed or went away (scale-out); retrying the request
+    sends it to a live one."""
+
+    status = 503
+    code = "replica_unavailable"
+    retry_after_s = 1
