@@ -149,6 +149,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = Path(args.model).stem if args.model.endswith(".gguf") else Path(args.model).name
     else:
         name = DEFAULT_MODEL_NAME
+    if args.ray:
+        return _serve_ray(args, keys, name, max_request_bytes)
     engine = build_engine(config)
     app = create_app(engine, api_keys=keys, model_name=name, max_request_bytes=max_request_bytes)
     logging.getLogger("kvwise").info(
@@ -181,6 +183,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _serve_ray(args: argparse.Namespace, keys: dict, name: str, max_request_bytes: int) -> int:
+    try:
+        from kvwise.cluster import ray_serve
+    except ImportError as exc:
+        raise ValueError(f"ray: --ray needs Ray Serve ({exc}): pip install 'kvwise[ray]'") from None
+    if args.replicas < 1:
+        raise ValueError(f"replicas: expected at least 1, got {args.replicas}")
+    kwargs = {**engine_kwargs(args), "max_waiting": args.max_waiting}
+    threads = kwargs.pop("num_threads") or max(1, (os.cpu_count() or 1) // args.replicas)
+    return ray_serve.run(
+        kwargs,
+        host=args.host,
+        port=args.port,
+        ray_address=args.ray_address,
+        replicas=args.replicas,
+        routing=args.routing,
+        threads_per_replica=threads,
+        api_keys=keys,
+        model_name=name,
+        app_kwargs={"max_request_bytes": max_request_bytes},
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -317,6 +342,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-request-bytes",
         default="8MiB",
         help="largest request body accepted; past it a 413, before the body is parsed",
+    )
+    g = p.add_argument_group(
+        "many replicas (Ray Serve; pip install 'kvwise[ray]')",
+        "N engine replicas behind this one endpoint, each request routed to the replica whose "
+        "KV cache holds the longest prefix of it (weighed against load); the engine flags "
+        "apply to each replica, --threads and --kv-cache-memory per replica",
+    )
+    g.add_argument("--ray", action="store_true", help="serve with N replicas on Ray Serve")
+    g.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto); default: start a local Ray",
+    )
+    from kvwise.cluster.routing import ROUTING_MODES
+
+    g.add_argument(
+        "--routing",
+        choices=ROUTING_MODES,
+        default="cache-aware",
+        help="cache-aware (default), power-of-two (Ray Serve's default) or round-robin",
     )
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)

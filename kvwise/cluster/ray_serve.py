@@ -149,8 +149,9 @@ class EngineReplica:
         engine = self.llm_engine
         return ReplicaSpec(engine.kv_manager.hasher, engine.runner.vocab_size, engine.max_model_len)
 
-    async def actor_name(self, route: RouteHint = None) -> str:
-        return ray.get_runtime_context().get_actor_name()
+    async def identity(self, route: RouteHint = None) -> tuple[str, str]:
+        """(replica id, Ray actor name)."""
+        return self.replica_id, ray.get_runtime_context().get_actor_name()
 
     async def check_health(self) -> None:
         self._ensure_publishing()  # from the first health check on, routers know this replica
@@ -355,6 +356,15 @@ def start(
     **build_kwargs: Any,
 ) -> None:
     """Start (or join) Ray, the hub and the application; returns once it serves."""
+    if not ray_address:
+        cpus = num_cpus or os.cpu_count() or 1
+        need = build_kwargs.get("replicas", 2) * build_kwargs.get("threads_per_replica", 1)
+        if need > cpus:
+            raise ValueError(
+                f"replicas: {build_kwargs.get('replicas', 2)} replicas of "
+                f"{build_kwargs.get('threads_per_replica', 1)} threads need {need} CPUs; "
+                f"the local Ray has {cpus} (fewer --replicas or --threads, or --ray-address)"
+            )
     if not ray.is_initialized():
         init: dict[str, Any] = {"namespace": HUB_NAMESPACE, "log_to_driver": False}
         if ray_address:
@@ -386,9 +396,12 @@ def stop(app_name: str = APP_NAME, *, shutdown_ray: bool = True) -> None:
 def run(engine_kwargs: dict, *, host: str, port: int, **kwargs: Any) -> int:
     """``kvwise serve --ray``: serve until SIGINT / SIGTERM, then take the application down."""
     done = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {}
     try:
         start(engine_kwargs, host=host, port=port, **kwargs)
+        # NOTE: after ray.init, which installs its own SIGTERM handler (a stack dump)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: done.set())
         logger.info(
             "serving on http://%s:%d/v1: %d replicas on Ray Serve, %s routing",
             host,
@@ -397,6 +410,7 @@ def run(engine_kwargs: dict, *, host: str, port: int, **kwargs: Any) -> int:
             kwargs.get("routing", "cache-aware"),
         )
         done.wait()
+        logger.info("shutting down: deleting the application")
     finally:
         stop(kwargs.get("app_name", APP_NAME), shutdown_ray=not kwargs.get("ray_address"))
         for sig, handler in previous.items():

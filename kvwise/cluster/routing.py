@@ -20,6 +20,10 @@ from kvwise.core.hashing import BlockHash
 from kvwise.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
+# the routers a deployment can use (``ray_router.ROUTERS``), named here to stay Ray-free
+ROUTING_MODES = ("cache-aware", "power-of-two", "round-robin")
+
+
 class PrefixIndex:
     """Block hashes held per replica (the device pool's: ``medium == "device"``)."""
 
