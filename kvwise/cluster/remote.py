@@ -23,11 +23,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvwise import errors
 from kvwise.core.hashing import BlockHash, BlockHasher
 from kvwise.core.kv_cache_manager import KVCacheStats
 from kvwise.engine.prompts import Prompt, Tokenizer, tokenize_prompt
 from kvwise.engine.stats import EngineStats
-from kvwise import errors
 from kvwise.errors import EngineDeadError, KVWiseError, ReplicaFailedError
 from kvwise.store.tiered import StoreStats
 from kvwise.types import RequestOptions, RequestOutput, SamplingParams
@@ -158,8 +158,7 @@ class RemoteStream:
             if isinstance(exc, KVWiseError):
                 raise
             raise ReplicaFailedError(
-                f"replica {self.replica} failed during the request ({type(exc).__name__}); "
-                "retry it"
+                f"replica {self.replica} failed during the request ({type(exc).__name__}); retry it"
             ) from None
         if isinstance(item, tuple):  # an error after admission
             self.finished = True

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from kvwise.core.hashing import BlockHash
 from kvwise.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-
 # the routers a deployment can use (``ray_router.ROUTERS``), named here to stay Ray-free
 ROUTING_MODES = ("cache-aware", "power-of-two", "round-robin")
 

@@ -84,7 +84,10 @@ def conversation(client, key: str, topic: str, turns: int) -> list[tuple[str, in
         usage = r.json()["usage"]
         seen.append((r.headers["x-kvwise-replica"], usage["prompt_tokens"], cached(r)))
         answer = r.json()["choices"][0]["message"]["content"]
-        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Go on."}]
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "Go on."},
+        ]
     return seen
 
 
@@ -186,7 +189,7 @@ def test_killing_a_replica_fails_only_its_requests(cluster):
         ray.kill(ray.get_actor(_replicas()[victim], namespace="serve"), no_restart=True)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
-    error = json.loads(rest[-2][len("data: "):])["error"]
+    error = json.loads(rest[-2][len("data: ") :])["error"]
     assert error["code"] == "replica_unavailable"
     # the service keeps answering, from the other replica (and the restarted one, later)
     for i in range(4):
