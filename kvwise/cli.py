@@ -410,6 +410,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
 
+    b = bench_sub.add_parser(
+        "cluster",
+        help="many tenants' chats on N Ray Serve replicas: cache-aware vs power-of-two vs "
+        "round-robin routing vs one big replica",
+    )
+    from kvwise.bench.cluster import add_args as add_cluster_args
+
+    add_cluster_args(b)
+    b.set_defaults(func=cmd_bench)
+
     p = sub.add_parser(
         "eval", help="perplexity, KL divergence and top-1 agreement of a candidate vs a reference"
     )
