@@ -7,7 +7,9 @@ OpenAI endpoint) is started once per routing mode — ``cache-aware`` (kvwise's 
 Modes alternate within each round, ``--rounds`` rounds; medians pool the rounds.
 
 Workload: ``--tenants`` tenants (an API key each) × ``--conversations`` conversations ×
-``--turns`` turns. Every conversation opens with the same public system prompt (declared
+``--turns`` turns, a pause of ``--think-s`` on average (exponential) before each later turn
+(without one, two replicas and closed-loop clients make any least-loaded router sticky: the
+replica a turn just left is the less busy one). Every conversation opens with the same public system prompt (declared
 public: its KV is shared across tenants in whole chunks), then a document of its own (between
 ``--min-doc-tokens`` and ``--max-doc-tokens``: real text, slices of Python's language
 reference) and a question; each turn streams ``--max-tokens`` greedy tokens and adds a short
@@ -52,6 +54,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-tokens", type=int, default=300, help="the public system prompt")
     p.add_argument("--max-tokens", type=int, default=12, help="tokens per answer")
     p.add_argument("--concurrency", type=int, default=8, help="conversations at once")
+    p.add_argument("--think-s", type=float, default=2.0,
+                   help="mean pause between a reply and the next turn (exponential; 0: none)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="rounds; the modes alternate in each")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
     p.add_argument("--kv-cache-memory", default="768MiB", help="KV pool per replica")
@@ -65,9 +69,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def _workload(args) -> tuple[str, list[str]]:
     rng = random.Random(args.seed)
     system, *docs = _slices(1 + args.conversations, int(args.max_doc_tokens * _CHARS_PER_TOKEN))
-    system = "You answer questions about the Python language. " + system[
-        : int(args.system_tokens * _CHARS_PER_TOKEN)
-    ]
+    system = (
+        "You answer questions about the Python language. "
+        + system[: int(args.system_tokens * _CHARS_PER_TOKEN)]
+    )
     sized = []
     for doc in docs:
         tokens = rng.randint(args.min_doc_tokens, args.max_doc_tokens)
@@ -82,7 +87,10 @@ async def _conversation(http, url, key, system, doc, args, conv_index, records, 
     ]
     computed = public  # tokens it may hit: its system message, then its own earlier turns
     previous_replica = None
+    rng = random.Random(f"{args.seed}/{key}/{conv_index}")
     for turn in range(args.turns):
+        if turn and args.think_s > 0:  # the user reads, types, or a tool runs
+            await asyncio.sleep(rng.expovariate(1 / args.think_s))
         body = {"model": "kvwise", "messages": messages, "max_tokens": args.max_tokens,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
         start, first, reply, usage = time.perf_counter(), None, [], None
@@ -241,8 +249,14 @@ def main(args: argparse.Namespace) -> int:
     _report(results, modes)
     if args.out:
         Path(args.out).write_text(
-            json.dumps({"args": vars(args) | {"func": None}, "results": results,
-                        "records": records_by_mode}, indent=1)  # fmt: skip
+            json.dumps(
+                {
+                    "args": vars(args) | {"func": None},
+                    "results": results,
+                    "records": records_by_mode,
+                },
+                indent=1,
+            )  # fmt: skip
         )
     if args.plot:
         _plot(records_by_mode, args.plot)
@@ -272,7 +286,9 @@ def _report(results: dict[str, list[dict]], modes: list[str]) -> None:
     big = med.get("one big replica")
     p2 = med.get("power-of-two")
     print("\nmedians over rounds:")
-    print(f"{'mode':>16} | cached share | vs big | TTFT p50 | p50 vs it | TTFT p90 | on prev | wall")
+    print(
+        f"{'mode':>16} | cached share | vs big | TTFT p50 | p50 vs it | TTFT p90 | on prev | wall"
+    )
     for m in modes:
         s = med[m]
         vs_big = f"{s['cached_tokens'] / big['cached_tokens']:.2f}" if big else "-"

@@ -4,8 +4,10 @@ The router keeps, per replica, the set of block hashes its device pool holds, le
 replica's KV events (``PrefixIndex``). A request arrives as its block-hash chain (hashed the
 way the engines hash it: the same tokenizer, block size and tenant-rooted chain, so another
 tenant's identical prompt has other hashes and finds nothing). ``choose`` scores each replica
-as NVIDIA Dynamo's KV router does — ``overlap_weight × tokens left to prefill + tokens it is
-already working on`` — and takes the cheapest; with no replica holding any of the prefix, or
+as NVIDIA Dynamo's KV router does — ``overlap_weight × tokens left to prefill + the work it
+already has`` (tokens queued for prefill, plus ``running_weight`` × the context of the
+sequences decoding: on this engine a running sequence delays a new prompt far less than a
+queued one) — and takes the cheapest; with no replica holding any of the prefix, or
 when the cheapest is far busier than the least loaded, it falls back to the power of two
 choices (two replicas at random, the less loaded one), Ray Serve's default.
 """
@@ -76,6 +78,12 @@ class Load:
     def tokens(self) -> int:
         return self.queued_tokens + self.running_tokens
 
+    def work(self, running_weight: float) -> float:
+        """Queued tokens (each a prefilled token ahead of a new prompt) plus running tokens
+        weighted by ``running_weight``: a sequence decoding costs each step one token and a
+        pass over its context, a fraction of what prefilling its context costs."""
+        return self.queued_tokens + running_weight * self.running_tokens
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -91,6 +99,7 @@ class CacheAwarePolicy:
         block_size: int,
         overlap_weight: float = 1.0,
         imbalance_tokens: int = 16_384,
+        running_weight: float = 0.1,
         rng: random.Random | None = None,
     ) -> None:
         if block_size <= 0:
@@ -99,10 +108,13 @@ class CacheAwarePolicy:
             raise ValueError(f"overlap_weight: expected >= 0, got {overlap_weight}")
         if imbalance_tokens < 0:
             raise ValueError(f"imbalance_tokens: expected >= 0, got {imbalance_tokens}")
+        if not 0 <= running_weight <= 1:
+            raise ValueError(f"running_weight: expected a number in [0, 1], got {running_weight}")
         self.index = index
         self.block_size = block_size
         self.overlap_weight = overlap_weight
         self.imbalance_tokens = imbalance_tokens
+        self.running_weight = running_weight
         self.rng = rng or random.Random()
 
     def choose(
@@ -118,16 +130,16 @@ class CacheAwarePolicy:
 
         def cost(replica: str) -> float:
             to_prefill = num_prompt_tokens - overlaps[replica] * self.block_size
-            return self.overlap_weight * max(to_prefill, 0) + loads[replica].tokens
+            return self.overlap_weight * max(to_prefill, 0) + work[replica]
 
+        work = {r: load.work(self.running_weight) for r, load in loads.items()}
         best = min(sorted(loads), key=cost)
-        least = min(load.tokens for load in loads.values())
-        if loads[best].tokens - least > self.imbalance_tokens:
+        if work[best] - min(work.values()) > self.imbalance_tokens:
             return self._two_choices(loads, overlaps, "balance")
         return Choice(best, overlaps[best], "cache")
 
     def _two_choices(self, loads: Mapping[str, Load], overlaps, reason: str) -> Choice:
         replicas = sorted(loads)
         pair = self.rng.sample(replicas, 2) if len(replicas) > 1 else replicas
-        pick = min(pair, key=lambda r: (loads[r].tokens, -overlaps[r]))
+        pick = min(pair, key=lambda r: (loads[r].work(self.running_weight), -overlaps[r]))
         return Choice(pick, overlaps[pick], reason)

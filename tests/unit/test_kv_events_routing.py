@@ -120,15 +120,20 @@ def test_load_outweighs_a_short_overlap_and_imbalance_falls_back():
     chain = _chains(list(range(40)))
     index.apply("r1", [BlockStored(chain[:2], None, BS)])  # 8 of 40 tokens cached
     policy = CacheAwarePolicy(index, BS, imbalance_tokens=1000, rng=random.Random(0))
-    busy = {"r1": Load(running_tokens=500), "r2": Load()}
+    busy = {"r1": Load(queued_tokens=500), "r2": Load()}
     assert policy.choose(chain, 40, busy).replica == "r2"  # 32 + 500 vs 40 tokens
+    # running sequences weigh a tenth of queued prompts by default (all of them, here)
+    decoding = {"r1": Load(running_tokens=50), "r2": Load()}
+    assert policy.choose(chain, 40, decoding).replica == "r1"  # 32 + 5 vs 40
+    strict = CacheAwarePolicy(index, BS, running_weight=1.0, rng=random.Random(0))
+    assert strict.choose(chain, 40, decoding).replica == "r2"  # 32 + 50 vs 40
     # weighted 4x, prefill outweighs r1's load, but r1 is 1,500 tokens busier than r2: the
     # imbalance cap sends the request by the power of two instead
     long_chain = _chains(list(range(400)))
     index.apply("r1", [BlockStored(long_chain, None, BS)])
     policy = CacheAwarePolicy(index, BS, overlap_weight=4, imbalance_tokens=1000,
                               rng=random.Random(0))  # fmt: skip
-    loads = {"r1": Load(running_tokens=1500), "r2": Load()}
+    loads = {"r1": Load(queued_tokens=1500), "r2": Load()}
     choice = policy.choose(long_chain, 400, loads)
     assert (choice.replica, choice.reason) == ("r2", "balance")
     relaxed = CacheAwarePolicy(index, BS, overlap_weight=4, imbalance_tokens=2000)
@@ -137,7 +142,8 @@ def test_load_outweighs_a_short_overlap_and_imbalance_falls_back():
 
 @pytest.mark.parametrize(("kwargs", "field"), [({"block_size": 0}, "block_size"),
                                                 ({"overlap_weight": -1}, "overlap_weight"),
-                                                ({"imbalance_tokens": -1}, "imbalance_tokens")])  # fmt: skip
+                                                ({"imbalance_tokens": -1}, "imbalance_tokens"),
+                                                ({"running_weight": 2}, "running_weight")])  # fmt: skip
 def test_bad_policy_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         CacheAwarePolicy(PrefixIndex(), **{"block_size": BS, **kwargs})
