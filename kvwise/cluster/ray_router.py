@@ -114,9 +114,10 @@ class KVAwareRouter(RequestRouter):
             if loads[hint.session_replica].tokens - least <= self.policy.imbalance_tokens:
                 chosen = hint.session_replica
         self.reasons[choice.reason] += 1
-        if pending_request is not None:
+        if pending_request is not None:  # the work it adds there: what it must prefill
             request_id = pending_request.metadata.internal_request_id
-            self.recent.setdefault(chosen, {})[request_id] = (now, num_tokens)
+            cached = self.sync.index.overlap(chosen, chain) * self.policy.block_size
+            self.recent.setdefault(chosen, {})[request_id] = (now, max(num_tokens - cached, 0))
         rest = [r for rid, r in sorted(by_id.items()) if rid != chosen]
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
 

@@ -160,6 +160,20 @@ class KVCacheManager:
         self.num_prefix_hit_tokens += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
 
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of a waiting request's prompt its pool holds now (a load estimate: counts
+        nothing, takes nothing)."""
+        if not self.enable_caching:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_block_hashes(request, max_blocks * self.block_size)
+        n = 0
+        for block_hash in request.block_hashes[:max_blocks]:
+            if self.pool.get_cached_block(block_hash) is None:
+                break
+            n += 1
+        return n * self.block_size
+
     def allocate_slots(
         self,
         request: Request,

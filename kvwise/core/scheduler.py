@@ -136,9 +136,12 @@ class Scheduler:
 
     def load_tokens(self) -> tuple[int, int]:
         """``(queued, running)`` tokens, what a router weighs against a cache hit: prompt tokens
-        not computed yet (waiting requests and unfinished prefills), and the context of every
-        running request."""
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        still to compute (waiting requests past the prefix their pool holds, unfinished
+        prefills), and the context of every running request."""
+        queued = sum(
+            r.num_tokens - max(r.num_computed_tokens, self.kv.cached_prefix_tokens(r))
+            for r in self.waiting
+        )
         queued += sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
         return queued, sum(r.num_tokens for r in self.running)
 

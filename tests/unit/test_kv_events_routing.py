@@ -209,6 +209,12 @@ def test_an_engine_reports_its_load_in_tokens():
     engine.step()  # 16 tokens of the first prompt computed
     queued, running = engine.load_tokens()
     assert queued == 50 - 16 and running == 40
+    while engine.has_unfinished():
+        engine.step()
+    # a waiting prompt counts only past the prefix its pool holds ("a" * 40: 5 blocks of 8)
+    engine.add_request("a" * 40 + "c" * 8, SamplingParams(max_tokens=1))
+    assert engine.load_tokens() == (48 - 40, 0)
+    assert engine.stats().kv.prefix_query_tokens == 50  # the estimate is not a lookup
 
 
 def test_replicas_and_a_router_meet_at_the_hub():
