@@ -259,7 +259,7 @@ def main(args: argparse.Namespace) -> int:
             )  # fmt: skip
         )
     if args.plot:
-        _plot(records_by_mode, args.plot)
+        _plot(records_by_mode, args.plot, args.replicas)
     return 0
 
 
@@ -300,7 +300,7 @@ def _report(results: dict[str, list[dict]], modes: list[str]) -> None:
           "replica's)")  # fmt: skip
 
 
-def _plot(records_by_mode: dict[str, list[dict]], path: str) -> None:
+def _plot(records_by_mode: dict[str, list[dict]], path: str, replicas: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -314,7 +314,7 @@ def _plot(records_by_mode: dict[str, list[dict]], path: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (ms, client side)")
     ax.set_ylabel("share of requests")
-    ax.set_title("Multi-tenant multi-turn chat on 2 replicas: TTFT by routing")
+    ax.set_title(f"Multi-tenant multi-turn chat on {replicas} replicas: TTFT by routing")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -268,6 +268,8 @@ class RemoteEngine:
                 if self._replica_stats is not None:
                     by_replica = await self._replica_stats()
                     self._stats = _Stats(merge_stats(list(by_replica.values())), by_replica)
+                    if not by_replica:  # /health: 503 until a replica has reported
+                        raise EngineDeadError("no replica has reported yet")
                 self._dead = None
             except asyncio.CancelledError:
                 raise
