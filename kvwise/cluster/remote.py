@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from kvwise import errors
 from kvwise.core.hashing import BlockHash, BlockHasher
 from kvwise.core.kv_cache_manager import KVCacheStats
+from kvwise.engine.async_engine import RequestStream
 from kvwise.engine.prompts import Prompt, Tokenizer, tokenize_prompt
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import EngineDeadError, KVWiseError, ReplicaFailedError
@@ -129,8 +130,8 @@ class Transport(Protocol):
     def is_replica_failure(self, exc: BaseException) -> bool: ...
 
 
-class RemoteStream:
-    """``RequestStream``'s interface over a replica's item stream."""
+class RemoteStream(RequestStream):
+    """``RequestStream`` over a replica's item stream: closing it cancels the call there."""
 
     def __init__(self, request_id: str, replica: str, items: AsyncIterator[Any], cancel) -> None:
         self.request_id = request_id
@@ -140,39 +141,25 @@ class RemoteStream:
         self.finished = False
         self.last: RequestOutput | None = None
 
-    def __aiter__(self) -> RemoteStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
+    async def _next_item(self) -> RequestOutput | BaseException:
         try:
             item = await self._items.__anext__()
         except StopAsyncIteration:
-            self.finished = True
-            raise ReplicaFailedError(
-                f"replica {self.replica} ended the request without finishing it"
-            ) from None
+            return ReplicaFailedError(f"replica {self.replica} ended the request unfinished")
         except Exception as exc:
-            self.finished = True
-            if isinstance(exc, KVWiseError):
-                raise
-            raise ReplicaFailedError(
-                f"replica {self.replica} failed during the request ({type(exc).__name__}); retry it"
-            ) from None
-        if isinstance(item, tuple):  # an error after admission
-            self.finished = True
-            raise error_from_wire(item)
-        self.last = item
-        if item.finished:
-            self.finished = True
-        return item
+            return _failure(f"replica {self.replica} failed during the request", exc)
+        return error_from_wire(item) if isinstance(item, tuple) else item
 
-    def close(self) -> None:
-        """Cancel the request on its replica unless it finished (idempotent)."""
-        if not self.finished:
-            self.finished = True
-            self._cancel()
+    def _abort(self) -> None:
+        self._cancel()
+
+
+def _failure(what: str, exc: Exception) -> KVWiseError:
+    """A replica's call failed: its own error as it is, anything else (the actor died, the
+    call was lost) as ``ReplicaFailedError``, which the client may retry."""
+    if isinstance(exc, KVWiseError):
+        return exc
+    return ReplicaFailedError(f"{what} ({type(exc).__name__}); retry it")
 
 
 @dataclass
@@ -318,11 +305,7 @@ class RemoteEngine:
                 if self.transport.is_replica_failure(exc) and attempt < self.admission_retries:
                     logger.warning("%s: replica failed before admitting it; retrying", request_id)
                     continue
-                if isinstance(exc, KVWiseError):
-                    raise
-                raise ReplicaFailedError(
-                    f"no replica admitted the request ({type(exc).__name__}); retry it"
-                ) from None
+                raise _failure("no replica admitted the request", exc) from None
             break
         if first[0] == ERROR:
             raise error_from_wire(first)
@@ -345,11 +328,7 @@ class RemoteEngine:
         try:
             result = await self.transport.park(session_id, tenant, RouteHint(pin=replica))
         except Exception as exc:
-            if isinstance(exc, KVWiseError):
-                raise
-            raise ReplicaFailedError(
-                f"replica {replica} failed during park ({type(exc).__name__}); retry it"
-            ) from None
+            raise _failure(f"replica {replica} failed during park", exc) from None
         if isinstance(result, tuple):
             raise error_from_wire(result)
         note = _served_by.get()

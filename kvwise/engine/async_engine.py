@@ -77,7 +77,7 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item = await self._next_item()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -86,11 +86,17 @@ class RequestStream:
             self.finished = True
         return item
 
+    async def _next_item(self) -> RequestOutput | BaseException:
+        return await self._queue.get()
+
     def close(self) -> None:
         """Abort the request unless it finished (idempotent, never blocks)."""
         if not self.finished:
             self.finished = True
-            self._owner.abort(self.request_id)
+            self._abort()
+
+    def _abort(self) -> None:
+        self._owner.abort(self.request_id)
 
 
 class AsyncEngine:
