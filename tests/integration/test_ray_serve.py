@@ -105,10 +105,17 @@ def test_another_tenants_identical_prompt_gets_nothing(cluster):
                 {"role": "user", "content": "A question only alice asked."}]  # fmt: skip
     first = chat(cluster, "key-alice", messages)
     assert cached(chat(cluster, "key-alice", messages)) > 0
-    # alice's blocks are in a replica's pool and in Redis: none of them is bob's
-    bob = chat(cluster, "key-bob", messages)
-    assert cached(bob) == 0
+    # alice's blocks are in a replica's pool and in Redis: none of them is bob's (asked with
+    # the official OpenAI client, as a user would)
+    openai = pytest.importorskip("openai")
+    base_url = f"{cluster.base_url}v1"
+    bob = openai.OpenAI(base_url=base_url, api_key="key-bob", max_retries=0)
+    r = bob.chat.completions.create(model="kvwise", messages=messages, max_tokens=4)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
     assert cached(chat(cluster, "key-bob", messages)) > 0  # bob's own, from now on
+    stranger = openai.OpenAI(base_url=base_url, api_key="nobody", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.chat.completions.create(model="kvwise", messages=messages, max_tokens=4)
     assert first.headers["x-kvwise-replica"]
 
 
