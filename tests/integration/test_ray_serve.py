@@ -108,7 +108,7 @@ def test_another_tenants_identical_prompt_gets_nothing(cluster):
     # alice's blocks are in a replica's pool and in Redis: none of them is bob's (asked with
     # the official OpenAI client, as a user would)
     openai = pytest.importorskip("openai")
-    base_url = f"{cluster.base_url}v1"
+    base_url = str(cluster.base_url).rstrip("/") + "/v1"
     bob = openai.OpenAI(base_url=base_url, api_key="key-bob", max_retries=0)
     r = bob.chat.completions.create(model="kvwise", messages=messages, max_tokens=4)
     assert r.usage.prompt_tokens_details.cached_tokens == 0
