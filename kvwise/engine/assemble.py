@@ -56,6 +56,8 @@ def assemble_engine(
     if kv_manager.enable_caching:
         prefill_chunk_size = config.scheduler.prefill_chunk_size
         store = build_store(config.store, spec, fingerprint, prefill_chunk_size)
+        if store is not None and cache.enable_kv_events:
+            store.record_events()  # the tiers' blocks join the pool's in take_kv_events
     scheduler = Scheduler(
         config.scheduler, kv_manager, max_model_len, cache.enable_kv_cache, tiers=store
     )

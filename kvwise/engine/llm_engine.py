@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from kvwise.core.kv_cache_manager import KVCacheManager
+from kvwise.core.kv_events import BlockRemoved, BlockStored
 from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.core.request import Request
 from kvwise.core.scheduler import Scheduler
@@ -106,9 +107,18 @@ class LLMEngine:
         return self.scheduler.load_tokens()
 
     def take_kv_events(self) -> list:
-        """The device pool's KV events (``core/kv_events.py``) since the last call; empty
-        unless ``enable_kv_events`` is set."""
-        return self.kv_manager.take_kv_events()
+        """The KV events (``core/kv_events.py``) since the last call: the device pool's
+        (medium ``"device"``), then the host and disk tiers' (medium: the tier's name, by
+        stored chunk); empty unless ``enable_kv_events`` is set."""
+        events = self.kv_manager.take_kv_events()
+        if self.store is not None:
+            block_size = self.kv_manager.block_size
+            for kind, tier, hashes in self.store.take_tier_events():
+                if kind == "stored":
+                    events.append(BlockStored(hashes, None, block_size, tier))
+                else:
+                    events.append(BlockRemoved(hashes, tier))
+        return events
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

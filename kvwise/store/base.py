@@ -125,6 +125,17 @@ class ReadsInPlace(KVStore, Protocol):
         ...
 
 
+class EvictionReports:
+    """Mixin of a tier that evicts on its own (host, disk): each victim's key goes to
+    ``on_evict``, set by whoever tracks what the tier holds (None: nobody does)."""
+
+    on_evict: Callable[[bytes], None] | None = None
+
+    def _evicted(self, key: bytes) -> None:
+        if self.on_evict is not None:
+            self.on_evict(key)
+
+
 class FaultLog:
     """Counts faults into ``stats`` and logs each kind once (then at debug level)."""
 

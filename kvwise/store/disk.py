@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvwise.store import disk_files
-from kvwise.store.base import BuffersFor, FaultLog, TierStats
+from kvwise.store.base import BuffersFor, EvictionReports, FaultLog, TierStats
 from kvwise.store.index import LruIndex, check_key, check_value
 from kvwise.utils import format_bytes
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from kvwise.config import StoreConfig
 
 
-class DiskStore:
+class DiskStore(EvictionReports):
     """Disk tier. ``DiskStore("/var/cache/kvwise", capacity_bytes=100 << 30)``.
 
     Args:
@@ -185,6 +185,7 @@ class DiskStore:
                 for victim in self._index.evict_for(num_bytes, self.capacity_bytes, now):
                     self._unlink(self.file_path(victim))
                     self.stats.evictions += 1
+                    self._evicted(victim)
                 self._index.add(key, num_bytes, keep_until, now)
                 self.stats.bytes_written += num_bytes
                 self._update_gauges()
@@ -290,6 +291,7 @@ class DiskStore:
         for victim in self._index.evict_for(0, self.capacity_bytes, now):
             self._unlink(self.file_path(victim))
             self.stats.evictions += 1
+            self._evicted(victim)
         self._update_gauges()
 
     def _update_gauges(self) -> None:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvwise.store.base import TierStats
+from kvwise.store.base import EvictionReports, TierStats
 from kvwise.store.index import LruIndex, check_key, check_value
 from kvwise.utils import format_bytes
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from kvwise.config import StoreConfig
 
 
-class HostStore:
+class HostStore(EvictionReports):
     """RAM tier. ``HostStore(capacity_bytes=1 << 30)``.
 
     Args:
@@ -90,6 +90,7 @@ class HostStore:
                 for victim in self._index.evict_for(num_bytes, self.capacity_bytes, now):
                     del self._values[victim]
                     self.stats.evictions += 1
+                    self._evicted(victim)
                 self._index.add(key, num_bytes, keep, now)
                 self._values[key] = value if isinstance(value, bytes) else bytes(value)
                 self.stats.bytes_written += num_bytes

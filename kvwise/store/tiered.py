@@ -21,6 +21,7 @@ any tier is a miss.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -85,6 +86,8 @@ class TieredStore:
             self.tiers, fmt, max_pending_bytes, background, on_lost=self._forget_chunk
         )
         self._reader = Reader(self.tiers, fmt, self._planner.known, self.cost, self._promote)
+        self._events: list[tuple[str, str, list[bytes]]] | None = None  # record_events
+        self._events_lock = threading.Lock()
         self._loaded_tokens = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -180,6 +183,47 @@ class TieredStore:
         the caller no longer changes, for every tier (split into its layer groups)."""
         if not self._writer.submit(WriteChunk(chunk, payload, ttl_s)):
             self._forget_chunk(chunk)  # dropped: a later sequence may write it
+
+    # ---- what each tier holds, as events (for cache-aware routers) ---------------------------
+
+    def record_events(self) -> None:
+        """From now on, record the blocks each tier that evicts on its own (host, disk) gains
+        and loses, by chunk: ``take_tier_events``. Chunks promoted from a lower tier and a
+        shared tier (Redis, whose entries expire unseen) are not tracked."""
+        if self._events is not None:
+            return
+        self._events = []
+        self._held: dict[tuple[str, bytes], tuple[bytes, ...]] = {}  # (tier, entry key) -> chunk
+        self._chunks: set[tuple[str, tuple[bytes, ...]]] = set()  # chunks each tier holds whole
+        self._writer.on_stored = self._tier_stored
+        for tier in self.tiers:
+            if hasattr(tier, "on_evict"):
+                tier.on_evict = functools.partial(self._tier_evicted, tier.name)
+
+    def take_tier_events(self) -> list[tuple[str, str, list[bytes]]]:
+        """``("stored" | "removed", tier name, block hashes)`` since the last call."""
+        if self._events is None:
+            return []
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
+
+    def _tier_stored(self, tier: str, keys: list[bytes], hashes: list[bytes]) -> None:
+        if not any(t.name == tier and hasattr(t, "on_evict") for t in self.tiers):
+            return
+        chunk = tuple(hashes)
+        with self._events_lock:
+            for key in keys:
+                self._held[(tier, key)] = chunk
+            self._chunks.add((tier, chunk))
+            self._events.append(("stored", tier, list(chunk)))
+
+    def _tier_evicted(self, tier: str, key: bytes) -> None:
+        with self._events_lock:
+            chunk = self._held.pop((tier, key), None)
+            if chunk is not None and (tier, chunk) in self._chunks:  # its first group to go
+                self._chunks.discard((tier, chunk))
+                self._events.append(("removed", tier, list(chunk)))
 
     def _forget_chunk(self, chunk: ChunkWrite) -> None:
         self._planner.known.forget(chunk.key)

@@ -90,6 +90,9 @@ class Writer:
         self.tiers = list(tiers)
         self.fmt = fmt
         self.on_lost = on_lost
+        # called (on the writer's thread) with (tier name, entry keys, the chunk's block hashes)
+        # for each tier a chunk landed in; None: nobody asked (TieredStore.record_events)
+        self.on_stored: Callable[[str, list[bytes], list[bytes]], None] | None = None
         self.max_pending_bytes = max_pending_bytes
         self.chunks_written = 0
         self.writes_dropped = 0
@@ -179,6 +182,11 @@ class Writer:
         stored = [
             tier.put(entries, job.ttl_s) is not False for tier in self.tiers[: chunk.num_tiers]
         ]
+        if self.on_stored is not None:
+            keys = [key for key, _ in entries]
+            for tier, ok in zip(self.tiers, stored):
+                if ok:
+                    self.on_stored(tier.name, keys, hashes)
         self.chunks_written += 1
         if not all(stored) and self.on_lost is not None:
             self.on_lost(chunk)

@@ -168,6 +168,29 @@ def test_an_engine_hands_out_its_pools_events_when_asked():
     assert quiet.take_kv_events() == []
 
 
+def test_an_engines_events_include_its_host_tier_by_chunk():
+    from tests.fakes import fake_engine, run_all
+
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine = fake_engine(enable_kv_events=True, kv_host_memory="1MiB", kv_store_min_tokens=4)
+    run_all(engine, ["abcdefgh" * 8], greedy)
+    engine.store.flush()
+    events = engine.take_kv_events()
+    device = {h for e in events if isinstance(e, BlockStored) and e.medium == "device"
+              for h in e.block_hashes}  # fmt: skip
+    host = [e for e in events if e.medium == "host"]
+    assert host and all(isinstance(e, BlockStored) for e in host)
+    assert {h for e in host for h in e.block_hashes} <= device  # the pool's blocks, written down
+    # a router keeps each medium apart: the device index is not fooled by the host's copies
+    index = PrefixIndex()
+    index.apply("r1", events)
+    assert index.num_blocks("r1") == len(device)
+    quiet = fake_engine(kv_host_memory="1MiB", kv_store_min_tokens=4)
+    run_all(quiet, ["abcdefgh" * 8], greedy)
+    quiet.store.flush()
+    assert quiet.take_kv_events() == [] and quiet.store.take_tier_events() == []
+
+
 def test_the_router_stays_in_step_and_recovers_from_a_gap_with_a_snapshot():
     pytest.importorskip("msgpack")
     from kvwise.cluster.event_sync import EventPublisher, IndexSync

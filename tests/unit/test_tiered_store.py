@@ -477,3 +477,30 @@ def test_a_chunk_a_tier_failed_to_store_is_written_again():
     ok = make_store(HostStore(1 << 20))
     write_all(ok, h)
     assert ok.plan_writes(h, 8) == []
+
+
+def test_tier_events_report_the_chunks_each_tier_gains_and_loses():
+    probe = make_store(HostStore(1 << 20))
+    write_all(probe, chain(8))
+    two_chunks = probe.tiers[0].stats.snapshot().num_bytes  # two chunks, both layer groups
+    host = HostStore(two_chunks)
+    store = make_store(host)
+    assert store.take_tier_events() == []  # not recording: nothing
+    write_all(store, chain(4))
+    assert store.take_tier_events() == []
+    store.record_events()
+    h = chain(12)
+    write_all(store, h)  # 3 chunks into room for 2: the oldest ones go
+    events = store.take_tier_events()
+    stored = [e for e in events if e[0] == "stored"]
+    assert [(kind, tier) for kind, tier, _ in stored] == [("stored", "host")] * 2
+    assert [hashes for _, _, hashes in stored] == [h[4:8], h[8:12]]
+    # h[:4] (= chain(4)) was written before recording: not stored now, and its eviction to
+    # make room is not reported either
+    assert [e for e in events if e[0] == "removed"] == []
+    write_all(store, chain(20))  # two more chunks: h's two are evicted
+    later = store.take_tier_events()
+    gone = [hashes for kind, _, hashes in later if kind == "removed"]
+    assert h[4:8] in gone and h[8:12] in gone
+    assert len(gone) == len({tuple(g) for g in gone})  # a chunk is removed once, not per group
+    assert store.take_tier_events() == []
