@@ -208,6 +208,12 @@ def _serve_ray(args: argparse.Namespace, keys: dict, name: str, max_request_byte
     )
 
 
+def cmd_claims(args: argparse.Namespace) -> int:
+    from kvwise.claims import main
+
+    return main(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -419,6 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cluster_args(b)
     b.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "claims", help="the break-even a published KV-cache speedup implies, under each model"
+    )
+    from kvwise.claims import add_args as add_claims_args
+
+    add_claims_args(p)
+    p.set_defaults(func=cmd_claims)
 
     p = sub.add_parser(
         "eval", help="perplexity, KL divergence and top-1 agreement of a candidate vs a reference"
