@@ -101,7 +101,24 @@ class Claim:
         return out
 
 
-def report(claim: Claim, latencies_s=DEFAULT_LATENCIES_S) -> str:
+def implied_bandwidth(claim: Claim, kv_bytes_per_token: float, latency_s: float = 0.0):
+    """Bytes per second the load must have moved: the prefix's KV bytes over the load time
+    less its fixed latency (None without a load time in seconds)."""
+    if kv_bytes_per_token <= 0:
+        raise ValueError(
+            f"kv_bytes_per_token: expected a positive number, got {kv_bytes_per_token}"
+        )
+    load = claim.load_s
+    if load is None and claim.recompute_s is not None:
+        load = claim.recompute_s / claim.ratio
+    if load is None or latency_s >= load:
+        return None
+    return claim.context_tokens * kv_bytes_per_token / (load - latency_s)
+
+
+def report(
+    claim: Claim, latencies_s=DEFAULT_LATENCIES_S, kv_bytes_per_token: float | None = None
+) -> str:
     n = claim.context_tokens
     lines = []
     if claim.source:
@@ -133,6 +150,14 @@ def report(claim: Claim, latencies_s=DEFAULT_LATENCIES_S) -> str:
             value = claim.latency_breakeven(t0)
             lines.append(f"  latency + bw    fixed latency {t0 * 1000:g} ms, the rest bandwidth:"
                          f" {value:,.0f} tokens")  # fmt: skip
+    if kv_bytes_per_token is not None:
+        total = claim.context_tokens * kv_bytes_per_token
+        bw = implied_bandwidth(claim, kv_bytes_per_token)
+        moved = f"{total / 1e9:.1f} GB of KV ({kv_bytes_per_token:,.0f} B/token)"
+        if bw is None:
+            lines.append(f"bandwidth: {moved}; the claim states no load time to divide it by")
+        else:
+            lines.append(f"bandwidth: {moved} in {total / bw:.3g} s: at least {bw / 1e9:.1f} GB/s")
     lines.append("omitted, and would pin it down: " + "; ".join(claim.missing()))
     return "\n".join(lines)
 
@@ -166,6 +191,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-latency", type=float, action="append", default=None,
                    metavar="SECONDS", help="fixed load latency for the latency + bandwidth "
                    "model (repeatable; default 0.1 ms, 1 ms, 10 ms)")  # fmt: skip
+    p.add_argument("--kv-bytes-per-token", type=float, default=None,
+                   help="the model's KV bytes per token (kvwise size prints it): the load's "
+                   "implied bandwidth")  # fmt: skip
     p.add_argument("--examples", action="store_true", help="the seed article's four claims")
 
 
@@ -177,5 +205,5 @@ def main(args: argparse.Namespace) -> int:
     if args.context is None:
         raise ValueError("context: give --context (tokens), or --examples")
     claim = Claim(args.context, args.recompute, args.load, args.speedup, args.model, args.hardware)
-    print(report(claim, latencies))
+    print(report(claim, latencies, args.kv_bytes_per_token))
     return 0

@@ -73,3 +73,16 @@ def test_the_examples_and_the_command(capsys):
     assert main(["claims", "--recompute", "1", "--load", "0.5"]) == 2  # no context
     assert "context:" in capsys.readouterr().err
     assert "model" in report(Claim(10, speedup=2.0))  # it names what the claim omits
+
+
+def test_the_implied_bandwidth_of_a_load():
+    from kvwise.claims import implied_bandwidth
+
+    claim = Claim(112_000, recompute_s=57.0, load_s=2.1)
+    llama70b_fp16 = 80 * 8 * 128 * 2 * 2  # layers x KV heads x head dim x (K, V) x bytes
+    assert implied_bandwidth(claim, llama70b_fp16) == pytest.approx(112_000 * 327_680 / 2.1)
+    assert implied_bandwidth(claim, 1000, latency_s=0.1) == pytest.approx(112e6 / 2.0)
+    assert implied_bandwidth(Claim(10, speedup=3.0), 1000) is None
+    with pytest.raises(ValueError, match="^kv_bytes_per_token:"):
+        implied_bandwidth(claim, 0)
+    assert "17.5 GB/s" in report(claim, kv_bytes_per_token=llama70b_fp16)
