@@ -199,11 +199,8 @@ def main(args: argparse.Namespace) -> int:
             "kv_disk_path": "off", "max_num_batched_tokens": 2048}  # fmt: skip
     if args.redis_url:
         base["kv_redis_url"] = args.redis_url
-    cpus = os.cpu_count() or 1
-    threads = max(1, cpus // args.replicas)
+    threads = max(1, (os.cpu_count() or 1) // args.replicas)
     per_replica = args.kv_cache_memory
-    from kvwise.utils import parse_bytes
-
     port = free_port()  # one for every mode: Serve's HTTP proxy outlives the applications
     results: dict[str, list[dict]] = {m: [] for m in modes}
     records_by_mode: dict[str, list[dict]] = {m: [] for m in modes}
@@ -212,31 +209,7 @@ def main(args: argparse.Namespace) -> int:
           f"{per_replica} KV each; modes {modes}; {args.rounds} rounds", flush=True)  # fmt: skip
     for round_index in range(args.rounds):
         for mode in modes:
-            if args.redis_url:
-                import redis
-
-                redis.Redis.from_url(args.redis_url).flushall()
-            big = mode == "one big replica"
-            engine_kwargs = dict(base)
-            engine_kwargs["kv_cache_memory"] = (
-                parse_bytes(per_replica, "kv_cache_memory") * args.replicas if big else per_replica
-            )
-            ray_serve.start(
-                engine_kwargs,
-                port=port,
-                num_cpus=cpus,
-                replicas=1 if big else args.replicas,
-                routing="cache-aware" if big else mode,
-                threads_per_replica=threads * args.replicas if big else threads,
-                api_keys=keys,
-                secret=secret,
-            )
-            url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url)
-            start = time.perf_counter()
-            records = asyncio.run(_drive(url, list(keys), system, docs, args, public))
-            wall = time.perf_counter() - start
-            ray_serve.stop(shutdown_ray=False)
+            records, wall = _run_mode(mode, port, base, keys, secret, system, docs, args, public)
             summary = _summary(records, wall)
             results[mode].append(summary)
             records_by_mode[mode] += records
@@ -261,6 +234,45 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(records_by_mode, args.plot, args.replicas)
     return 0
+
+
+def _run_mode(mode, port, base, keys, secret, system, docs, args, public):
+    """Deploy ``mode`` (``--replicas`` engines, or one with all their threads and pools), run
+    the workload against it, take it down: (records, wall seconds)."""
+    import os
+
+    from kvwise.cluster import ray_serve
+    from kvwise.utils import parse_bytes
+
+    if args.redis_url:
+        import redis
+
+        redis.Redis.from_url(args.redis_url).flushall()
+    cpus = os.cpu_count() or 1
+    threads = max(1, cpus // args.replicas)
+    big = mode == "one big replica"
+    per_replica = args.kv_cache_memory
+    engine_kwargs = dict(base)
+    engine_kwargs["kv_cache_memory"] = (
+        parse_bytes(per_replica, "kv_cache_memory") * args.replicas if big else per_replica
+    )
+    ray_serve.start(
+        engine_kwargs,
+        port=port,
+        num_cpus=cpus,
+        replicas=1 if big else args.replicas,
+        routing="cache-aware" if big else mode,
+        threads_per_replica=threads * args.replicas if big else threads,
+        api_keys=keys,
+        secret=secret,
+    )
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url)
+    start = time.perf_counter()
+    records = asyncio.run(_drive(url, list(keys), system, docs, args, public))
+    wall = time.perf_counter() - start
+    ray_serve.stop(shutdown_ray=False)
+    return records, wall
 
 
 def _wait_healthy(url: str, timeout: float = 120) -> None:
