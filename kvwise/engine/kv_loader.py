@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvwise.core.outputs import KVLoad
 
@@ -31,6 +31,8 @@ _READ_AHEAD = 2  # layer groups being read at once
 class LoadResult:
     num_loaded_blocks: int  # blocks loaded, over every request
     short: dict[str, int]  # requests that got fewer blocks than planned -> blocks they got
+    # of ``num_loaded_blocks``, by the tier each chunk's first layer group came from
+    blocks_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 class KVLoader:
@@ -112,11 +114,15 @@ class KVLoader:
         self._thread.join()
         loaded: dict[str, int] = {}
         short: dict[str, int] = {}
+        by_tier: dict[str, int] = {}
         for load, n in zip(self.loads, self._loaded):
             rid = load.request_id
             if rid in short:
                 continue
             loaded[rid] = loaded.get(rid, 0) + n
+            if n:
+                tier = load.chunk.tiers[0]
+                by_tier[tier] = by_tier.get(tier, 0) + n
             if n < len(load.block_ids):
                 short[rid] = loaded[rid]
-        return LoadResult(sum(loaded.values()), short)
+        return LoadResult(sum(loaded.values()), short, by_tier)

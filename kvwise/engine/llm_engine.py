@@ -160,7 +160,7 @@ class LLMEngine:
         short: dict[str, int] = {}
         if loader is not None:
             short = result.short
-            self.store.count_loaded(result.num_loaded_blocks)
+            self.store.count_loaded(result.num_loaded_blocks, result.blocks_by_tier)
             elapsed -= loader.waited  # the model's own time: what recomputing would cost
         if self.store is not None and sched_out.scheduled:
             self.store.observe_step(

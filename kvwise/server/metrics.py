@@ -7,7 +7,8 @@ cached-free / free, KV utilisation, prefix-cache query and hit tokens, preemptio
 tiers, one series per tier (label ``tier``) for every ``TierStats`` counter and gauge (hits,
 misses, bytes read and written, load time, evictions, faults, entries and bytes held), and
 the store's load / recompute decisions,
-loaded tokens, chunks written, writes dropped and bytes waiting to be written.
+loaded and recomputed-instead tokens, chunks written, writes dropped and bytes waiting to be
+written, and each tier's break-even prefix length under the cost model's current fit.
 Each finished request also writes one log line.
 """
 
@@ -16,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvwise.engine.async_engine import AsyncEngine
 from kvwise.store.base import TierStats
+from kvwise.store.costmodel import CostCurves
 from kvwise.store.tiered import StoreStats
 from kvwise.types import RequestOutput
 
@@ -30,6 +33,15 @@ logger = logging.getLogger("kvwise.server")
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def cost_curves(engine: AsyncEngine) -> CostCurves | None:
+    """The engine's cost model as curves (``TieredStore.cost_curves``), for prompts up to its
+    context; None without tiers or when the store is not in this process (Ray replicas)."""
+    store = getattr(getattr(engine, "engine", None), "store", None)
+    if store is None or not store.tiers:
+        return None
+    return store.cost_curves(engine.max_model_len)
 
 
 class _EngineCollector:
@@ -79,6 +91,18 @@ class _EngineCollector:
         if s.store is not None:
             yield from _tier_families(s.store)
             yield from _store_families(s.store)
+        curves = cost_curves(self.engine)
+        if curves is not None:
+            break_even = GaugeMetricFamily(
+                "kvwise_kv_tier_break_even_tokens",
+                "shortest prefix (tokens) from which the cost model predicts that loading it "
+                "from the tier beats recomputing it (no series: recomputing always wins)",
+                labels=["tier"],
+            )
+            for curve in curves.tiers:
+                if curve.break_even_tokens is not None:
+                    break_even.add_metric([curve.tier], curve.break_even_tokens)
+            yield break_even
 
 
 def _tier_families(store: StoreStats):
@@ -105,6 +129,10 @@ def _store_families(store: StoreStats):
     yield decisions
     counters = {
         "kvwise_kv_store_loaded_tokens": ("prompt tokens loaded from the tiers", "loaded_tokens"),
+        "kvwise_kv_store_recomputed_tokens": (
+            "stored prefix tokens the cost model chose to recompute rather than load",
+            "recomputed_tokens",
+        ),
         "kvwise_kv_store_lookup_misses": (
             "prompts whose continuation past the device pool no tier held",
             "lookup_misses",
@@ -122,6 +150,35 @@ def _store_families(store: StoreStats):
         "bytes queued for the tiers, not yet written",
         value=store.pending_write_bytes,
     )
+
+
+@dataclass(frozen=True)
+class RequestTotals:
+    """Totals of the per-request series since start."""
+
+    finished: dict[str, int]  # finish reason -> generation requests ended with it
+    by_status: dict[str, int]  # HTTP status -> requests answered with it (every route)
+    prompt_tokens: int
+    cached_tokens: int
+    generation_tokens: int
+    ttft_sum_s: float
+    ttft_count: int
+
+
+def _total(counter: Counter) -> int:
+    return int(
+        sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+    )
+
+
+def _by_label(counter: Counter, label: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in counter.collect():
+        for s in m.samples:
+            if s.name.endswith("_total"):
+                key = s.labels[label]
+                out[key] = out.get(key, 0) + int(s.value)
+    return out
 
 
 class ServerMetrics:
@@ -172,6 +229,19 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def totals(self) -> RequestTotals:
+        """The per-request series so far, summed over their labels (the dashboard's source)."""
+        ttft = {s.name: s.value for m in self.ttft.collect() for s in m.samples}
+        return RequestTotals(
+            finished=_by_label(self.finished, "finish_reason"),
+            by_status=_by_label(self.requests, "status"),
+            prompt_tokens=_total(self.prompt_tokens),
+            cached_tokens=_total(self.cached_tokens),
+            generation_tokens=_total(self.generation_tokens),
+            ttft_sum_s=ttft.get("kvwise_time_to_first_token_seconds_sum", 0.0),
+            ttft_count=int(ttft.get("kvwise_time_to_first_token_seconds_count", 0)),
+        )
 
     def observe_request(
         self, request_id: str, tenant: str, out: RequestOutput | None, finish_reason: str

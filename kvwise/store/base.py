@@ -56,6 +56,9 @@ class TierStats:
     faults: int = _metric(
         "kvwise_kv_tier_faults", "I/O errors, timeouts and corrupt entries (as misses)"
     )
+    loaded_tokens: int = _metric(  # counted by the store: a chunk by its first group's tier
+        "kvwise_kv_tier_loaded_tokens", "prompt tokens loaded from the tier into the pool"
+    )
     num_entries: int = _metric("kvwise_kv_tier_entries", "KV entries held by the tier", "gauge")
     num_bytes: int = _metric("kvwise_kv_tier_bytes", "bytes held by the tier", "gauge")
 

@@ -18,7 +18,8 @@ the recompute time of what is left, and picks the cheapest. A decision is kept a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # priors (seconds, in the scaled units below) for SmolLM2-135M-class models on a 2-core CPU;
@@ -170,11 +171,142 @@ class CostModel:
             return 0, 0.0, self.t_recompute(start_tokens, chunk_ends[-1])
         return best[1], best[2], best[3]
 
+    # ---- curves (read-only: any thread may ask, e.g. the server's dashboard) -------------
+
+    def predict_load(self, tier: str, num_entries: int, num_bytes: int, copy_bytes: int) -> float:
+        """Seconds to read ``num_entries`` entries (``num_bytes`` in all) from ``tier`` and
+        copy ``copy_bytes`` into the pool: ``t_load`` for one tier, without making the
+        tier's fit when it has none yet (its prior answers), so a thread other than the
+        engine's may call it."""
+        fit = self.tiers.get(tier) or OnlineFit(self.tier_priors.get(tier, DEFAULT_TIER_PRIOR))
+        read = fit.predict((1.0, num_entries, num_bytes / 1e9)) if num_entries else 0.0
+        return read + (self.copy.predict((1.0, copy_bytes / 1e9)) if copy_bytes else 0.0)
+
+    def recompute_curve(self, num_tokens: Sequence[int]) -> list[float]:
+        """``t_recompute(0, n)`` for each ``n``, with one prediction per prefill chunk of the
+        longest plus one per ``n``."""
+        if not num_tokens:
+            return []
+        size = self.prefill_chunk_size or max(1, *num_tokens)
+        full = [0.0]  # full[k]: seconds for the first k whole chunks
+        for k in range(max(num_tokens) // size):
+            full.append(full[-1] + self.step.predict(_step_features([(k * size, size)])))
+        out = []
+        for n in num_tokens:
+            k, rest = divmod(max(0, n), size)
+            tail = self.step.predict(_step_features([(k * size, rest)])) if rest else 0.0
+            out.append(full[k] + tail)
+        return out
+
+    def num_updates(self) -> dict[str, int]:
+        """Observations each fit has taken (``step``, ``copy``, ``tier_<name>``)."""
+        out = {"step": self.step.num_updates, "copy": self.copy.num_updates}
+        out.update({f"tier_{k}": v.num_updates for k, v in dict(self.tiers).items()})
+        return out
+
     def snapshot(self) -> dict[str, list[float]]:
         """Current fitted weights (for stats and the benchmark report)."""
         out = {"step": list(self.step.w), "copy": list(self.copy.w)}
         out.update({f"tier_{k}": list(v.w) for k, v in self.tiers.items()})
         return out
+
+
+@dataclass(frozen=True)
+class TierCurve:
+    """One tier's predicted TTFT along ``CostCurves.prefix_tokens``."""
+
+    tier: str
+    ttft_s: tuple[float, ...]  # the prefix loaded from this tier, then the last token computed
+    break_even_tokens: int | None  # loading wins from this prefix length on (None: never)
+    num_observations: int  # reads its fit has taken (0: still its prior)
+
+
+@dataclass(frozen=True)
+class CostCurves:
+    """The cost model's current fit as curves: the predicted TTFT of a prompt of ``n + 1``
+    tokens whose first ``n`` (``prefix_tokens``, whole blocks) are recomputed or loaded from
+    each tier, as ``CostModel.choose`` would weigh them."""
+
+    prefix_tokens: tuple[int, ...]
+    recompute_ttft_s: tuple[float, ...]
+    tiers: tuple[TierCurve, ...]
+    num_step_observations: int  # model steps the recompute fit has taken
+
+
+def cost_curves(
+    cost: CostModel,
+    tiers: Sequence[str],
+    block_size: int,
+    chunk_blocks: int,
+    max_tokens: int,
+    entry_bytes: Callable[[int], int],
+    entries_per_chunk: int = 1,
+    block_bytes_per_token: float = 0.0,
+    num_points: int = 48,
+    max_scan: int = 2048,
+) -> CostCurves:
+    """The curves of ``cost`` for prefixes of whole blocks up to ``max_tokens - 1`` tokens.
+
+    Args:
+        tiers: tier names, in order.
+        chunk_blocks: blocks per stored entry (a prefix of ``n`` blocks is read as
+            ``ceil(n / chunk_blocks)`` chunks of ``entries_per_chunk`` entries each).
+        entry_bytes: bytes read for one chunk of ``n`` blocks (all its entries).
+        block_bytes_per_token: device bytes per token (the copy into the pool).
+        num_points: about how many prefix lengths the curves have (log-spaced).
+        max_scan: most prefix lengths the break-even is looked for at (every whole block
+            when there are fewer; otherwise log-spaced, so it is exact to ~0.5%).
+
+    A tier's break-even is the shortest prefix from which loading it is predicted to beat
+    recomputing it at every longer prefix scanned.
+    """
+    max_blocks = max(0, (max_tokens - 1) // block_size)
+    scan = _log_grid(max_blocks, max_scan)
+    if not scan:
+        return CostCurves((), (), tuple(TierCurve(t, (), None, 0) for t in tiers), 0)
+    lengths = [b * block_size for b in scan]
+    recompute = cost.recompute_curve([n + 1 for n in lengths])
+    last_token = [cost.t_recompute(n, n + 1) for n in lengths]
+    shown = set(_log_grid(len(scan), num_points))  # 1-based positions in ``scan``
+    keep = [i for i in range(len(scan)) if i + 1 in shown]
+    updates = cost.num_updates()
+    curves = []
+    for tier in tiers:
+        ttft = []
+        for num_blocks, n, tail in zip(scan, lengths, last_token):
+            full, rest = divmod(num_blocks, chunk_blocks)
+            num_chunks = full + (rest > 0)
+            num_bytes = full * entry_bytes(chunk_blocks) + (entry_bytes(rest) if rest else 0)
+            copy = int(n * block_bytes_per_token)
+            ttft.append(cost.predict_load(tier, num_chunks * entries_per_chunk, num_bytes, copy))
+            ttft[-1] += tail
+        break_even = None
+        for i in range(len(scan) - 1, -1, -1):
+            if ttft[i] > recompute[i]:
+                break
+            break_even = lengths[i]
+        curves.append(
+            TierCurve(
+                tier,
+                tuple(ttft[i] for i in keep),
+                break_even,
+                updates.get(f"tier_{tier}", 0),
+            )
+        )
+    return CostCurves(
+        tuple(lengths[i] for i in keep),
+        tuple(recompute[i] for i in keep),
+        tuple(curves),
+        updates["step"],
+    )
+
+
+def _log_grid(n: int, max_points: int) -> list[int]:
+    """``1 .. n``, or about ``max_points`` of them log-spaced (1 and ``n`` included)."""
+    if n <= max_points:
+        return list(range(1, n + 1))
+    ratio = math.log(n) / (max_points - 1)
+    return sorted({min(n, max(1, round(math.exp(i * ratio)))) for i in range(max_points)} | {n})
 
 
 def _step_features(chunks: Sequence[tuple[int, int]]) -> tuple[float, float, float]:

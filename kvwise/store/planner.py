@@ -25,7 +25,8 @@ Contract:
   groups of the ends found) and reads nothing. Policy "never": no plan; "always": all of the
   run; "auto": as much as ``CostModel.choose`` says beats recomputing. Each call that finds
   a run records a ``LoadDecision`` (``decisions``, the last 1000) and counts it in
-  ``load_decisions`` or ``recompute_decisions``; a call that finds nothing counts in
+  ``load_decisions`` or ``recompute_decisions`` (the stored tokens it leaves to be recomputed
+  in ``recomputed_tokens``); a call that finds nothing counts in
   ``lookup_misses`` (another model's or KV format's entries are found never: their keys
   have another root).
 - ``KnownChunks`` remembers which entries the tiers hold (a hint, bounded; a wrong hint costs
@@ -126,6 +127,7 @@ class ChunkPlanner:
         self.load_decisions = 0
         self.recompute_decisions = 0
         self.lookup_misses = 0  # prompts past their device hit that no tier continued
+        self.recomputed_tokens = 0  # stored prefix tokens the cost model chose not to load
 
     @property
     def policy(self) -> str:
@@ -214,6 +216,7 @@ class ChunkPlanner:
         logger.debug("load decision: %s", decision)
         if decision.recomputed_instead:
             self.recompute_decisions += 1
+            self.recomputed_tokens += decision.available_tokens - decision.chosen_tokens
         else:
             self.load_decisions += 1
         return m

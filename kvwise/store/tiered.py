@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from kvwise.core.kv_tiers import ChunkWrite, LoadPlan, PlannedChunk
 from kvwise.store import serde
 from kvwise.store.base import KVStore, TierStats
-from kvwise.store.costmodel import CostModel, LoadDecision
+from kvwise.store.costmodel import CostCurves, CostModel, LoadDecision, cost_curves
 from kvwise.store.planner import ChunkPlanner
 from kvwise.store.reader import Dest, GroupRead, Reader
 from kvwise.store.writer import Promote, WriteChunk, Writer
@@ -50,6 +50,7 @@ class StoreStats:
     writes_dropped: int  # writes and promotions dropped: queue over its byte cap, or closed
     pending_write_bytes: int  # gauge: bytes queued, not yet written
     tiers: dict[str, TierStats]
+    recomputed_tokens: int = 0  # stored prefix tokens the cost model chose to recompute
 
 
 class TieredStore:
@@ -164,9 +165,13 @@ class TieredStore:
         """
         return self._reader.read_group(chunks, group, dest)
 
-    def count_loaded(self, num_blocks: int) -> None:
-        """Count blocks a step really loaded (verified), for ``stats().loaded_tokens``."""
+    def count_loaded(self, num_blocks: int, blocks_by_tier: dict[str, int] | None = None) -> None:
+        """Count blocks a step really loaded (verified), for ``stats().loaded_tokens``, and
+        ``blocks_by_tier`` (tier name -> blocks of those: a chunk by its first layer group's
+        tier) in each tier's ``stats.loaded_tokens``."""
         self._loaded_tokens += num_blocks * self.block_size
+        for tier in self.tiers:
+            tier.stats.loaded_tokens += (blocks_by_tier or {}).get(tier.name, 0) * self.block_size
 
     def observe_step(self, chunks: list[tuple[int, int]], seconds: float) -> None:
         """A model step ran over ``[(start_pos, num_tokens), ...]`` in ``seconds``."""
@@ -262,4 +267,26 @@ class TieredStore:
             writes_dropped=self._writer.writes_dropped,
             pending_write_bytes=self._writer.pending_bytes,
             tiers={t.name: t.stats.snapshot() for t in self.tiers},
+            recomputed_tokens=self._planner.recomputed_tokens,
+        )
+
+    def cost_curves(self, max_tokens: int, num_points: int = 48) -> CostCurves:
+        """The cost model's current fit as predicted TTFT against prefix length, per tier and
+        for recomputing, with each tier's break-even (``costmodel.cost_curves``), for prompts
+        up to ``max_tokens``. Reads the fits only: any thread may call it."""
+        fmt = self.fmt
+
+        def chunk_bytes(num_blocks: int) -> int:
+            return sum(fmt.entry_bytes(g, num_blocks) for g in range(fmt.layer_groups))
+
+        return cost_curves(
+            self.cost,
+            [t.name for t in self.tiers],
+            fmt.block_size,
+            self.chunk_blocks,
+            max_tokens,
+            chunk_bytes,
+            fmt.layer_groups,
+            fmt.block_bytes / fmt.block_size,
+            num_points,
         )

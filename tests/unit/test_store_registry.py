@@ -127,6 +127,11 @@ def test_tier_stats_name_their_metrics():
             "I/O errors, timeouts and corrupt entries (as misses)",
             "counter",
         ),
+        "loaded_tokens": (
+            "kvwise_kv_tier_loaded_tokens",
+            "prompt tokens loaded from the tier into the pool",
+            "counter",
+        ),
         "num_entries": ("kvwise_kv_tier_entries", "KV entries held by the tier", "gauge"),
         "num_bytes": ("kvwise_kv_tier_bytes", "bytes held by the tier", "gauge"),
     }
