@@ -214,6 +214,12 @@ def cmd_claims(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def cmd_breakeven(args: argparse.Namespace) -> int:
+    from kvwise.predict import main
+
+    return main(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -433,6 +439,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_claims_args(p)
     p.set_defaults(func=cmd_claims)
+
+    p = sub.add_parser(
+        "breakeven",
+        help="predict TTFT vs prefix length and each tier's break-even on hardware presets "
+        "(a roofline), or on this machine once calibrated",
+    )
+    from kvwise.predict import add_args as add_predict_args
+
+    add_predict_args(p)
+    p.set_defaults(func=cmd_breakeven)
 
     p = sub.add_parser(
         "eval", help="perplexity, KL divergence and top-1 agreement of a candidate vs a reference"

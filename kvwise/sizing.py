@@ -56,6 +56,14 @@ class KVShape:
 
 def shape_from_model(path: str | Path | None, dtype: str) -> tuple[KVShape, str]:
     """Read a config.json, an HF directory or a GGUF (None: the default model)."""
+    arch, name = arch_from_model(path)
+    shape = KVShape(arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim, dtype)
+    return shape, name
+
+
+def arch_from_model(path: str | Path | None):
+    """The ``ModelArchConfig`` of a config.json, an HF directory or a GGUF (None: the default
+    model), and the file's name."""
     import json
 
     from kvwise.models.arch import ModelArchConfig
@@ -76,8 +84,7 @@ def shape_from_model(path: str | Path | None, dtype: str) -> tuple[KVShape, str]
             arch = ModelArchConfig.from_hf_config(json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"model: cannot read '{p}': {e}") from e
-    shape = KVShape(arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim, dtype)
-    return shape, p.name
+    return arch, p.name
 
 
 def _gb(num_bytes: float) -> str:

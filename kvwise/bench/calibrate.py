@@ -1,0 +1,244 @@
+"""``kvwise breakeven --calibrate``: measure this machine for ``--hardware this-machine``.
+
+Every parameter of the roofline (``kvwise/predict.py``) is measured here, none chosen to match
+``kvwise bench breakeven``'s curves, and at other lengths than the ones they are checked at
+(256, 1,024 and 4,096 tokens):
+
+- **peak FLOP/s**: the best median of float32 matmuls shaped like the model's, at the engine's
+  thread count; **memory bandwidth**: the median rate of summing a 512 MiB tensor.
+- **step overhead, mfu, attention fraction**: least squares of ``o + linear FLOPs/(mfu·peak)
+  + attention FLOPs/(af·peak)`` over the engine's own prefill steps for prompts of 64, 192,
+  512 and 2,560 tokens (chunks at contexts 0 to 2,048); decode steps are reported as a check.
+- **each tier**: the time the model waited for its loads (read, check and copy into the pool;
+  cold page cache for disk) for stored prefixes of 64, 512 and 2,560 tokens, fitted as
+  ``latency + bytes / bandwidth`` over the prefix's KV bytes.
+- **request overhead**: the median of TTFT minus the steps' time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+STEP_LENGTHS = (64, 192, 512, 2560)
+TIER_LENGTHS = (64, 512, 2560)
+
+
+def _peak_flops(hidden: int, inter: int) -> float:
+    import torch
+
+    best = 0.0
+    for m, k, n in ((512, hidden, inter), (512, inter, hidden), (512, hidden, hidden)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        for _ in range(3):
+            a @ b
+        ts = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            a @ b
+            ts.append(time.perf_counter() - t0)
+        best = max(best, 2 * m * k * n / statistics.median(ts))
+    return best
+
+
+def _mem_bandwidth() -> float:
+    import torch
+
+    x = torch.ones(128 * 2**20)  # 512 MiB
+    x.sum()
+    ts = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(ts)
+
+
+def _timed_request(engine, token_ids: list[int], max_tokens: int):
+    """Run one request alone; return (TTFT, the steps' seconds in order)."""
+    from kvwise.types import SamplingParams
+
+    t0 = time.perf_counter()
+    rid = engine.add_request(token_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+    steps, ttft = [], None
+    while True:
+        s0 = time.perf_counter()
+        outs = engine.step()
+        steps.append(time.perf_counter() - s0)
+        for out in outs:
+            if out.request_id == rid and ttft is None:
+                ttft = time.perf_counter() - t0
+            if out.request_id == rid and out.finished:
+                return ttft, steps
+
+
+def calibrate(args: argparse.Namespace, path: Path) -> dict:
+    """Measure, fit, write the calibration to ``path``; return what was measured."""
+    import torch
+
+    from kvwise.bench import breakeven as be
+    from kvwise.engine_args import add_engine_args
+    from kvwise.models.loader import load_model
+    from kvwise.predict import Hardware, ModelShape, Roofline, fit_steps, fit_tier, save_machine
+
+    if args.reps < 1:
+        raise ValueError("reps: must be at least 1")
+    tiers = [t for t in (args.tiers or "host,disk,redis").split(",") if t]
+    bad = [t for t in tiers if t not in ("host", "disk", "redis")]
+    if bad:
+        raise ValueError(f"tiers: --calibrate measures host, disk and/or redis, got {bad}")
+    # float32 weights, as `kvwise bench breakeven` loads them
+    loaded = load_model(args.model if args.model != "default" else None,
+                        dtype=torch.float32, progress=True)  # fmt: skip
+    model = ModelShape.from_arch(loaded.arch, "the default model" if args.model == "default"
+                                 else str(args.model))  # fmt: skip
+    print(f"torch threads: {torch.get_num_threads()}")
+    peak = _peak_flops(model.hidden_size, model.intermediate_size)
+    mem_bw = _mem_bandwidth()
+    print(f"float32 matmul: {peak / 1e9:.0f} GFLOP/s; memory read: {mem_bw / 1e9:.1f} GB/s")
+
+    redis_server = None
+    if "redis" in tiers:
+        try:
+            redis_server = be._Redis()
+        except FileNotFoundError:
+            print("redis-server not found: skipping the redis tier")
+            tiers.remove("redis")
+    disk_root = tempfile.mkdtemp(prefix="kvwise-calibrate-")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)  # the engine as `kvwise bench breakeven` builds it by default
+    ns = parser.parse_args([])
+    ns.model = None if args.model == "default" else args.model
+    try:
+        engines = be._engines(ns, loaded, tiers, redis_server.url if redis_server else None,
+                              disk_root, max(STEP_LENGTHS) + 64)  # fmt: skip
+        result = _measure(args, engines, tiers, model, peak)
+    finally:
+        if redis_server is not None:
+            redis_server.stop()
+        shutil.rmtree(disk_root, ignore_errors=True)
+    engine = engines["recompute"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    kv_dtype = engine.runner.spec.dtype
+    for e in engines.values():
+        e.close()
+
+    tier_fits = [
+        fit_tier(
+            t,
+            result["tier_reads"][t],
+            f"measured here: {t} loads of "
+            f"{', '.join(map(str, TIER_LENGTHS))} tokens, read to in the pool",
+        )  # fmt: skip
+        for t in tiers
+    ]
+    draft = Hardware(
+        "this machine", peak, mem_bw, None,
+        request_overhead_s=statistics.median(result["request_overheads"]),
+        weight_dtype="float32", kv_dtype=kv_dtype,
+        prefill_chunk=engine.scheduler.config.prefill_chunk_size, tiers=tuple(tier_fits),
+        source=f"measured by `kvwise breakeven --calibrate` ({torch.get_num_threads()} threads)",
+    )  # fmt: skip
+    hw = fit_steps(model, draft, result["prefill_steps"], result["decode_steps"])
+    o, mfu, af = hw.step_overhead_s, hw.mfu, hw.attn_fraction
+    roof = Roofline(model, hw)
+    step_check = [
+        {"tokens": q, "context": c, "measured_s": s, "predicted_s": roof.forward_s(q, c)}
+        for q, c, s in result["prefill_steps"]
+    ] + [
+        {"tokens": 1, "context": c, "measured_s": s, "predicted_s": roof.forward_s(1, c)}
+        for c, s in result["decode_steps"]
+    ]
+    measured = {**result, "engine_weight_bytes": weight_bytes,
+                "shape_weight_bytes": roof.weight_bytes, "step_check": step_check}  # fmt: skip
+    save_machine(path, hw, measured)
+    print(f"step: {o * 1e3:.1f} ms + matmuls at {mfu:.2f} of peak + attention at {af:.2f}")
+    print(f"request overhead: {hw.request_overhead_s * 1e3:.1f} ms")
+    for t in tier_fits:
+        print(f"{t.name}: {t.latency_s * 1e3:.2f} ms + bytes / {t.bandwidth / 1e9:.2f} GB/s")
+    for d in step_check:
+        print(
+            f"fit, a step of {d['tokens']} tokens after {d['context']:,}: measured "
+            f"{d['measured_s'] * 1e3:.1f} ms, fitted {d['predicted_s'] * 1e3:.1f} ms"
+        )
+    print(f"calibration: {path}")
+    return measured
+
+
+def _measure(args, engines, tiers, model, peak) -> dict:
+    from kvwise.bench import breakeven as be
+    from kvwise.engine import llm_engine
+
+    rng = random.Random(2)
+    vocab = model.vocab_size
+    engine = engines["recompute"]
+    chunk = engine.scheduler.config.prefill_chunk_size or max(STEP_LENGTHS)
+    be._ttft(engine, be._prompt(rng, vocab, 300))  # warm-up
+    steps: dict[tuple[int, int], list[float]] = {}
+    decode: dict[int, list[float]] = {}
+    overheads = []
+    stored = {(t, n): be._prompt(rng, vocab, n + 1) for t in tiers for n in TIER_LENGTHS}
+    for t in tiers:
+        for n in TIER_LENGTHS:
+            be._ttft(engines[t], stored[(t, n)])
+    waits: dict[str, list[tuple[float, float]]] = {t: [] for t in tiers}
+
+    class TimedLoader(llm_engine.KVLoader):
+        """The loader's own time: reading, checking and copying every layer group in."""
+
+        last_wait = None
+
+        def _run(self) -> None:
+            t0 = time.perf_counter()
+            super()._run()
+            TimedLoader.last_wait = time.perf_counter() - t0
+
+    total = args.reps * (len(STEP_LENGTHS) + len(tiers) * len(TIER_LENGTHS))
+    original = llm_engine.KVLoader
+    llm_engine.KVLoader = TimedLoader
+    try:
+        with tqdm(total=total, desc="calibrate", unit="run") as bar:
+            for _ in range(args.reps):
+                for n in STEP_LENGTHS:
+                    ttft, times = _timed_request(engine, be._prompt(rng, vocab, n), 4)
+                    chunks = [(s, min(chunk, n - s)) for s in range(0, n, chunk)]
+                    for (s, q), sec in zip(chunks, times):
+                        steps.setdefault((q, s), []).append(sec)
+                    decode.setdefault(n, []).extend(times[len(chunks) :])
+                    overheads.append(ttft - sum(times[: len(chunks)]))
+                    bar.update()
+                for t in tiers:
+                    engines[t].store.policy = "always"
+                    for n in TIER_LENGTHS:
+                        be._cold(engines[t])
+                        TimedLoader.last_wait = None
+                        _, out = be._ttft(engines[t], stored[(t, n)])
+                        if out.num_loaded_tokens != n or TimedLoader.last_wait is None:
+                            raise RuntimeError(f"{t}: loaded {out.num_loaded_tokens} of {n}")
+                        kv_bytes = n * engines[t].runner.spec.bytes_per_token
+                        waits[t].append((kv_bytes, TimedLoader.last_wait))
+                        bar.update()
+    finally:
+        llm_engine.KVLoader = original
+    return {
+        "reps": args.reps,
+        "prefill_steps": [(q, c, statistics.median(v)) for (q, c), v in sorted(steps.items())],
+        "decode_steps": [(n + 1, statistics.median(v)) for n, v in sorted(decode.items())],
+        "request_overheads": overheads,
+        "tier_reads": {t: _medians(v) for t, v in waits.items()},
+    }
+
+
+def _medians(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The median ``y`` of each distinct ``x``."""
+    by_x: dict[float, list[float]] = {}
+    for x, y in points:
+        by_x.setdefault(x, []).append(y)
+    return [(x, statistics.median(ys)) for x, ys in sorted(by_x.items())]

@@ -1,0 +1,627 @@
+"""``kvwise breakeven --predict``: a roofline model of TTFT against prefix length, recompute vs a
+load from each tier, for hardware one does not own. Pure Python (no torch).
+
+A prefix of ``n`` tokens followed by one computed token, as ``kvwise bench breakeven`` measures:
+
+- **recompute**: prefill the ``n + 1`` tokens, in chunks of the engine's prefill chunk size.
+- **load from a tier**: the tier's fixed latency + the prefix's KV bytes / the tier's bandwidth,
+  then one forward of the last token over the ``n`` loaded ones (or, with ``overlap``, the read
+  streamed layer by layer under that forward).
+
+One forward of ``q`` new tokens over ``c`` cached ones is a roofline: the longer of its compute
+time and its memory time, plus a fixed per-step overhead:
+
+- compute: ``2·P·q`` FLOPs for the weights' matmuls (``P`` the linear layers' parameters) plus
+  one token's LM head ``2·hidden·vocab``, at ``mfu`` × peak; attention's scores and weighted
+  sum ``4·layers·heads·head_dim·q·(c + (q + 1)/2)`` (causal) at ``attn_fraction`` × peak;
+- memory: every weight read once plus the KV of ``c + q`` tokens, over the memory bandwidth.
+
+The break-even is the shortest prefix from which loading beats recomputing (bisection on the
+first sign change of a log-spaced scan); None when loading never wins up to ``max_tokens``.
+
+Hardware presets carry their datasheet sources; where a figure is an assumption (the fraction
+of peak a prefill reaches, a network's round trip) the preset says so. ``this-machine`` is not
+a preset: ``kvwise breakeven --calibrate`` measures it (``kvwise/bench/calibrate.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvwise.core.kv_spec import KV_DTYPE_BYTES
+
+WEIGHT_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0,
+                      "int4": 0.5}  # fmt: skip
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the roofline needs of a transformer (Llama-shaped: q/k/v/o, a gated MLP)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                  "head_dim", "vocab_size"):  # fmt: skip
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{f}: expected a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} must divide {self.num_heads}")
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer's matmuls (q, k, v, o, gate, up, down)."""
+        h, q, kv = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        return 2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters every token multiplies by (the decoder layers; not the embedding)."""
+        return self.num_layers * self.layer_params
+
+    @property
+    def head_params(self) -> int:
+        return self.hidden_size * self.vocab_size
+
+    @property
+    def total_params(self) -> int:
+        embeddings = self.head_params * (1 if self.tie_word_embeddings else 2)
+        return self.linear_params + embeddings
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> float:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[kv_dtype]
+
+    def linear_flops(self, q: int) -> float:
+        """FLOPs of one forward's matmuls over ``q`` tokens and one token's LM head."""
+        return 2.0 * self.linear_params * q + 2.0 * self.head_params
+
+    def attention_flops(self, q: int, c: int) -> float:
+        """Scores and weighted sum of ``q`` new tokens over ``c`` cached ones (causal)."""
+        return 4.0 * self.num_layers * self.num_heads * self.head_dim * q * (c + (q + 1) / 2)
+
+    @classmethod
+    def from_arch(cls, arch, name: str, source: str = "") -> ModelShape:
+        return cls(name, arch.num_layers, arch.hidden_size, arch.intermediate_size,
+                   arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.vocab_size,
+                   arch.tie_word_embeddings, source)  # fmt: skip
+
+
+MODELS = {
+    "smollm2-135m": ModelShape("SmolLM2-135M", 30, 576, 1536, 9, 3, 64, 49152, True,
+                               "HuggingFaceTB/SmolLM2-135M config.json (kvwise's default model)"),
+    "llama-3-8b": ModelShape("Llama-3-8B", 32, 4096, 14336, 32, 8, 128, 128256, False,
+                             "meta-llama/Meta-Llama-3-8B config.json"),
+    "llama-3-70b": ModelShape("Llama-3-70B", 80, 8192, 28672, 64, 8, 128, 128256, False,
+                              "meta-llama/Meta-Llama-3-70B config.json"),
+}  # fmt: skip
+MODEL_ALIASES = {"default": "smollm2-135m"}
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A place KV is loaded from: ``latency_s + bytes / bandwidth``."""
+
+    name: str
+    latency_s: float
+    bandwidth: float  # bytes per second
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"tier {self.name}: latency must be >= 0 s, got {self.latency_s}")
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise ValueError(f"tier {self.name}: bandwidth must be > 0, got {self.bandwidth}")
+
+    def load_s(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """An accelerator (or CPU) and the defaults its users run it with."""
+
+    name: str
+    peak_flops: float  # dense, in the dtype the model computes in
+    mem_bandwidth: float  # bytes per second
+    memory_bytes: float | None = None
+    mfu: float = 0.5  # fraction of peak the weights' matmuls reach in prefill (assumed)
+    attn_fraction: float | None = None  # the same for attention (None: mfu)
+    step_overhead_s: float = 0.0  # per forward: launches, scheduling
+    request_overhead_s: float = 0.0  # per request, outside the forwards
+    weight_dtype: str = "bfloat16"
+    kv_dtype: str = "float16"
+    prefill_chunk: int | None = None  # tokens per prefill step (None: the whole prompt)
+    tiers: tuple[Tier, ...] = ()
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("peak_flops", "mem_bandwidth"):
+            value = getattr(self, f)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{f}: expected a positive number, got {value!r}")
+        for f in ("mfu", "attn_fraction"):
+            value = getattr(self, f)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"{f}: expected a fraction of peak in (0, 1], got {value!r}")
+        for f in ("step_overhead_s", "request_overhead_s"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"{f}: expected >= 0 s, got {getattr(self, f)!r}")
+        if self.weight_dtype not in WEIGHT_DTYPE_BYTES:
+            raise ValueError(
+                f"weight_dtype: expected one of {sorted(WEIGHT_DTYPE_BYTES)}, got "
+                f"{self.weight_dtype!r}"
+            )
+        if self.kv_dtype not in KV_DTYPE_BYTES:
+            raise ValueError(
+                f"kv_dtype: expected one of {sorted(KV_DTYPE_BYTES)}, got {self.kv_dtype!r}"
+            )
+        if self.prefill_chunk is not None and self.prefill_chunk <= 0:
+            raise ValueError(f"prefill_chunk: expected a positive number of tokens, got "
+                             f"{self.prefill_chunk!r}")  # fmt: skip
+
+    def replace(self, **changes) -> Hardware:
+        return dataclasses.replace(self, **changes)
+
+
+# ---- presets: datasheet figures (dense, no sparsity), with where they come from ------------
+
+_PCIE5 = Tier("host", 10e-6, 63e9, "host RAM over PCIe Gen5 x16: 32 GT/s x 16 lanes, "
+              "128b/130b = 63 GB/s each way (PCI-SIG); latency ~10 us assumed")  # fmt: skip
+_PCIE4 = Tier("host", 10e-6, 31.5e9, "host RAM over PCIe Gen4 x16: 16 GT/s x 16 lanes = "
+              "31.5 GB/s each way (PCI-SIG); latency ~10 us assumed")  # fmt: skip
+TIERS = {
+    "host-pcie5": _PCIE5,
+    "host-pcie4": _PCIE4,
+    "nvme-gen4": Tier("nvme", 100e-6, 7.0e9, "one PCIe Gen4 x4 NVMe SSD: ~7 GB/s sequential "
+                      "read (e.g. Samsung 990 PRO datasheet 7,450 MB/s); ~100 us read latency "
+                      "(flash, assumed)"),
+    "nvme-gen5": Tier("nvme", 100e-6, 14.0e9, "one PCIe Gen5 x4 NVMe SSD: ~14 GB/s sequential "
+                      "read (e.g. Crucial T705 datasheet 14,500 MB/s); ~100 us (assumed)"),
+    "net-25g": Tier("net-25g", 200e-6, 25e9 / 8, "25 Gb/s Ethernet line rate = 3.1 GB/s; "
+                    "200 us round trip to a cache server in the rack (assumed)"),
+    "net-100g": Tier("net-100g", 100e-6, 100e9 / 8, "100 Gb/s line rate = 12.5 GB/s; 100 us "
+                     "round trip (assumed)"),
+    "net-400g": Tier("net-400g", 50e-6, 400e9 / 8, "400 Gb/s (e.g. NDR InfiniBand) line rate "
+                     "= 50 GB/s; 50 us round trip with RDMA (assumed)"),
+}  # fmt: skip
+_MFU_NOTE = ("mfu 0.5 assumed (well-tuned prefill reaches roughly 40-60% of dense peak); "
+             "--mfu changes it")  # fmt: skip
+HARDWARE = {
+    "h100-sxm": Hardware("H100 SXM", 989e12, 3.35e12, 80e9,
+                         tiers=(_PCIE5, TIERS["nvme-gen4"]),
+                         source="NVIDIA H100 datasheet: BF16 1,979 TFLOP/s with sparsity = 989 "
+                         f"dense; 80 GB HBM3 at 3.35 TB/s; host link PCIe Gen5 x16. {_MFU_NOTE}"),
+    "h200": Hardware("H200 SXM", 989e12, 4.8e12, 141e9, tiers=(_PCIE5, TIERS["nvme-gen4"]),
+                     source="NVIDIA H200 datasheet: BF16 1,979 TFLOP/s with sparsity = 989 "
+                     f"dense; 141 GB HBM3e at 4.8 TB/s; PCIe Gen5 x16. {_MFU_NOTE}"),
+    "a100-sxm": Hardware("A100 SXM 80GB", 312e12, 2.039e12, 80e9,
+                         tiers=(_PCIE4, TIERS["nvme-gen4"]),
+                         source="NVIDIA A100 datasheet: BF16 312 TFLOP/s dense; 80 GB HBM2e at "
+                         f"2,039 GB/s; PCIe Gen4 x16. {_MFU_NOTE}"),
+    "l4": Hardware("L4", 121e12, 300e9, 24e9, tiers=(_PCIE4, TIERS["nvme-gen4"]),
+                   source="NVIDIA L4 datasheet: BF16 242 TFLOP/s with sparsity = 121 dense; "
+                   f"24 GB GDDR6 at 300 GB/s; PCIe Gen4 x16. {_MFU_NOTE}"),
+}  # fmt: skip
+THIS_MACHINE = "this-machine"
+
+
+def model_shape(name_or_path: str | None) -> ModelShape:
+    """A preset by name (``default``, ``llama-3-70b``, ...) or a GGUF / HF directory / config."""
+    key = (name_or_path or "default").lower()
+    key = MODEL_ALIASES.get(key, key)
+    if key in MODELS:
+        return MODELS[key]
+    if not Path(name_or_path).exists():
+        raise ValueError(f"model: unknown preset or missing path {name_or_path!r}; presets: "
+                         f"{', '.join(['default', *MODELS])}")  # fmt: skip
+    from kvwise.sizing import arch_from_model
+
+    arch, name = arch_from_model(name_or_path)
+    return ModelShape.from_arch(arch, name, source=str(name_or_path))
+
+
+def hardware_preset(name: str, machine_file: str | Path | None = None) -> Hardware:
+    if name == THIS_MACHINE:
+        return load_machine(machine_file or default_machine_file())
+    if name not in HARDWARE:
+        raise ValueError(f"hardware: unknown preset {name!r}; presets: "
+                         f"{', '.join([*HARDWARE, THIS_MACHINE])}")  # fmt: skip
+    return HARDWARE[name]
+
+
+def parse_tier(text: str) -> Tier:
+    """A preset name, or ``NAME=LATENCY_MS:GB_PER_S`` (e.g. ``remote=0.5:10``)."""
+    if text in TIERS:
+        return TIERS[text]
+    name, sep, spec = text.partition("=")
+    lat, sep2, bw = spec.partition(":")
+    try:
+        if not (sep and sep2 and name):
+            raise ValueError
+        return Tier(name, float(lat) / 1e3, float(bw) * GB, "given on the command line")
+    except ValueError as e:
+        detail = f" ({e})" if str(e) else ""
+        raise ValueError(f"tier: unknown preset or bad spec {text!r}{detail}; presets: "
+                         f"{', '.join(TIERS)}, or NAME=LATENCY_MS:GB_PER_S") from None  # fmt: skip
+
+
+# ---- the model --------------------------------------------------------------------------
+
+
+class Roofline:
+    """TTFT of recompute and of each tier's load, for one model on one machine."""
+
+    def __init__(self, model: ModelShape, hw: Hardware, overlap: bool = False, gpus: int = 1):
+        if gpus < 1:
+            raise ValueError(f"gpus: expected at least 1, got {gpus}")
+        self.model, self.hw, self.overlap, self.gpus = model, hw, overlap, gpus
+        self.weight_bytes = model.total_params * WEIGHT_DTYPE_BYTES[hw.weight_dtype]
+        self.kv_per_token = model.kv_bytes_per_token(hw.kv_dtype)
+        self._peak = hw.peak_flops * gpus  # tensor parallel: compute and memory split evenly
+        self._mem_bw = hw.mem_bandwidth * gpus
+
+    def warnings(self) -> list[str]:
+        out = []
+        capacity = (self.hw.memory_bytes or 0) * self.gpus
+        if capacity and self.weight_bytes > 0.9 * capacity:
+            out.append(
+                f"the weights ({self.weight_bytes / GB:.0f} GB in {self.hw.weight_dtype}) do not "
+                f"fit {self.gpus} x {self.hw.memory_bytes / GB:.0f} GB: pass --gpus (tensor "
+                "parallel, communication not modelled)"
+            )
+        return out
+
+    def forward_s(self, q: int, c: int) -> float:
+        """One forward of ``q`` new tokens after ``c`` cached ones."""
+        hw, m = self.hw, self.model
+        compute = m.linear_flops(q) / (hw.mfu * self._peak) + m.attention_flops(q, c) / (
+            (hw.attn_fraction or hw.mfu) * self._peak
+        )
+        memory = (self.weight_bytes + self.kv_per_token * (c + q)) / self._mem_bw
+        return hw.step_overhead_s + max(compute, memory)
+
+    def recompute_s(self, n: int) -> float:
+        """TTFT: prefill the prefix of ``n`` tokens and one more, chunk by chunk."""
+        total, size = n + 1, self.hw.prefill_chunk or n + 1
+        return self.hw.request_overhead_s + sum(
+            self.forward_s(min(size, total - s), s) for s in range(0, total, size)
+        )
+
+    def load_s(self, n: int, tier: Tier) -> float:
+        """TTFT: read the prefix's KV from ``tier``, then the last token's forward."""
+        read = tier.load_s(n * self.kv_per_token)
+        forward = self.forward_s(1, n)
+        if self.overlap:  # streamed layer by layer: the slower of the two, plus one layer
+            layers = self.model.num_layers
+            busy = (
+                max(read - tier.latency_s, forward) + min(read - tier.latency_s, forward) / layers
+            )
+            return self.hw.request_overhead_s + tier.latency_s + busy
+        return self.hw.request_overhead_s + read + forward
+
+    def break_even(self, tier: Tier, max_tokens: int = 1 << 20) -> int | None:
+        """The shortest prefix loading ``tier`` beats recomputing; None up to ``max_tokens``."""
+
+        def wins(n: int) -> bool:
+            return self.load_s(n, tier) < self.recompute_s(n)
+
+        if wins(1):
+            return 1
+        lo, n = 1, 2
+        while True:
+            n = min(n, max_tokens)
+            if wins(n):
+                while n - lo > 1:  # bisect: lo loses, n wins
+                    mid = (lo + n) // 2
+                    lo, n = (lo, mid) if wins(mid) else (mid, n)
+                return n
+            if n == max_tokens:
+                return None
+            lo, n = n, 2 * n
+
+
+def tiers_for(hw: Hardware, names: list[str] | None) -> list[Tier]:
+    if not names:
+        if not hw.tiers:
+            raise ValueError("tiers: this hardware has no default tiers; pass --tiers")
+        return list(hw.tiers)
+    measured = {t.name: t for t in hw.tiers}
+    return [measured[n] if n in measured else parse_tier(n) for n in names]
+
+
+# ---- this machine, as measured ------------------------------------------------------------
+
+
+def default_machine_file() -> Path:
+    return Path.home() / ".cache" / "kvwise" / "this_machine.json"
+
+
+def save_machine(path: str | Path, hw: Hardware, measured: dict) -> None:
+    """Write a calibration: the hardware as fitted and what it was fitted from."""
+    data = dataclasses.asdict(hw)
+    data["tiers"] = [dataclasses.asdict(t) for t in hw.tiers]
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"hardware": data, "measured": measured}, indent=2))
+
+
+def load_machine(path: str | Path) -> Hardware:
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"machine: no calibration at '{p}': run `kvwise breakeven --calibrate "
+                         f"--machine {p}` first (about two minutes)")  # fmt: skip
+    try:
+        data = json.loads(p.read_text())["hardware"]
+        tiers = tuple(Tier(**t) for t in data.pop("tiers"))
+        return Hardware(**data, tiers=tiers)
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"machine: '{p}' is not a calibration file ({e})") from None
+
+
+def least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Ordinary least squares by the normal equations (a handful of features)."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    b = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(k)]
+    for col in range(k):  # Gauss-Jordan with partial pivoting
+        piv = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-300:
+            raise ValueError("calibration: the measurements cannot separate the model's terms")
+        a[col], a[piv], b[col], b[piv] = a[piv], a[col], b[piv], b[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+                b[r] -= f * b[col]
+    return [b[i] / a[i][i] for i in range(k)]
+
+
+def fit_steps(model: ModelShape, hw: Hardware, prefill: list, decode: list) -> Hardware:
+    """``hw`` with its step overhead and fractions of peak fitted to measured steps.
+
+    Decode steps ``(context, seconds)`` are memory-bound: their excess over the memory time
+    (the weights and the KV read at ``hw.mem_bandwidth``) is the per-step overhead (median).
+    Prefill steps ``(q, c, seconds)`` are compute-bound: less that overhead, least squares of
+    ``linear FLOPs/(mfu·peak) + attention FLOPs/(af·peak)`` gives the two fractions."""
+    roof = Roofline(model, hw)
+    excess = sorted(s - (roof.weight_bytes + roof.kv_per_token * (c + 1)) / hw.mem_bandwidth
+                    for c, s in decode)  # fmt: skip
+    o = max(0.0, excess[len(excess) // 2]) if excess else 0.0
+    rows = [[model.linear_flops(q) / hw.peak_flops, model.attention_flops(q, c) / hw.peak_flops]
+            for q, c, _ in prefill]  # fmt: skip
+    inv_mfu, inv_af = least_squares(rows, [s - o for _, _, s in prefill])
+    if inv_mfu <= 0 or inv_af <= 0:
+        raise ValueError(f"calibration: fitted fractions of peak are not positive "
+                         f"(1/mfu {inv_mfu:.3g}, 1/attn {inv_af:.3g})")  # fmt: skip
+    return hw.replace(step_overhead_s=o, mfu=min(1.0, 1 / inv_mfu),
+                      attn_fraction=min(1.0, 1 / inv_af))  # fmt: skip
+
+
+def fit_tier(name: str, reads: list[tuple[float, float]], source: str) -> Tier:
+    """From measured reads ``(bytes, seconds)``: latency + bytes / bandwidth."""
+    lat, s_per_byte = least_squares([[1.0, b] for b, _ in reads], [s for _, s in reads])
+    if s_per_byte <= 0:
+        raise ValueError(f"calibration: tier {name}'s reads do not grow with their size")
+    return Tier(name, max(lat, 0.0), 1 / s_per_byte, source)
+
+
+# ---- the command --------------------------------------------------------------------------
+
+REPORT_LENGTHS = (256, 1024, 4096, 16384, 131072)
+
+
+def predict(model: ModelShape, hw: Hardware, tiers: list[Tier], overlap: bool, gpus: int,
+            lengths=REPORT_LENGTHS, max_tokens: int = 1 << 20) -> dict:  # fmt: skip
+    roof = Roofline(model, hw, overlap, gpus)
+    out = {
+        "model": model.name, "hardware": hw.name, "gpus": gpus, "overlap": overlap,
+        "weight_bytes": roof.weight_bytes, "kv_bytes_per_token": roof.kv_per_token,
+        "lengths": list(lengths),
+        "recompute_s": [roof.recompute_s(n) for n in lengths],
+        "tiers": {}, "warnings": roof.warnings(),
+    }  # fmt: skip
+    for t in tiers:
+        out["tiers"][t.name] = {
+            "latency_s": t.latency_s, "bandwidth": t.bandwidth, "source": t.source,
+            "load_s": [roof.load_s(n, t) for n in lengths],
+            "break_even_tokens": roof.break_even(t, max_tokens),
+        }  # fmt: skip
+    return out
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.1f} s"
+
+
+def report(result: dict, model: ModelShape, hw: Hardware) -> str:
+    lines = [f"{model.name} on {hw.name}" + (f" x {result['gpus']}" if result["gpus"] > 1 else "")]
+    lines.append(f"  model: {model.total_params / 1e9:.3g} B parameters ({model.source or 'given'})"
+                 f"; weights {result['weight_bytes'] / GB:.3g} GB in {hw.weight_dtype}; KV "
+                 f"{result['kv_bytes_per_token']:,.0f} B/token in {hw.kv_dtype}")  # fmt: skip
+    lines.append(f"  hardware: {hw.peak_flops / 1e12:,.4g} TFLOP/s peak, mfu {hw.mfu:.2f}, "
+                 f"attention {hw.attn_fraction or hw.mfu:.2f}, memory {hw.mem_bandwidth / GB:,.4g}"
+                 f" GB/s, step overhead {hw.step_overhead_s * 1e3:.3g} ms, request overhead "
+                 f"{hw.request_overhead_s * 1e3:.3g} ms; {hw.source}")  # fmt: skip
+    for name, t in result["tiers"].items():
+        lines.append(f"  tier {name}: {t['latency_s'] * 1e6:,.0f} us + bytes / "
+                     f"{t['bandwidth'] / GB:.3g} GB/s ({t['source']})")  # fmt: skip
+    for w in result["warnings"]:
+        lines.append(f"  warning: {w}")
+    head = f"  {'prefix':>8} {'recompute':>11}" + "".join(f" {n + ' load':>13}"
+                                                          for n in result["tiers"])  # fmt: skip
+    lines.append("predicted TTFT (prefix of n tokens + one computed token):")
+    lines.append(head)
+    for i, n in enumerate(result["lengths"]):
+        row = f"  {n:>8,} {_ms(result['recompute_s'][i]):>11}"
+        for t in result["tiers"].values():
+            row += f" {_ms(t['load_s'][i]):>13}"
+        lines.append(row)
+    for name, t in result["tiers"].items():
+        be = t["break_even_tokens"]
+        where = "never (recomputing wins at every length)" if be is None else f"{be:,} tokens"
+        lines.append(f"break-even, {name}: {where}")
+    return "\n".join(lines)
+
+
+def plot(path: str, model: ModelShape, hw: Hardware, tiers: list[Tier], overlap: bool,
+         gpus: int, measured: dict | None = None, max_tokens: int = 131072) -> None:  # fmt: skip
+    """TTFT against prefix length per tier, break-evens marked; measured medians as points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    roof = Roofline(model, hw, overlap, gpus)
+    xs = sorted({int(round(2 ** (k / 8))) for k in range(0, 8 * int(math.log2(max_tokens)) + 1)})
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(xs, [roof.recompute_s(n) * 1e3 for n in xs], "k-", label="recompute (predicted)")
+    colours = ["tab:green", "tab:blue", "tab:red", "tab:purple", "tab:orange", "tab:brown"]
+    for i, t in enumerate(tiers):
+        c = colours[i % len(colours)]
+        ax.plot(xs, [roof.load_s(n, t) * 1e3 for n in xs], "-", color=c,
+                label=f"{t.name} load (predicted)")  # fmt: skip
+        be = roof.break_even(t, max_tokens)
+        if be:
+            ax.axvline(be, color=c, ls=":", lw=1)
+            ax.annotate(f"{be:,}", (be, ax.get_ylim()[0]), color=c, fontsize=8)
+    if measured:
+        lengths = measured["lengths"]
+        med = measured["median_ttft_s"]
+        ax.plot(lengths, [s * 1e3 for s in med["recompute"]], "ko", label="recompute (measured)")
+        for i, t in enumerate(tiers):
+            key = f"{t.name} load"
+            if key in med:
+                ax.plot(lengths, [s * 1e3 for s in med[key]], "s", color=colours[i % 6],
+                        label=f"{t.name} load (measured)")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prefix length (tokens)")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(f"predicted TTFT: {model.name} on {hw.name}" + (f" x {gpus}" if gpus > 1 else ""))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def validate(result_lengths: list[int], roof: Roofline, tiers: list[Tier], measured: dict,
+             lengths=(256, 1024, 4096)) -> list[dict]:  # fmt: skip
+    """Predicted vs measured median TTFT at ``lengths``: one row per (curve, length)."""
+    med, have = measured["median_ttft_s"], measured["lengths"]
+    rows = []
+    for n in lengths:
+        if n not in have:
+            raise ValueError(f"validate: the measured file has no {n}-token point ({have})")
+        i = have.index(n)
+        curves = [("recompute", roof.recompute_s(n), med["recompute"][i])]
+        curves += [(f"{t.name} load", roof.load_s(n, t), med[f"{t.name} load"][i])
+                   for t in tiers if f"{t.name} load" in med]  # fmt: skip
+        for name, pred, meas in curves:
+            rows.append({"curve": name, "tokens": n, "predicted_s": pred, "measured_s": meas,
+                         "error": pred / meas - 1})  # fmt: skip
+    return rows
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--predict", action="store_true",
+                   help="predict TTFT vs prefix length and the break-even per tier")  # fmt: skip
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matmul peak, memory bandwidth, prefill steps, "
+                   "each tier's reads) into --machine, for --hardware this-machine")  # fmt: skip
+    p.add_argument("--hardware", default="h100-sxm",
+                   help=f"preset: {', '.join([*HARDWARE, THIS_MACHINE])}")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default="default",
+        help=f"preset ({', '.join(['default', *MODELS])}) or a GGUF / HF path",
+    )
+    p.add_argument("--tiers", default=None,
+                   help=f"comma-separated tiers: presets ({', '.join(TIERS)}), NAME=LATENCY_MS:"
+                   "GB_PER_S, or this machine's measured host, disk, redis (default: the "
+                   "hardware's)")  # fmt: skip
+    p.add_argument("--mfu", type=float, default=None, help="fraction of peak for the matmuls")
+    p.add_argument("--attn-fraction", type=float, default=None,
+                   help="fraction of peak for attention (default: --mfu)")  # fmt: skip
+    p.add_argument("--weight-dtype", default=None, choices=sorted(WEIGHT_DTYPE_BYTES))
+    p.add_argument("--kv-dtype", default=None, choices=sorted(KV_DTYPE_BYTES))
+    p.add_argument("--gpus", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+    p.add_argument("--overlap", action="store_true",
+                   help="loads stream layer by layer under the forward (default: load, then "
+                   "compute, as kvwise's default of one layer group does)")  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=1 << 20,
+                   help="search the break-even up to this many tokens")  # fmt: skip
+    p.add_argument(
+        "--machine",
+        default=None,
+        help=f"this machine's calibration file (default {default_machine_file()})",
+    )
+    p.add_argument("--validate", default=None, metavar="BENCH_JSON",
+                   help="`kvwise bench breakeven --out` results: predicted vs measured at 256, "
+                   "1,024 and 4,096 tokens")  # fmt: skip
+    p.add_argument("--reps", type=int, default=5, help="--calibrate: repetitions per point")
+    p.add_argument("--plot", default=None, help="write TTFT vs prefix length as a PNG here")
+    p.add_argument("--out", default=None, help="write the prediction as JSON here")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        from kvwise.bench.calibrate import calibrate
+
+        calibrate(args, Path(args.machine) if args.machine else default_machine_file())
+        return 0
+    if not args.predict:
+        raise ValueError("breakeven: give --predict (a model) or --calibrate (measure this "
+                         "machine); `kvwise bench breakeven` measures the real curves")  # fmt: skip
+    model = model_shape(args.model)
+    hw = hardware_preset(args.hardware, args.machine)
+    changes = {k: v for k, v in (("mfu", args.mfu), ("attn_fraction", args.attn_fraction),
+                                 ("weight_dtype", args.weight_dtype), ("kv_dtype", args.kv_dtype))
+               if v is not None}  # fmt: skip
+    hw = hw.replace(**changes) if changes else hw
+    tiers = tiers_for(hw, [t for t in args.tiers.split(",") if t] if args.tiers else None)
+    if args.max_tokens < 2:
+        raise ValueError(f"max_tokens: expected at least 2, got {args.max_tokens}")
+    result = predict(model, hw, tiers, args.overlap, args.gpus, max_tokens=args.max_tokens)
+    print(report(result, model, hw))
+    measured = None
+    if args.validate:
+        measured = json.loads(Path(args.validate).read_text())
+        roof = Roofline(model, hw, args.overlap, args.gpus)
+        rows = validate(result["lengths"], roof, tiers, measured)
+        result["validation"] = rows
+        print(f"\npredicted vs measured ({args.validate}):")
+        print(f"  {'curve':<14} {'tokens':>7} {'predicted':>11} {'measured':>11} {'error':>7}")
+        for r in rows:
+            print(f"  {r['curve']:<14} {r['tokens']:>7,} {_ms(r['predicted_s']):>11} "
+                  f"{_ms(r['measured_s']):>11} {r['error']:>+7.0%}")  # fmt: skip
+        worst = max(abs(r["error"]) for r in rows)
+        print(f"  worst: {worst:.0%} ({'within' if worst <= 0.25 else 'NOT within'} 25%)")
+    if args.plot:
+        plot(args.plot, model, hw, tiers, args.overlap, args.gpus, measured,
+             max_tokens=min(args.max_tokens, 131072))  # fmt: skip
+        print(f"plot: {args.plot}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
