@@ -152,7 +152,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_ray(args, keys, name, max_request_bytes)
     engine = build_engine(config)
-    app = create_app(engine, api_keys=keys, model_name=name, max_request_bytes=max_request_bytes)
+    app = create_app(
+        engine,
+        api_keys=keys,
+        model_name=name,
+        max_request_bytes=max_request_bytes,
+        admin_key=args.admin_key,
+    )
     logging.getLogger("kvwise").info(
         "serving %s on http://%s:%d/v1 (%s)",
         name,
@@ -204,7 +210,7 @@ def _serve_ray(args: argparse.Namespace, keys: dict, name: str, max_request_byte
         threads_per_replica=threads,
         api_keys=keys,
         model_name=name,
-        app_kwargs={"max_request_bytes": max_request_bytes},
+        app_kwargs={"max_request_bytes": max_request_bytes, "admin_key": args.admin_key},
     )
 
 
@@ -344,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="bounded waiting queue: past it requests get 429 with Retry-After",
     )
     p.add_argument("--served-model-name", default=None, help="the model name clients send")
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("KVWISE_ADMIN_KEY") or None,
+        help="the key GET /dashboard needs (also $KVWISE_ADMIN_KEY); without it the dashboard "
+        "is open when no --api-key is set, off when one is",
+    )
     p.add_argument(
         "--shutdown-timeout",
         type=float,

@@ -38,6 +38,10 @@ wanted=",${KVWISE_EXTRAS:-},"
 if [[ "${wanted// /}" == *,test,* ]]; then
   apt_install redis-server redis-server || echo "WARNING: could not install redis-server" \
     "(apt-get, as root or with sudo); tests/integration will be skipped" >&2
+  # tests/browser drive the dashboard in Debian's chromium through Playwright (whose own
+  # browser download is not used)
+  apt_install chromium chromium || echo "WARNING: could not install chromium" \
+    "(apt-get, as root or with sudo); tests/browser will be skipped" >&2
 fi
 # build the kernels now (about 15 s once; cached by torch afterwards)
 .venv/bin/python -c "from kvwise.worker import kernels; print('kvwise kernels:', 'built' if kernels.available() else 'unavailable, plain torch')"

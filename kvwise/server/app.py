@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP app: JSON in, typed engine requests out, JSON / SSE back.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream``: server-sent events ending
-with ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus text), and the
-extension POST /v1/kvwise/park.
+with ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus text), the
+extension POST /v1/kvwise/park, and GET /dashboard (with /dashboard/data, its JSON).
 
 Sessions: a request's ``prompt_cache_key`` is its engine session id (within its tenant).
 ``POST /v1/kvwise/park {"prompt_cache_key": ...}`` moves that conversation's KV from the device
@@ -12,6 +12,9 @@ on the engine thread between two steps and waits for the tier writes.
 Tenants: with API keys configured, every /v1 route needs ``Authorization: Bearer KEY`` (401
 otherwise) and the key alone names the tenant, so one tenant's prompts never hit another's
 cache. Without keys every request is tenant ``default``. /health and /metrics are open.
+
+Dashboard: GET /dashboard, a live page over the server's own stats (``dashboard.py``); with
+API keys (or an admin key) set it needs the admin key, never a tenant's.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
 (naming the field; text that is no Unicode included), 401, 404 unknown model, route or
@@ -35,6 +38,7 @@ from fastapi.responses import Response
 
 from kvwise.engine.async_engine import AsyncEngine
 from kvwise.engine.llm_engine import LLMEngine
+from kvwise.server.dashboard import AdminGate, Dashboard, check_admin_key
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.protocol import (
     ChatCompletionResponse,
@@ -75,6 +79,7 @@ def create_app(
     *,
     default_completion_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    admin_key: str | None = None,
 ) -> FastAPI:
     """Build the app over one engine.
 
@@ -84,17 +89,24 @@ def create_app(
         api_keys: key → tenant; None or empty: no auth, every request is tenant ``default``.
         model_name: the one name served; a request naming another model gets 404.
         max_request_bytes: a larger request body gets 413 before it is parsed.
+        admin_key: the key /dashboard needs (see ``dashboard.py``); ValueError if it is
+            blank or a tenant's key.
     """
+    keys = dict(api_keys or {})
+    admin_key = check_admin_key(admin_key, keys)
     owns_engine = isinstance(engine, LLMEngine)
     async_engine = AsyncEngine(engine) if isinstance(engine, LLMEngine) else engine
     metrics = ServerMetrics(async_engine)
+    dashboard = Dashboard(async_engine, metrics, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        sampler = asyncio.create_task(dashboard.history.run())
         try:
             yield
         finally:
+            sampler.cancel()
             if owns_engine:
                 await asyncio.to_thread(async_engine.shutdown)
 
@@ -106,11 +118,14 @@ def create_app(
     )
     app.state.engine = async_engine
     app.state.metrics = metrics
+    app.state.dashboard = dashboard
     app.state.model_name = model_name
     install_error_handlers(app)
+    app.add_middleware(AdminGate, admin_key=admin_key, tenant_keys=list(keys))
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    app.add_middleware(AuthAndCount, keys=dict(api_keys or {}), metrics=metrics)
+    app.add_middleware(AuthAndCount, keys=keys, metrics=metrics)
     _add_routes(app, OpenAIRoutes(async_engine, metrics, model_name, default_completion_max_tokens))
+    dashboard.add_routes(app)
     return app
 
 

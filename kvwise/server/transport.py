@@ -190,6 +190,8 @@ _ROUTES = frozenset(
         "/v1/kvwise/park",
         "/health",
         "/metrics",
+        "/dashboard",
+        "/dashboard/data",
     )
 )
 

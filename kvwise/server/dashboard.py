@@ -1,0 +1,426 @@
+"""The live dashboard of one server: ``GET /dashboard`` (a page and its script, shipped in
+``kvwise/server/static/``: charts are inline SVG drawn by plain JavaScript, nothing is fetched
+from elsewhere) and ``GET /dashboard/data`` (JSON), which the page polls every ``interval_s``.
+
+What it shows: KV pool occupancy, the prefix hit rate of the device pool and of each tier
+(the share of prompt tokens looked up that each one served), the cost model's load-vs-
+recompute decisions, its current fit as predicted TTFT against prefix length per tier and for
+recomputing (each tier's break-even marked), and the waiting queue, running requests and 429s.
+
+Samples: a task of the app samples the engine's stats and the request totals every
+``interval_s`` (and a data request does when the last sample is older), into a ring buffer of
+the last ``max_samples``, so a page opened late still sees the last minutes; hit rates and the
+mean TTFT are over a sliding window of ``window`` samples.
+
+Access (``AdminGate``): without API keys and without an admin key the dashboard is open, like
+/metrics. Otherwise it needs the admin key (``--admin-key`` / ``$KVWISE_ADMIN_KEY``), sent as
+``Authorization: Bearer KEY``, or once as ``/dashboard?key=KEY``: that answers with a redirect
+to ``/dashboard`` and an HttpOnly, SameSite=Strict cookie (an HMAC of the key, never the key),
+which the browser then sends with the page's data requests. The key is taken out of the query
+string before the access log sees it. Missing or wrong key: 401; a tenant's API key: 403;
+API keys set but no admin key: 403 (the dashboard is off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import importlib.resources
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlencode
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from kvwise.engine.async_engine import AsyncEngine
+from kvwise.engine.stats import EngineStats
+from kvwise.server.metrics import RequestTotals, ServerMetrics, cost_curves
+from kvwise.server.protocol import APIError
+
+COOKIE = "kvwise_dashboard"
+_COOKIE_TAG = b"kvwise.dashboard.v1"
+_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    # the page runs only its own script: no inline script, nothing from another origin
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; "
+    "style-src 'self' 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'",
+}
+
+
+# ---- samples --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The server at one moment; counters are totals since start."""
+
+    t: float  # time.time()
+    engine_up: bool
+    blocks_total: int
+    blocks_used: int
+    blocks_cached: int  # free, still holding a cached prefix
+    waiting: int
+    running: int
+    preemptions: int
+    query_tokens: int  # prompt tokens looked up in the prefix cache
+    device_hit_tokens: int  # ... found in the device pool
+    tier_loaded_tokens: dict[str, int]  # ... loaded from each tier (tier order)
+    load_decisions: int
+    recompute_decisions: int
+    lookup_misses: int
+    loaded_tokens: int
+    recomputed_tokens: int  # stored tokens the cost model chose to recompute
+    requests_finished: int
+    rejected_429: int
+    ttft_sum_s: float
+    ttft_count: int
+
+
+def take_sample(stats: EngineStats, totals: RequestTotals, engine_up: bool, t: float) -> Sample:
+    kv, store = stats.kv, stats.store
+    tiers = store.tiers if store is not None else {}
+    return Sample(
+        t=t,
+        engine_up=engine_up,
+        blocks_total=kv.blocks_total,
+        blocks_used=kv.blocks_used,
+        blocks_cached=kv.blocks_cached_free,
+        waiting=stats.num_waiting,
+        running=stats.num_running,
+        preemptions=stats.num_preemptions,
+        query_tokens=kv.prefix_query_tokens,
+        device_hit_tokens=kv.prefix_hit_tokens,
+        tier_loaded_tokens={name: t.loaded_tokens for name, t in tiers.items()},
+        load_decisions=store.load_decisions if store else 0,
+        recompute_decisions=store.recompute_decisions if store else 0,
+        lookup_misses=store.lookup_misses if store else 0,
+        loaded_tokens=store.loaded_tokens if store else 0,
+        recomputed_tokens=store.recomputed_tokens if store else 0,
+        requests_finished=sum(totals.finished.values()),
+        rejected_429=totals.by_status.get("429", 0),
+        ttft_sum_s=totals.ttft_sum_s,
+        ttft_count=totals.ttft_count,
+    )
+
+
+class DashboardHistory:
+    """The last ``max_samples`` samples, one every ``interval_s``, and the series drawn from
+    them (JSON-ready).
+
+    Args:
+        read: takes a sample now.
+        window: samples a rate is taken over (hit rates, mean TTFT).
+        clock: seconds, for spacing the samples (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        read: Callable[[], Sample],
+        interval_s: float = 2.0,
+        max_samples: int = 450,
+        window: int = 15,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if interval_s <= 0 or max_samples < 2 or window < 1:
+            raise ValueError("dashboard: interval_s > 0, max_samples >= 2 and window >= 1")
+        self.read = read
+        self.interval_s = interval_s
+        self.window = window
+        self.clock = clock
+        self.samples: deque[Sample] = deque(maxlen=max_samples)
+        self._last = float("-inf")
+        self._lock = threading.Lock()  # the sampler task and data requests (on threads)
+
+    def sample(self) -> Sample:
+        """Take a sample unless the last one is less than half an interval old; the newest."""
+        with self._lock:
+            now = self.clock()
+            if not self.samples or now - self._last >= self.interval_s / 2:
+                self.samples.append(self.read())
+                self._last = now
+            return self.samples[-1]
+
+    async def run(self) -> None:
+        """Sample every ``interval_s`` until cancelled."""
+        while True:
+            self.sample()
+            await asyncio.sleep(self.interval_s)
+
+    def series(self) -> dict:
+        """Each quantity over time, oldest first; ``t`` in seconds relative to the newest.
+        Rates are None where the window saw nothing to divide by."""
+        with self._lock:
+            samples = list(self.samples)
+        if not samples:
+            return {"t": []}
+        newest = samples[-1]
+        tiers = list(newest.tier_loaded_tokens)
+
+        def windowed(num: Callable[[Sample], float], den: Callable[[Sample], float]):
+            out = []
+            for i, s in enumerate(samples):
+                first = samples[max(0, i - self.window)]
+                d = den(s) - den(first)
+                out.append(None if d <= 0 else (num(s) - num(first)) / d)
+            return out
+
+        hit_rate = {
+            "device pool": windowed(lambda s: s.device_hit_tokens, lambda s: s.query_tokens)
+        }
+        for tier in tiers:
+            hit_rate[tier] = windowed(
+                lambda s, tier=tier: s.tier_loaded_tokens.get(tier, 0), lambda s: s.query_tokens
+            )
+        return {
+            "t": [round(s.t - newest.t, 3) for s in samples],
+            "blocks_total": [s.blocks_total for s in samples],
+            "blocks_used": [s.blocks_used for s in samples],
+            "blocks_cached": [s.blocks_cached for s in samples],
+            "waiting": [s.waiting for s in samples],
+            "running": [s.running for s in samples],
+            "rejected_429": [
+                s.rejected_429 - (samples[i - 1].rejected_429 if i else s.rejected_429)
+                for i, s in enumerate(samples)
+            ],
+            "load_decisions": [s.load_decisions for s in samples],
+            "recompute_decisions": [s.recompute_decisions for s in samples],
+            "hit_rate": hit_rate,
+            "ttft_mean_s": _finite(windowed(lambda s: s.ttft_sum_s, lambda s: s.ttft_count)),
+        }
+
+
+# ---- the data endpoint ----------------------------------------------------------------------
+
+
+class Dashboard:
+    """The dashboard's routes over one async engine and the server's metrics."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        model_name: str,
+        interval_s: float = 2.0,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.model_name = model_name
+        self.history = DashboardHistory(self._read, interval_s)
+        static = importlib.resources.files("kvwise.server") / "static"
+        self._page = (static / "dashboard.html").read_bytes()
+        self._script = (static / "dashboard.js").read_bytes()
+
+    def _read(self) -> Sample:
+        return take_sample(
+            self.engine.stats(), self.metrics.totals(), self.engine.is_running, time.time()
+        )
+
+    def data(self) -> dict:
+        """Everything the page draws, JSON-ready: the counters as of now, the series as of
+        the last sample."""
+        self.history.sample()
+        series = self.history.series()
+        newest = self._read()
+        hit_rate = {
+            "device pool": _ratio(newest.device_hit_tokens, newest.query_tokens),
+            **{
+                tier: _ratio(n, newest.query_tokens)
+                for tier, n in newest.tier_loaded_tokens.items()
+            },
+        }
+        ttft = series["ttft_mean_s"][-1] if series.get("ttft_mean_s") else None
+        return {
+            "model": self.model_name,
+            "time": newest.t,
+            "interval_s": self.history.interval_s,
+            "window_s": self.history.interval_s * self.history.window,
+            "engine_up": newest.engine_up,
+            "now": {
+                "blocks_total": newest.blocks_total,
+                "blocks_used": newest.blocks_used,
+                "blocks_cached": newest.blocks_cached,
+                "waiting": newest.waiting,
+                "running": newest.running,
+                "preemptions": newest.preemptions,
+                "rejected_429": newest.rejected_429,
+                "requests_finished": newest.requests_finished,
+                "load_decisions": newest.load_decisions,
+                "recompute_decisions": newest.recompute_decisions,
+                "lookup_misses": newest.lookup_misses,
+                "loaded_tokens": newest.loaded_tokens,
+                "recomputed_tokens": newest.recomputed_tokens,
+                "hit_rate": hit_rate,  # since start
+                "ttft_mean_s": ttft,  # over the window
+            },
+            "series": series,
+            "cost_model": self._cost_model(),
+        }
+
+    def _cost_model(self) -> dict | None:
+        curves = cost_curves(self.engine)
+        if curves is None:
+            return None
+        store = self.engine.engine.store
+        return {
+            "policy": store.policy,
+            "prefix_tokens": list(curves.prefix_tokens),
+            "recompute_ttft_s": _finite(curves.recompute_ttft_s),
+            "step_observations": curves.num_step_observations,
+            "tiers": [
+                {
+                    "name": c.tier,
+                    "ttft_s": _finite(c.ttft_s),
+                    "break_even_tokens": c.break_even_tokens,
+                    "observations": c.num_observations,
+                }
+                for c in curves.tiers
+            ],
+        }
+
+    # ---- routes -------------------------------------------------------------------------
+
+    async def page(self) -> Response:
+        return Response(self._page, media_type="text/html; charset=utf-8", headers=_HEADERS)
+
+    async def script(self) -> Response:
+        return Response(self._script, media_type="text/javascript; charset=utf-8", headers=_HEADERS)
+
+    async def data_route(self) -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(self.data), headers=_HEADERS)
+
+    def add_routes(self, app: FastAPI) -> None:
+        app.get("/dashboard", include_in_schema=False)(self.page)
+        app.get("/dashboard/dashboard.js", include_in_schema=False)(self.script)
+        app.get("/dashboard/data", include_in_schema=False)(self.data_route)
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return num / den if den > 0 else None
+
+
+def _finite(values) -> list[float | None]:
+    """JSON has no NaN or infinity: a fit gone astray shows as a gap, never a 500."""
+    return [v if v is not None and math.isfinite(v) else None for v in values]
+
+
+# ---- access ---------------------------------------------------------------------------------
+
+
+def check_admin_key(admin_key: str | None, tenant_keys: Iterable[str]) -> str | None:
+    """The admin key a server takes (None: none); ValueError when it cannot be one."""
+    if admin_key is None:
+        return None
+    if not admin_key.strip() or admin_key != admin_key.strip():
+        raise ValueError("admin_key: must be non-empty, without leading or trailing spaces")
+    if any(hmac.compare_digest(admin_key.encode(), k.encode()) for k in tenant_keys):
+        raise ValueError("admin_key: must differ from every tenant's API key")
+    return admin_key
+
+
+class AdminGate:
+    """ASGI middleware guarding ``/dashboard`` and every path under it (see the module
+    docstring): the admin key by Bearer header, ``?key=`` or the cookie it sets."""
+
+    def __init__(self, app, admin_key: str | None, tenant_keys: Iterable[str]) -> None:
+        self.app = app
+        self.admin_key = admin_key.encode() if admin_key else None
+        self.tenant_keys = [k.encode() for k in tenant_keys]
+        self.open = self.admin_key is None and not self.tenant_keys
+        self.cookie = (
+            hmac.new(self.admin_key, _COOKIE_TAG, hashlib.sha256).hexdigest()
+            if self.admin_key
+            else None
+        )
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path == "/dashboard" or path.startswith("/dashboard/")):
+            await self.app(scope, receive, send)
+            return
+        query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), True)
+        query_key = next((v for k, v in query if k == "key"), None)
+        if query_key is not None:  # NOTE: in place: uvicorn logs this scope's query string
+            scope["query_string"] = urlencode([(k, v) for k, v in query if k != "key"]).encode()
+        if self.open:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        error = self.check(headers.get(b"authorization"), query_key, headers.get(b"cookie"))
+        if error is not None:
+            headers_out = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else {}
+            response = JSONResponse(error.body(), status_code=error.status_code,
+                                    headers={**headers_out, "Cache-Control": "no-store"})  # fmt: skip
+            await response(scope, receive, send)
+            return
+        if query_key is not None and path == "/dashboard" and scope.get("method") == "GET":
+            # swap the key in the address bar (and the history) for the cookie
+            response = Response(status_code=303, headers={"Location": "/dashboard"})
+            response.set_cookie(
+                COOKIE, self.cookie, path="/dashboard", httponly=True, samesite="strict"
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def check(
+        self, authorization: bytes | None, query_key: str | None, cookie_header: bytes | None
+    ) -> APIError | None:
+        """None when the request may see the dashboard, else the error to answer with. The
+        first credential given decides: Bearer header, then ``?key=``, then the cookie."""
+        if self.admin_key is None:
+            return APIError(
+                403,
+                "dashboard: off, because API keys are set and no admin key is: start the "
+                "server with --admin-key KEY (or $KVWISE_ADMIN_KEY)",
+                code="dashboard_disabled",
+                error_type="permission_error",
+            )
+        presented: bytes | None = None
+        if authorization:
+            scheme, _, token = authorization.partition(b" ")
+            presented = token.strip() if scheme.lower() == b"bearer" else b""
+        elif query_key is not None:
+            presented = query_key.encode()
+        else:
+            cookie = _cookie(cookie_header, COOKIE)
+            if cookie is not None:
+                if hmac.compare_digest(cookie.encode(), self.cookie.encode()):
+                    return None
+                return _unauthorized("dashboard: the session cookie is stale: open "
+                                     "/dashboard?key=ADMIN_KEY again")  # fmt: skip
+        if presented is None:
+            return _unauthorized(
+                "dashboard: needs the admin key: open /dashboard?key=ADMIN_KEY, or send "
+                "'Authorization: Bearer ADMIN_KEY'"
+            )
+        if hmac.compare_digest(presented, self.admin_key):
+            return None
+        if any(hmac.compare_digest(presented, k) for k in self.tenant_keys):
+            return APIError(
+                403,
+                "dashboard: this is a tenant's API key; the dashboard needs the admin key",
+                code="not_admin",
+                error_type="permission_error",
+            )
+        return _unauthorized("dashboard: invalid admin key")
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_admin_key")
+
+
+def _cookie(header: bytes | None, name: str) -> str | None:
+    if not header:
+        return None
+    for part in header.decode("latin-1").split(";"):
+        key, sep, value = part.strip().partition("=")
+        if sep and key == name:
+            return value
+    return None
