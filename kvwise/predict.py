@@ -147,6 +147,7 @@ class Hardware:
     mfu: float = 0.5  # fraction of peak the weights' matmuls reach in prefill (assumed)
     attn_fraction: float | None = None  # the same for attention (None: mfu)
     step_overhead_s: float = 0.0  # per forward: launches, scheduling
+    memory_overlap: bool = True  # a step takes max(compute, memory) (the roofline); else sum
     request_overhead_s: float = 0.0  # per request, outside the forwards
     weight_dtype: str = "bfloat16"
     kv_dtype: str = "float16"
@@ -297,8 +298,13 @@ class Roofline:
         compute = m.linear_flops(q) / (hw.mfu * self._peak) + m.attention_flops(q, c) / (
             (hw.attn_fraction or hw.mfu) * self._peak
         )
-        memory = (self.weight_bytes + self.kv_per_token * (c + q)) / self._mem_bw
-        return hw.step_overhead_s + max(compute, memory)
+        memory = self.memory_s(q, c)
+        both = max(compute, memory) if hw.memory_overlap else compute + memory
+        return hw.step_overhead_s + both
+
+    def memory_s(self, q: int, c: int) -> float:
+        """A forward's memory time: every weight and the KV of ``c + q`` tokens read once."""
+        return (self.weight_bytes + self.kv_per_token * (c + q)) / self._mem_bw
 
     def recompute_s(self, n: int) -> float:
         """TTFT: prefill the prefix of ``n`` tokens and one more, chunk by chunk."""
@@ -397,24 +403,46 @@ def least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
 
 
 def fit_steps(model: ModelShape, hw: Hardware, prefill: list, decode: list) -> Hardware:
-    """``hw`` with its step overhead and fractions of peak fitted to measured steps.
+    """``hw`` with its per-step overhead and fractions of peak fitted to measured steps, under
+    whichever of the two step forms fits them better (smaller worst relative error):
+    compute and memory overlapped (the roofline's max) or one after the other (their sum).
 
-    Decode steps ``(context, seconds)`` are memory-bound: their excess over the memory time
-    (the weights and the KV read at ``hw.mem_bandwidth``) is the per-step overhead (median).
-    Prefill steps ``(q, c, seconds)`` are compute-bound: less that overhead, least squares of
-    ``linear FLOPs/(mfu·peak) + attention FLOPs/(af·peak)`` gives the two fractions."""
+    Decode steps ``(context, seconds)`` give the per-step overhead: their excess over the
+    one-token forward (median). Prefill steps ``(q, c, seconds)``, less that overhead (and,
+    for the sum, their memory time), give the fractions: least squares of ``linear
+    FLOPs/(mfu·peak) + attention FLOPs/(af·peak)``, each step weighted by 1/its time so short
+    steps count as much as long ones. The overhead and the fractions are refitted in turn."""
+    best = None
+    for overlap in (True, False):
+        fitted = hw.replace(memory_overlap=overlap)
+        for _ in range(3):
+            fitted = _fit_fractions(model, _fit_overhead(model, fitted, decode), prefill)
+        roof = Roofline(model, fitted)
+        worst = max(abs(roof.forward_s(q, c) / s - 1) for q, c, s in prefill)
+        if best is None or worst < best[0]:
+            best = (worst, fitted)
+    return best[1]
+
+
+def _fit_overhead(model: ModelShape, hw: Hardware, decode: list) -> Hardware:
+    roof = Roofline(model, hw.replace(step_overhead_s=0.0))
+    excess = sorted(s - roof.forward_s(1, c) for c, s in decode)
+    return hw.replace(step_overhead_s=max(0.0, excess[len(excess) // 2]) if excess else 0.0)
+
+
+def _fit_fractions(model: ModelShape, hw: Hardware, prefill: list) -> Hardware:
     roof = Roofline(model, hw)
-    excess = sorted(s - (roof.weight_bytes + roof.kv_per_token * (c + 1)) / hw.mem_bandwidth
-                    for c, s in decode)  # fmt: skip
-    o = max(0.0, excess[len(excess) // 2]) if excess else 0.0
-    rows = [[model.linear_flops(q) / hw.peak_flops, model.attention_flops(q, c) / hw.peak_flops]
-            for q, c, _ in prefill]  # fmt: skip
-    inv_mfu, inv_af = least_squares(rows, [s - o for _, _, s in prefill])
+    rows, ys = [], []
+    for q, c, s in prefill:
+        rest = s - hw.step_overhead_s - (0.0 if hw.memory_overlap else roof.memory_s(q, c))
+        rows.append([model.linear_flops(q) / hw.peak_flops / s,
+                     model.attention_flops(q, c) / hw.peak_flops / s])  # fmt: skip
+        ys.append(rest / s)
+    inv_mfu, inv_af = least_squares(rows, ys)
     if inv_mfu <= 0 or inv_af <= 0:
         raise ValueError(f"calibration: fitted fractions of peak are not positive "
                          f"(1/mfu {inv_mfu:.3g}, 1/attn {inv_af:.3g})")  # fmt: skip
-    return hw.replace(step_overhead_s=o, mfu=min(1.0, 1 / inv_mfu),
-                      attn_fraction=min(1.0, 1 / inv_af))  # fmt: skip
+    return hw.replace(mfu=min(1.0, 1 / inv_mfu), attn_fraction=min(1.0, 1 / inv_af))
 
 
 def fit_tier(name: str, reads: list[tuple[float, float]], source: str) -> Tier:
@@ -460,7 +488,8 @@ def report(result: dict, model: ModelShape, hw: Hardware) -> str:
                  f"{result['kv_bytes_per_token']:,.0f} B/token in {hw.kv_dtype}")  # fmt: skip
     lines.append(f"  hardware: {hw.peak_flops / 1e12:,.4g} TFLOP/s peak, mfu {hw.mfu:.2f}, "
                  f"attention {hw.attn_fraction or hw.mfu:.2f}, memory {hw.mem_bandwidth / GB:,.4g}"
-                 f" GB/s, step overhead {hw.step_overhead_s * 1e3:.3g} ms, request overhead "
+                 f" GB/s ({'overlapped with' if hw.memory_overlap else 'after'} compute), step "
+                 f"overhead {hw.step_overhead_s * 1e3:.3g} ms, request overhead "
                  f"{hw.request_overhead_s * 1e3:.3g} ms; {hw.source}")  # fmt: skip
     for name, t in result["tiers"].items():
         lines.append(f"  tier {name}: {t['latency_s'] * 1e6:,.0f} us + bytes / "
