@@ -8,7 +8,8 @@ batching, a unified KV pool, its prompt cache on (per slot, plus its host-RAM pr
 flash attention, the same thread count (kvwise/bench/llamacpp.py). Earlier versions of this benchmark used
 llama-cpp-python's server instead, which runs one request at a time.
 
-Each server is started as a subprocess on a free 127.0.0.1 port, loaded with ``--clients``
+Each server is started as a subprocess on a free 127.0.0.1 port (or, with ``--url``, one
+already running is loaded instead), loaded with ``--clients``
 concurrent streaming clients for ``--duration`` seconds (bounded in time and in count), then
 stopped. Prompts share one system prompt (prefix caching's best case) and differ in the user
 question. Reported per server: requests ok / 429 / other errors, p50 and p99 TTFT, total
@@ -67,6 +68,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-waiting", type=int, default=48, help="kvwise queue bound (429 past it)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument(
+        "--url",
+        default=None,
+        help="load a server already running at this URL (e.g. http://127.0.0.1:8000) instead "
+        "of starting kvwise and llama.cpp",
+    )
+    p.add_argument("--api-key", default=None, help="with --url: the Bearer key to send")
 
 
 async def _client(
@@ -132,7 +140,9 @@ async def _load(url: str, model: str, args: argparse.Namespace) -> dict:
     # few seconds, and a request sent on one that is closing fails before it is read
     limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=0)
     timeout = httpx.Timeout(args.duration + 60)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+    key = getattr(args, "api_key", None)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as http:
         start = time.perf_counter()
         deadline = start + args.duration
         await asyncio.gather(
@@ -235,6 +245,8 @@ def main(args: argparse.Namespace) -> int:
     from kvwise.models.default import default_model_path
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    if args.url:
+        return _load_running(args)
     gguf = str(Path(args.model) if args.model else default_model_path())
     results = {}
     port = llamacpp.free_port()
@@ -269,6 +281,12 @@ def main(args: argparse.Namespace) -> int:
                 results[f"llama.cpp -np {slots}"] = asyncio.run(_load(peer.url, model, args))
     elif not args.no_llama_cpp:
         print("llama.cpp skipped: llama-server not found (--llama-cpp DIR)")
+    _report(results, args)
+    print("kvwise after the load:", json.dumps(results["kvwise"].get("after")))
+    return 0
+
+
+def _report(results: dict, args: argparse.Namespace) -> None:
     print("| server | ok | 429 | errors | TTFT p50 | TTFT p99 | tokens/s |")
     print("|---|---:|---:|---|---:|---:|---:|")
     for name, r in results.items():
@@ -276,7 +294,24 @@ def main(args: argparse.Namespace) -> int:
             f"| {name} | {r['ok']} | {r['429']} | {r['errors'] or 0} | "
             f"{r['ttft_p50_s']:.2f} s | {r['ttft_p99_s']:.2f} s | {r['tokens_per_s']:.1f} |"
         )
-    print("kvwise after the load:", json.dumps(results["kvwise"].get("after")))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def _load_running(args: argparse.Namespace) -> int:
+    """``--url``: the same load against a server someone else started."""
+    import httpx
+
+    url = args.url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"url: expected http://HOST:PORT, got {args.url!r}")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    try:
+        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"url: no server answers at {url} ({type(exc).__name__})") from None
+    if r.status_code != 200:
+        raise ValueError(f"url: GET {url}/v1/models answered {r.status_code} (--api-key?)")
+    model = r.json()["data"][0]["id"]
+    _report({url: asyncio.run(_load(url, model, args))}, args)
     return 0

@@ -260,8 +260,26 @@ class Dashboard:
                 "ttft_mean_s": ttft,  # over the window
             },
             "series": series,
+            "tiers": self._tiers(),
             "cost_model": self._cost_model(),
         }
+
+    def _tiers(self) -> list[dict]:
+        store = self.engine.stats().store
+        return [
+            {
+                "name": name,
+                "entries": t.num_entries,
+                "bytes": t.num_bytes,
+                "hits": t.hits,
+                "misses": t.misses,
+                "faults": t.faults,
+                "loads": t.loads,
+                "load_seconds": t.load_seconds,
+                "loaded_tokens": t.loaded_tokens,
+            }
+            for name, t in (store.tiers.items() if store is not None else ())
+        ]
 
     def _cost_model(self) -> dict | None:
         curves = cost_curves(self.engine)

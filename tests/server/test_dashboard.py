@@ -37,6 +37,7 @@ def test_open_dashboard_serves_page_script_and_data():
         assert data["model"] == "fake" and data["engine_up"] is True
         assert data["now"]["requests_finished"] == 0 and data["now"]["blocks_total"] == 64
         assert list(data["series"]["hit_rate"]) == ["device pool", "host"]
+        assert [t["name"] for t in data["tiers"]] == ["host"] and data["tiers"][0]["hits"] == 0
         cost = data["cost_model"]
         assert cost["policy"] == "auto" and [t["name"] for t in cost["tiers"]] == ["host"]
         n = len(cost["prefix_tokens"])
@@ -60,6 +61,7 @@ def test_dashboard_without_tiers_has_no_cost_model():
     with serve(fake_engine()) as (_, client):
         data = client.get("/dashboard/data").json()
         assert data["cost_model"] is None and list(data["series"]["hit_rate"]) == ["device pool"]
+        assert data["tiers"] == []
 
 
 def test_429s_reach_the_dashboard():

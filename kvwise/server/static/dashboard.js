@@ -4,7 +4,7 @@
 
 (function () {
   const SVG = "http://www.w3.org/2000/svg";
-  const W = 560, H = 230, M = { l: 54, r: 14, t: 10, b: 34 };
+  const W = 560, H = 230, M = { l: 66, r: 14, t: 10, b: 34 };
   const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
   const TIER_COLORS = {
     "device pool": "#1f77b4", host: "#ff7f0e", disk: "#2ca02c", redis: "#d62728",
@@ -33,6 +33,12 @@
     if (s < 1) return (s * 1e3).toFixed(s < 0.01 ? 1 : 0) + " ms";
     return s.toFixed(s < 10 ? 2 : 1) + " s";
   }
+  function fmtBytes(n) {
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+    return (i ? n.toFixed(n < 10 ? 1 : 0) : String(n)) + " " + units[i];
+  }
   function fmtTokens(n) {
     if (n >= 1e6) return (n / 1e6).toFixed(n % 1e6 ? 1 : 0) + "M";
     if (n >= 1e3) return (n / 1e3).toFixed(n % 1e3 ? 1 : 0) + "K";
@@ -47,9 +53,9 @@
 
   // ---- scales and ticks ----------------------------------------------------------------------
 
-  function niceTicks(lo, hi, count) {
+  function niceTicks(lo, hi, count, integer) {
     if (!(hi > lo)) hi = lo + 1;
-    const raw = (hi - lo) / count;
+    const raw = Math.max((hi - lo) / count, integer ? 1 : 0);
     const mag = Math.pow(10, Math.floor(Math.log10(raw)));
     const step = [1, 2, 5, 10].map((f) => f * mag).find((s) => s >= raw) || 10 * mag;
     const out = [];
@@ -57,9 +63,9 @@
     return out;
   }
 
-  function niceMax(lo, hi, count) {
+  function niceMax(lo, hi, count, integer) {
     // the first tick at or above hi, so the top of the chart is a round number
-    const ticks = niceTicks(lo, hi, count);
+    const ticks = niceTicks(lo, hi, count, integer);
     const step = ticks.length > 1 ? ticks[1] - ticks[0] : hi - lo;
     const last = ticks[ticks.length - 1];
     return last >= hi ? last : +(last + step).toPrecision(12);
@@ -67,8 +73,10 @@
 
   function logTicks(lo, hi) {
     const out = [];
+    const decades = Math.log10(hi / lo);
+    const steps = decades <= 2 ? [1, 2, 5] : decades <= 4 ? [1, 3] : [1];
     for (let e = Math.floor(Math.log10(lo)); e <= Math.ceil(Math.log10(hi)); e++) {
-      for (const f of [1, 2, 5]) {
+      for (const f of steps) {
         const v = f * Math.pow(10, e);
         if (v >= lo * 0.999 && v <= hi * 1.001) out.push(v);
       }
@@ -109,11 +117,11 @@
     if (opts.yLog) { yMin = Math.max(yMin, 1e-6); yMax = Math.max(yMax, yMin * 10); }
     if (xMax <= xMin) xMax = xMin + 1;
     if (yMax <= yMin) yMax = yMin + 1;
-    if (!opts.yLog && opts.yMax === undefined) yMax = niceMax(yMin, yMax, 4);
+    if (!opts.yLog && opts.yMax === undefined) yMax = niceMax(yMin, yMax, 4, opts.integer);
     const sx = scale(xMin, xMax, M.l, W - M.r, opts.xLog);
     const sy = scale(yMin, yMax, H - M.b, M.t, opts.yLog);
     const xt = opts.xLog ? logTicks(xMin, xMax) : niceTicks(xMin, xMax, 6);
-    const yt = opts.yLog ? logTicks(yMin, yMax) : niceTicks(yMin, yMax, 4);
+    const yt = opts.yLog ? logTicks(yMin, yMax) : niceTicks(yMin, yMax, 4, opts.integer);
     const grid = el("g", {}, svg);
     for (const v of yt) {
       const y = sy(v);
@@ -128,7 +136,7 @@
     el("line", { x1: M.l, x2: W - M.r, y1: H - M.b, y2: H - M.b, class: "axis" }, grid);
     el("line", { x1: M.l, x2: M.l, y1: M.t, y2: H - M.b, class: "axis" }, grid);
     if (opts.xLabel) el("text", { x: (M.l + W - M.r) / 2, y: H - 3, "text-anchor": "middle" }, grid, opts.xLabel);
-    if (opts.yLabel) el("text", { x: 12, y: (M.t + H - M.b) / 2, "text-anchor": "middle", transform: `rotate(-90 12 ${(M.t + H - M.b) / 2})` }, grid, opts.yLabel);
+    if (opts.yLabel) el("text", { x: 11, y: (M.t + H - M.b) / 2, "text-anchor": "middle", transform: `rotate(-90 11 ${(M.t + H - M.b) / 2})` }, grid, opts.yLabel);
 
     for (const s of opts.series) {
       // runs of consecutive defined points (a null breaks the line)
@@ -210,7 +218,7 @@
     const timeAxis = { xFmt: fmtAgo, xMax: 0, xMin: Math.min(-60, t.length ? t[0] : -60) };
 
     drawChart($("chart-pool"), Object.assign({
-      legend: "legend-pool", yMin: 0, yLabel: "blocks",
+      legend: "legend-pool", yMin: 0, yLabel: "blocks", integer: true,
       series: [
         { name: "used + cached (free, reusable)", color: "#aec7e8", x: t, y: t.map((_, i) => s.blocks_used[i] + s.blocks_cached[i]), fill: 0.35, width: 1.5 },
         { name: "used by requests", color: "#1f77b4", x: t, y: s.blocks_used, fill: 0.35 },
@@ -229,7 +237,7 @@
       Object.keys(now.hit_rate).map((k) => `${k} ${fmtPct(now.hit_rate[k])}`).join(", ");
 
     drawChart($("chart-decisions"), Object.assign({
-      legend: "legend-decisions", yMin: 0, yLabel: "decisions (total)",
+      legend: "legend-decisions", yMin: 0, yLabel: "decisions (total)", integer: true,
       series: [
         { name: "load from a tier", color: "#2ca02c", x: t, y: s.load_decisions },
         { name: "recompute (all or part)", color: "#d62728", x: t, y: s.recompute_decisions },
@@ -238,7 +246,7 @@
     $("sub-decisions").textContent = `${fmtInt(now.loaded_tokens)} tokens loaded, ${fmtInt(now.recomputed_tokens)} stored tokens recomputed instead, ${fmtInt(now.lookup_misses)} lookups no tier held`;
 
     drawChart($("chart-queue"), Object.assign({
-      legend: "legend-queue", yMin: 0, yLabel: "requests",
+      legend: "legend-queue", yMin: 0, yLabel: "requests", integer: true,
       series: [
         { name: "waiting", color: "#ff7f0e", x: t, y: s.waiting },
         { name: "running", color: "#1f77b4", x: t, y: s.running },
@@ -248,6 +256,32 @@
     $("sub-queue").textContent = `${fmtInt(now.rejected_429)} rejected with 429 since start, ${fmtInt(now.preemptions)} preemptions`;
 
     renderCost(d.cost_model);
+    renderTiers(d.tiers || [], d.cost_model);
+  }
+
+  function renderTiers(tiers, cm) {
+    const body = $("tiers-body");
+    body.textContent = "";
+    const breakEven = {};
+    for (const tier of (cm && cm.tiers) || []) breakEven[tier.name] = tier.break_even_tokens;
+    if (!tiers.length) {
+      const row = body.insertRow();
+      const cell = row.insertCell();
+      cell.colSpan = 8;
+      cell.textContent = "no KV tiers below the device pool";
+      return;
+    }
+    for (const t of tiers) {
+      const be = breakEven[t.name];
+      const cells = [
+        t.name, fmtInt(t.entries), fmtBytes(t.bytes), fmtInt(t.hits), fmtInt(t.loaded_tokens),
+        t.loads ? fmtSec(t.load_seconds / t.loads) : "–", fmtInt(t.faults),
+        be === null || be === undefined ? "never" : fmtTokens(be) + " tokens",
+      ];
+      const row = body.insertRow();
+      row.id = `tier-${t.name}`;
+      for (const c of cells) row.insertCell().textContent = c;
+    }
   }
 
   function renderCost(cm) {
