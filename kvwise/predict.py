@@ -527,12 +527,12 @@ def plot(path: str, model: ModelShape, hw: Hardware, tiers: list[Tier], overlap:
     colours = ["tab:green", "tab:blue", "tab:red", "tab:purple", "tab:orange", "tab:brown"]
     for i, t in enumerate(tiers):
         c = colours[i % len(colours)]
-        ax.plot(xs, [roof.load_s(n, t) * 1e3 for n in xs], "-", color=c,
-                label=f"{t.name} load (predicted)")  # fmt: skip
         be = roof.break_even(t, max_tokens)
+        where = "never" if be is None else f"{be:,}"
+        ax.plot(xs, [roof.load_s(n, t) * 1e3 for n in xs], "-", color=c,
+                label=f"{t.name} load (predicted); break-even {where}")  # fmt: skip
         if be:
             ax.axvline(be, color=c, ls=":", lw=1)
-            ax.annotate(f"{be:,}", (be, ax.get_ylim()[0]), color=c, fontsize=8)
     if measured:
         lengths = measured["lengths"]
         med = measured["median_ttft_s"]
@@ -632,7 +632,8 @@ def main(args: argparse.Namespace) -> int:
     tiers = tiers_for(hw, [t for t in args.tiers.split(",") if t] if args.tiers else None)
     if args.max_tokens < 2:
         raise ValueError(f"max_tokens: expected at least 2, got {args.max_tokens}")
-    result = predict(model, hw, tiers, args.overlap, args.gpus, max_tokens=args.max_tokens)
+    lengths = [n for n in REPORT_LENGTHS if n <= args.max_tokens] or [args.max_tokens]
+    result = predict(model, hw, tiers, args.overlap, args.gpus, lengths, args.max_tokens)
     print(report(result, model, hw))
     measured = None
     if args.validate:

@@ -4,8 +4,9 @@ Every parameter of the roofline (``kvwise/predict.py``) is measured here, none c
 ``kvwise bench breakeven``'s curves, and at other lengths than the ones they are checked at
 (256, 1,024 and 4,096 tokens):
 
-- **peak FLOP/s**: the best median of float32 matmuls shaped like the model's, at the engine's
-  thread count; **memory bandwidth**: the median rate of summing a 512 MiB tensor.
+- **peak FLOP/s**: the best run of float32 matmuls shaped like the model's, at the engine's
+  thread count; **memory bandwidth**: the best run of summing a 512 MiB tensor (peaks, as
+  STREAM reports them: a busy moment can only make a run slower).
 - **step overhead, mfu, attention fraction**: least squares of ``o + linear FLOPs/(mfu·peak)
   + attention FLOPs/(af·peak)`` over the engine's own prefill steps for prompts of 64, 192,
   512 and 2,560 tokens (chunks at contexts 0 to 2,048); decode steps are reported as a check.
@@ -44,7 +45,7 @@ def _peak_flops(hidden: int, inter: int) -> float:
             t0 = time.perf_counter()
             a @ b
             ts.append(time.perf_counter() - t0)
-        best = max(best, 2 * m * k * n / statistics.median(ts))
+        best = max(best, 2 * m * k * n / min(ts))
     return best
 
 
@@ -54,11 +55,11 @@ def _mem_bandwidth() -> float:
     x = torch.ones(128 * 2**20)  # 512 MiB
     x.sum()
     ts = []
-    for _ in range(7):
+    for _ in range(10):
         t0 = time.perf_counter()
         x.sum()
         ts.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(ts)
+    return x.numel() * 4 / min(ts)  # the best run, as STREAM reports
 
 
 def _timed_request(engine, token_ids: list[int], max_tokens: int):
