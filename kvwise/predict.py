@@ -232,6 +232,8 @@ def model_shape(name_or_path: str | None) -> ModelShape:
     key = MODEL_ALIASES.get(key, key)
     if key in MODELS:
         return MODELS[key]
+    if "=" in key:
+        return _shape_from_text(key)
     if not Path(name_or_path).exists():
         raise ValueError(f"model: unknown preset or missing path {name_or_path!r}; presets: "
                          f"{', '.join(['default', *MODELS])}")  # fmt: skip
@@ -239,6 +241,36 @@ def model_shape(name_or_path: str | None) -> ModelShape:
 
     arch, name = arch_from_model(name_or_path)
     return ModelShape.from_arch(arch, name, source=str(name_or_path))
+
+
+_SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "intermediate": "intermediate_size",
+               "heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim",
+               "vocab": "vocab_size"}  # fmt: skip
+
+
+def _shape_from_text(text: str) -> ModelShape:
+    """``layers=80,hidden=8192,intermediate=28672,heads=64,kv_heads=8,vocab=128256[,head_dim=128]
+    [,tied=1]``: a Llama-shaped model given by its dimensions."""
+    fields: dict = {}
+    tied = False
+    for part in text.split(","):
+        k, _, v = part.strip().partition("=")
+        if k == "tied":
+            tied = v not in ("0", "false", "no")
+            continue
+        if k not in _SHAPE_KEYS:
+            raise ValueError(f"model: unknown dimension {k!r} in {text!r}; expected "
+                             f"{', '.join([*_SHAPE_KEYS, 'tied'])}")  # fmt: skip
+        try:
+            fields[_SHAPE_KEYS[k]] = int(v)
+        except ValueError:
+            raise ValueError(f"model: {k} must be an integer, got {v!r}") from None
+    if "head_dim" not in fields and "hidden_size" in fields and "num_heads" in fields:
+        fields["head_dim"] = fields["hidden_size"] // fields["num_heads"]
+    missing = [k for k, f in _SHAPE_KEYS.items() if f not in fields]
+    if missing:
+        raise ValueError(f"model: the shape lacks {', '.join(missing)}")
+    return ModelShape("custom shape", **fields, tie_word_embeddings=tied, source=text)
 
 
 def hardware_preset(name: str, machine_file: str | Path | None = None) -> Hardware:

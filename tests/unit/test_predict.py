@@ -39,6 +39,9 @@ def test_model_shapes_count_what_their_papers_say():
     assert SMOL.kv_bytes_per_token("float32") == 46_080  # what kvwise's pool holds by default
     assert model_shape("default") is SMOL
     assert model_shape("Llama-3-70B") is LLAMA70
+    given = model_shape("layers=80,hidden=8192,intermediate=28672,heads=64,kv_heads=8,vocab=128256")
+    assert given.total_params == LLAMA70.total_params  # head_dim = hidden / heads
+    assert given.kv_bytes_per_token("float16") == 327_680
 
 
 def test_a_compute_bound_prefill_is_its_flops_over_the_fraction_of_peak():
@@ -135,6 +138,9 @@ def test_a_calibration_file_round_trips(tmp_path):
     [
         (lambda: hardware_preset("h1000"), "hardware: unknown preset 'h1000'"),
         (lambda: model_shape("gpt-5"), "model: unknown preset or missing path 'gpt-5'"),
+        (lambda: model_shape("layers=2,hidden=64"), "model: the shape lacks intermediate"),
+        (lambda: model_shape("layers=2,width=64"), "model: unknown dimension 'width'"),
+        (lambda: model_shape("layers=x"), "model: layers must be an integer"),
         (lambda: parse_tier("tape"), "tier: unknown preset or bad spec 'tape'"),
         (lambda: parse_tier("remote=x:10"), "tier: unknown preset or bad spec"),
         (lambda: parse_tier("remote=-1:10"), "latency must be >= 0"),
