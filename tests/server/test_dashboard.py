@@ -148,3 +148,36 @@ def test_the_gate_takes_the_key_out_of_the_logged_query_string():
     scope = {"type": "http", "path": "/v1/models", "query_string": b"key=x", "headers": []}
     asyncio.run(gate(scope, None, None))
     assert scope["query_string"] == b"key=x"
+
+
+def test_serve_takes_the_admin_key_from_a_flag_or_the_environment(monkeypatch):
+    from kvwise.cli import build_parser
+
+    monkeypatch.delenv("KVWISE_ADMIN_KEY", raising=False)
+    assert build_parser().parse_args(["serve"]).admin_key is None
+    assert build_parser().parse_args(["serve", "--admin-key", "k1"]).admin_key == "k1"
+    monkeypatch.setenv("KVWISE_ADMIN_KEY", "k2")
+    assert build_parser().parse_args(["serve"]).admin_key == "k2"
+    monkeypatch.setenv("KVWISE_ADMIN_KEY", "")
+    assert build_parser().parse_args(["serve"]).admin_key is None
+
+
+def test_bench_load_url_drives_a_running_server(capsys):
+    from kvwise.bench import load
+    from kvwise.cli import build_parser
+
+    # the load's system prompt is ~2,600 bytes: byte tokens on the fake engine
+    engine = fake_engine(num_blocks=4096, max_model_len=8192)
+    with serve(engine, api_keys=KEYS, admin_key=ADMIN) as (server, client):
+        argv = ["bench", "load", "--url", server.base_url, "--api-key", "key-alice"]
+        argv += ["--clients", "2", "--duration", "1", "--max-tokens", "4"]
+        assert load.main(build_parser().parse_args(argv)) == 0
+        row = next(r for r in capsys.readouterr().out.splitlines() if server.base_url in r)
+        num_ok, num_429, errors = (c.strip() for c in row.split("|")[2:5])
+        assert int(num_ok) > 0 and (num_429, errors) == ("0", "0")
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        assert client.get("/dashboard/data", headers=admin).json()["now"]["requests_finished"] > 0
+        for bad, message in (("localhost:1", "expected http"), (server.base_url, "answered 401")):
+            argv = ["bench", "load", "--url", bad, "--duration", "1"]
+            with pytest.raises(ValueError, match=f"^url: .*{message}"):
+                load.main(build_parser().parse_args(argv))
