@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from kvwise.bench.common import wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,20 +31,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"kvwise serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("kvwise serve did not come up")
 
 
 def main() -> int:
@@ -71,7 +57,7 @@ def main() -> int:
         print("$", " ".join(serve))
         server = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            wait_healthy(server, url)
+            wait_ready(url, server, timeout=180)
             load = kvwise + ["bench", "load", "--url", url, "--clients", str(args.clients)]
             load += ["--duration", str(args.duration), "--max-tokens", str(args.max_tokens)]
             print("$", " ".join(load))

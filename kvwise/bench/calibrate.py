@@ -49,19 +49,6 @@ def _peak_flops(hidden: int, inter: int) -> float:
     return best
 
 
-def _mem_bandwidth() -> float:
-    import torch
-
-    x = torch.ones(128 * 2**20)  # 512 MiB
-    x.sum()
-    ts = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        x.sum()
-        ts.append(time.perf_counter() - t0)
-    return x.numel() * 4 / min(ts)  # the best run, as STREAM reports
-
-
 def _timed_request(engine, token_ids: list[int], max_tokens: int):
     """Run one request alone; return (TTFT, the steps' seconds in order)."""
     from kvwise.types import SamplingParams
@@ -85,6 +72,7 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
     import torch
 
     from kvwise.bench import breakeven as be
+    from kvwise.bench.common import measure_read_bandwidth
     from kvwise.engine_args import add_engine_args
     from kvwise.models.loader import load_model
     from kvwise.predict import (
@@ -108,7 +96,7 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
                                  else str(args.model))  # fmt: skip
     print(f"torch threads: {torch.get_num_threads()}")
     peak = _peak_flops(model.hidden_size, model.intermediate_size)
-    mem_bw = _mem_bandwidth()
+    mem_bw = measure_read_bandwidth(512 * 2**20, reps=10, best=True)
     print(f"float32 matmul: {peak / 1e9:.0f} GFLOP/s; memory read: {mem_bw / 1e9:.1f} GB/s")
 
     redis_server = None

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from kvwise.bench.chat import _CHARS_PER_TOKEN, _slices
+from kvwise.bench.common import wait_ready
 
 MODES = ("one big replica", "cache-aware", "power-of-two", "round-robin")
 FOLLOW_UPS = (
@@ -267,26 +268,12 @@ def _run_mode(mode, port, base, keys, secret, system, docs, args, public):
         secret=secret,
     )
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url)
+    wait_ready(url)
     start = time.perf_counter()
     records = asyncio.run(_drive(url, list(keys), system, docs, args, public))
     wall = time.perf_counter() - start
     ray_serve.stop(shutdown_ray=False)
     return records, wall
-
-
-def _wait_healthy(url: str, timeout: float = 120) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url}: not healthy after {timeout} s")
 
 
 def _report(results: dict[str, list[dict]], modes: list[str]) -> None:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from kvwise.bench import llamacpp
+from kvwise.bench.common import wait_ready
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a small bicycle shop. Answer briefly and politely. "
@@ -168,29 +169,13 @@ async def _load(url: str, model: str, args: argparse.Namespace) -> dict:
     }
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    import httpx
-
-    end = time.time() + timeout
-    while time.time() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("server did not become ready")
-
-
 def _serve_process(cmd: list[str], url: str, work) -> dict:
     """Start a server process, wait until it answers, return ``asyncio.run(work(url))``."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:
-        _wait_ready(url, proc)
+        wait_ready(url, proc, timeout=300, path="/v1/models")
         return asyncio.run(work(url))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
