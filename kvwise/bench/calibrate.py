@@ -1,6 +1,6 @@
 """``kvwise breakeven --calibrate``: measure this machine for ``--hardware this-machine``.
 
-Every parameter of the roofline (``kvwise/predict.py``) is measured here, none chosen to match
+Every parameter of the roofline (``kvwise/roofline.py``) is measured here, none chosen to match
 ``kvwise bench breakeven``'s curves, and at other lengths than the ones they are checked at
 (256, 1,024 and 4,096 tokens):
 
@@ -75,7 +75,7 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
     from kvwise.bench.common import measure_read_bandwidth
     from kvwise.engine_args import add_engine_args
     from kvwise.models.loader import load_model
-    from kvwise.predict import (
+    from kvwise.roofline import (
         Hardware,
         ModelShape,
         Roofline,
@@ -236,7 +236,7 @@ def _measure(args, engines, tiers, model, peak) -> dict:
 def _tier_fit(name: str, result: dict):
     """A tier as a request sees it: the loader's time (reads, checks, copies) fitted as
     latency + bytes / bandwidth, plus the load path's own overhead (median)."""
-    from kvwise.predict import Tier, fit_tier
+    from kvwise.roofline import Tier, fit_tier
 
     fit = fit_tier(name, result["tier_reads"][name], "")
     extra = max(0.0, statistics.median(result["load_overheads"][name]))

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvwise.cli import main
-from kvwise.predict import (
+from kvwise.roofline import (
     HARDWARE,
     MODELS,
     Hardware,
