@@ -71,9 +71,7 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
     """Measure, fit, write the calibration to ``path``; return what was measured."""
     import torch
 
-    from kvwise.bench import breakeven as be
     from kvwise.bench.common import measure_read_bandwidth
-    from kvwise.engine_args import add_engine_args
     from kvwise.models.loader import load_model
     from kvwise.roofline import (
         Hardware,
@@ -99,6 +97,39 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
     mem_bw = measure_read_bandwidth(512 * 2**20, reps=10, best=True)
     print(f"float32 matmul: {peak / 1e9:.0f} GFLOP/s; memory read: {mem_bw / 1e9:.1f} GB/s")
 
+    result, facts = _measure_engines(args, loaded, tiers, model)
+    tier_fits = [_tier_fit(t, result) for t in tiers]
+    draft = Hardware(
+        "this machine", peak, mem_bw, None,
+        request_overhead_s=statistics.median(result["request_overheads"]),
+        weight_dtype="float32", kv_dtype=facts["kv_dtype"],
+        prefill_chunk=facts["prefill_chunk"], tiers=tuple(tier_fits),
+        source=f"measured by `kvwise breakeven --calibrate` ({torch.get_num_threads()} threads)",
+    )  # fmt: skip
+    hw = fit_steps(model, draft, result["prefill_steps"], result["decode_steps"])
+    roof = Roofline(model, hw)
+    step_check = [
+        {"tokens": q, "context": c, "measured_s": s, "predicted_s": roof.forward_s(q, c)}
+        for q, c, s in result["prefill_steps"]
+    ] + [
+        {"tokens": 1, "context": c, "measured_s": s, "predicted_s": roof.forward_s(1, c)}
+        for c, s in result["decode_steps"]
+    ]
+    measured = {**result, "engine_weight_bytes": facts["weight_bytes"],
+                "shape_weight_bytes": roof.weight_bytes, "step_check": step_check}  # fmt: skip
+    save_machine(path, hw, measured)
+    _print_fit(hw, step_check)
+    print(f"calibration: {path}")
+    return measured
+
+
+def _measure_engines(args, loaded, tiers: list[str], model) -> tuple[dict, dict]:
+    """Build the engines `kvwise bench breakeven` builds by default (one without tiers, one per
+    tier; Redis started on loopback), measure them, close them. Returns what was measured and
+    the engine's facts the fit needs."""
+    from kvwise.bench import breakeven as be
+    from kvwise.engine_args import add_engine_args
+
     redis_server = None
     if "redis" in tiers:
         try:
@@ -108,58 +139,42 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
             tiers.remove("redis")
     disk_root = tempfile.mkdtemp(prefix="kvwise-calibrate-")
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)  # the engine as `kvwise bench breakeven` builds it by default
+    add_engine_args(parser)
     ns = parser.parse_args([])
     ns.model = None if args.model == "default" else args.model
+    engines = {}
     try:
         engines = be._engines(ns, loaded, tiers, redis_server.url if redis_server else None,
                               disk_root, max(STEP_LENGTHS) + 64)  # fmt: skip
-        result = _measure(args, engines, tiers, model, peak)
+        result = _measure(args, engines, tiers, model)
+        engine = engines["recompute"]
+        facts = {
+            "weight_bytes": sum(p.numel() * p.element_size() for p in engine.runner.model.parameters()),
+            "kv_dtype": engine.runner.spec.dtype,
+            "prefill_chunk": engine.scheduler.config.prefill_chunk_size,
+        }  # fmt: skip
     finally:
+        for e in engines.values():
+            e.close()
         if redis_server is not None:
             redis_server.stop()
         shutil.rmtree(disk_root, ignore_errors=True)
-    engine = engines["recompute"]
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    kv_dtype = engine.runner.spec.dtype
-    for e in engines.values():
-        e.close()
+    return result, facts
 
-    tier_fits = [_tier_fit(t, result) for t in tiers]
-    draft = Hardware(
-        "this machine", peak, mem_bw, None,
-        request_overhead_s=statistics.median(result["request_overheads"]),
-        weight_dtype="float32", kv_dtype=kv_dtype,
-        prefill_chunk=engine.scheduler.config.prefill_chunk_size, tiers=tuple(tier_fits),
-        source=f"measured by `kvwise breakeven --calibrate` ({torch.get_num_threads()} threads)",
-    )  # fmt: skip
-    hw = fit_steps(model, draft, result["prefill_steps"], result["decode_steps"])
-    o, mfu, af = hw.step_overhead_s, hw.mfu, hw.attn_fraction
-    roof = Roofline(model, hw)
-    step_check = [
-        {"tokens": q, "context": c, "measured_s": s, "predicted_s": roof.forward_s(q, c)}
-        for q, c, s in result["prefill_steps"]
-    ] + [
-        {"tokens": 1, "context": c, "measured_s": s, "predicted_s": roof.forward_s(1, c)}
-        for c, s in result["decode_steps"]
-    ]
-    measured = {**result, "engine_weight_bytes": weight_bytes,
-                "shape_weight_bytes": roof.weight_bytes, "step_check": step_check}  # fmt: skip
-    save_machine(path, hw, measured)
-    print(f"step: {o * 1e3:.1f} ms + matmuls at {mfu:.2f} of peak + attention at {af:.2f}")
+
+def _print_fit(hw, step_check: list[dict]) -> None:
+    print(f"step: {hw.step_overhead_s * 1e3:.1f} ms + matmuls at {hw.mfu:.2f} of peak + "
+          f"attention at {hw.attn_fraction:.2f} ({'overlapped with' if hw.memory_overlap else 'after'}"
+          " the memory time)")  # fmt: skip
     print(f"request overhead: {hw.request_overhead_s * 1e3:.1f} ms")
-    for t in tier_fits:
+    for t in hw.tiers:
         print(f"{t.name}: {t.latency_s * 1e3:.2f} ms + bytes / {t.bandwidth / 1e9:.2f} GB/s")
     for d in step_check:
-        print(
-            f"fit, a step of {d['tokens']} tokens after {d['context']:,}: measured "
-            f"{d['measured_s'] * 1e3:.1f} ms, fitted {d['predicted_s'] * 1e3:.1f} ms"
-        )
-    print(f"calibration: {path}")
-    return measured
+        print(f"fit, a step of {d['tokens']} tokens after {d['context']:,}: measured "
+              f"{d['measured_s'] * 1e3:.1f} ms, fitted {d['predicted_s'] * 1e3:.1f} ms")  # fmt: skip
 
 
-def _measure(args, engines, tiers, model, peak) -> dict:
+def _measure(args, engines, tiers, model) -> dict:
     from kvwise.bench import breakeven as be
     from kvwise.engine import llm_engine
 
