@@ -137,10 +137,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvwise.engine.builder import build_engine
     from kvwise.models.default import DEFAULT_MODEL_NAME
     from kvwise.server import create_app, parse_api_keys
+    from kvwise.server.dashboard import check_admin_key
     from kvwise.server.serving import DrainingServer
     from kvwise.utils import parse_bytes
 
     keys = parse_api_keys(args.api_key, os.environ.get("KVWISE_API_KEYS"))
+    check_admin_key(args.admin_key, keys)  # before the model loads
     max_request_bytes = parse_bytes(args.max_request_bytes, "max_request_bytes")
     config = EngineConfig.from_kwargs(**engine_kwargs(args), max_waiting=args.max_waiting)
     if args.served_model_name:

@@ -133,6 +133,22 @@ def test_bad_admin_keys_are_refused_without_echo(bad):
     assert "key-alice" not in str(info.value)
 
 
+def test_serve_refuses_a_bad_admin_key_before_loading_the_model(monkeypatch, capsys):
+    from kvwise.cli import main
+    from kvwise.engine import builder
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the admin key was checked")
+
+    monkeypatch.setattr(builder, "build_engine", no_model)
+    monkeypatch.delenv("KVWISE_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("KVWISE_API_KEYS", raising=False)
+    assert main(["serve", "--api-key", "key-alice=alice", "--admin-key", "key-alice"]) == 2
+    err = capsys.readouterr().err
+    assert "admin_key: must differ from every tenant's API key" in err
+    assert err.count("key-alice") == 0
+
+
 def test_the_gate_takes_the_key_out_of_the_logged_query_string():
     seen = {}
 
