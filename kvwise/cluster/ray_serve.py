@@ -54,15 +54,19 @@ APP_NAME = "kvwise"
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class EventHubActor:
-    """``event_sync.EventHub`` as an actor, plus each replica's latest ``EngineStats``."""
+    """``event_sync.EventHub`` as an actor, plus each replica's latest ``EngineStats`` and
+    cost-model curves (``CostCurves``, for the dashboard)."""
 
     def __init__(self, ring: int = 1024) -> None:
         self.hub = EventHub(ring)
         self.stats: dict[str, Any] = {}
+        self.curves: dict[str, Any] = {}
 
-    def publish(self, replica: str, batches, load, stats=None) -> bool:
+    def publish(self, replica: str, batches, load, stats=None, curves=None) -> bool:
         if stats is not None:
             self.stats[replica] = stats
+        if curves is not None:
+            self.curves[replica] = curves
         return self.hub.publish(replica, batches, tuple(load))
 
     def publish_snapshot(self, replica: str, seq: int, hashes) -> None:
@@ -77,9 +81,13 @@ class EventHubActor:
     def drop(self, replica: str) -> None:
         self.hub.drop(replica)
         self.stats.pop(replica, None)
+        self.curves.pop(replica, None)
 
     def replica_stats(self) -> dict[str, Any]:
         return dict(self.stats)
+
+    def replica_curves(self) -> dict[str, Any]:
+        return dict(self.curves)
 
 
 class EngineReplica:
@@ -190,8 +198,11 @@ class EngineReplica:
             if snap is not None:
                 await hub.publish_snapshot.remote(self.replica_id, *snap)
             stats = self.engine.stats() if with_stats else None
+            curves = self.engine.cost_curves() if with_stats else None
             batches = [batch] if batch is not None else []
-            self._want_snapshot = await hub.publish.remote(self.replica_id, batches, load, stats)
+            self._want_snapshot = await hub.publish.remote(
+                self.replica_id, batches, load, stats, curves
+            )
             self._last_load = load
 
     async def _flush_quietly(self) -> None:
@@ -250,12 +261,19 @@ class Ingress:
         self.hub_name = hub_name
         self.app_kwargs = app_kwargs
         self.engine = RemoteEngine(
-            RayTransport(replicas), Tokenizer.from_path(model_path), self._replica_stats
+            RayTransport(replicas),
+            Tokenizer.from_path(model_path),
+            self._replica_stats,
+            replica_curves=self._replica_curves,
         )
 
     async def _replica_stats(self):
         hub = ray.get_actor(self.hub_name, namespace=HUB_NAMESPACE)
         return await hub.replica_stats.remote()
+
+    async def _replica_curves(self):
+        hub = ray.get_actor(self.hub_name, namespace=HUB_NAMESPACE)
+        return await hub.replica_curves.remote()
 
     def __serve_build_asgi_app__(self):
         from kvwise.server.app import create_app

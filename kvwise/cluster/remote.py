@@ -30,6 +30,7 @@ from kvwise.engine.async_engine import RequestStream
 from kvwise.engine.prompts import Prompt, Tokenizer, tokenize_prompt
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import EngineDeadError, KVWiseError, ReplicaFailedError
+from kvwise.store.costmodel import CostCurves
 from kvwise.store.tiered import StoreStats
 from kvwise.types import RequestOptions, RequestOutput, SamplingParams
 
@@ -177,6 +178,8 @@ class RemoteEngine:
         tokenizer: the replicas' tokenizer (loaded here from the same model).
         replica_stats: returns each replica's latest ``EngineStats`` (the hub's copy), polled
             every ``stats_interval_s`` for ``/metrics``.
+        replica_curves: returns each replica's latest cost-model curves (``CostCurves``; a
+            replica without tiers publishes none), polled with the stats, for the dashboard.
         admission_retries: a replica that fails before admitting a request: try this many more.
         max_sessions: sessions whose last replica is remembered (least recent forgotten).
     """
@@ -187,6 +190,7 @@ class RemoteEngine:
         tokenizer: Tokenizer,
         replica_stats: Callable[[], Awaitable[dict[str, EngineStats]]] | None = None,
         *,
+        replica_curves: Callable[[], Awaitable[dict[str, CostCurves]]] | None = None,
         stats_interval_s: float = 1.0,
         admission_retries: int = 2,
         max_sessions: int = 100_000,
@@ -194,6 +198,8 @@ class RemoteEngine:
         self.transport = transport
         self.tokenizer = tokenizer
         self._replica_stats = replica_stats
+        self._replica_curves = replica_curves
+        self._curves: dict[str, CostCurves] = {}
         self.stats_interval_s = stats_interval_s
         self.admission_retries = admission_retries
         self.max_sessions = max_sessions
@@ -233,6 +239,11 @@ class RemoteEngine:
     def replica_stats(self) -> dict[str, EngineStats]:
         return dict(self._stats.by_replica)
 
+    def cost_curves(self) -> CostCurves | None:
+        """One replica's cost-model curves (the first by name that published any: each
+        replica fits its own, on the same hardware), or None."""
+        return self._curves[min(self._curves)] if self._curves else None
+
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -257,6 +268,8 @@ class RemoteEngine:
                     self._stats = _Stats(merge_stats(list(by_replica.values())), by_replica)
                     if not by_replica:  # /health: 503 until a replica has reported
                         raise EngineDeadError("no replica has reported yet")
+                if self._replica_curves is not None:
+                    self._curves = await self._replica_curves()
                 self._dead = None
             except asyncio.CancelledError:
                 raise

@@ -40,6 +40,7 @@ from kvwise.engine.llm_engine import LLMEngine
 from kvwise.engine.prompts import Prompt
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import EngineDeadError, EngineStepError, QueueFullError
+from kvwise.store.costmodel import CostCurves
 from kvwise.types import RequestOptions, RequestOutput, SamplingParams
 from kvwise.utils import format_bytes
 
@@ -221,6 +222,15 @@ class AsyncEngine:
         """`LLMEngine.stats()` as of the last step or command (never waits for a step), with
         the idle-time integrity checks counted. Immutable: safe to read from any thread."""
         return self._stats
+
+    def cost_curves(self) -> CostCurves | None:
+        """The tiered store's cost model as curves, for prompts up to the context
+        (``TieredStore.cost_curves``: reads the fits only, safe from any thread); None without
+        tiers."""
+        store = self.engine.store
+        if store is None or not store.tiers:
+            return None
+        return store.cost_curves(self.max_model_len)
 
     # ---- requests -------------------------------------------------------------------------
 

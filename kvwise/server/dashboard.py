@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvwise.engine.async_engine import AsyncEngine
 from kvwise.engine.stats import EngineStats
-from kvwise.server.metrics import RequestTotals, ServerMetrics, cost_curves
+from kvwise.server.metrics import RequestTotals, ServerMetrics
 from kvwise.server.protocol import APIError
 
 COOKIE = "kvwise_dashboard"
@@ -282,12 +282,11 @@ class Dashboard:
         ]
 
     def _cost_model(self) -> dict | None:
-        curves = cost_curves(self.engine)
+        curves = self.engine.cost_curves()
         if curves is None:
             return None
-        store = self.engine.engine.store
         return {
-            "policy": store.policy,
+            "policy": curves.policy,
             "prefix_tokens": list(curves.prefix_tokens),
             "recompute_ttft_s": _finite(curves.recompute_ttft_s),
             "step_observations": curves.num_step_observations,

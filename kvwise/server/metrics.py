@@ -24,7 +24,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvwise.engine.async_engine import AsyncEngine
 from kvwise.store.base import TierStats
-from kvwise.store.costmodel import CostCurves
 from kvwise.store.tiered import StoreStats
 from kvwise.types import RequestOutput
 
@@ -33,15 +32,6 @@ logger = logging.getLogger("kvwise.server")
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-
-
-def cost_curves(engine: AsyncEngine) -> CostCurves | None:
-    """The engine's cost model as curves (``TieredStore.cost_curves``), for prompts up to its
-    context; None without tiers or when the store is not in this process (Ray replicas)."""
-    store = getattr(getattr(engine, "engine", None), "store", None)
-    if store is None or not store.tiers:
-        return None
-    return store.cost_curves(engine.max_model_len)
 
 
 class _EngineCollector:
@@ -91,7 +81,7 @@ class _EngineCollector:
         if s.store is not None:
             yield from _tier_families(s.store)
             yield from _store_families(s.store)
-        curves = cost_curves(self.engine)
+        curves = self.engine.cost_curves()
         if curves is not None:
             break_even = GaugeMetricFamily(
                 "kvwise_kv_tier_break_even_tokens",

@@ -231,6 +231,7 @@ class CostCurves:
     recompute_ttft_s: tuple[float, ...]
     tiers: tuple[TierCurve, ...]
     num_step_observations: int  # model steps the recompute fit has taken
+    policy: str = "auto"  # the store's load policy these curves decide under
 
 
 def cost_curves(

@@ -21,6 +21,7 @@ any tier is a miss.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections import deque
@@ -279,7 +280,7 @@ class TieredStore:
         def chunk_bytes(num_blocks: int) -> int:
             return sum(fmt.entry_bytes(g, num_blocks) for g in range(fmt.layer_groups))
 
-        return cost_curves(
+        curves = cost_curves(
             self.cost,
             [t.name for t in self.tiers],
             fmt.block_size,
@@ -290,3 +291,4 @@ class TieredStore:
             fmt.block_bytes / fmt.block_size,
             num_points,
         )
+        return dataclasses.replace(curves, policy=self.policy)

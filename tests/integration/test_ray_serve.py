@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 SECRET = "ray-test-secret-" + uuid.uuid4().hex
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
+ADMIN = "admin-key-for-ray-tests"
 SYSTEM = "You are a careful assistant who answers in short sentences. " * 12
 
 
@@ -51,6 +52,7 @@ def cluster(redis_server, tmp_path_factory):
         api_keys=KEYS,
         model_name="kvwise",
         secret=SECRET,
+        app_kwargs={"admin_key": ADMIN},
     )
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     deadline = time.monotonic() + 60
@@ -98,6 +100,25 @@ def test_next_turns_go_to_the_replica_holding_the_conversation(cluster):
         for replica, _, hit in turns[1:]:
             assert replica == first, turns
             assert hit >= prompt0 // 16 * 16 - 16, turns  # the previous turn's full blocks
+
+
+def test_the_dashboard_draws_the_replicas_cost_model(cluster):
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    assert (
+        cluster.get("/dashboard/data", headers={"Authorization": "Bearer key-alice"}).status_code
+        == 403
+    )
+    deadline = time.monotonic() + 15  # replicas publish their curves every second
+    while True:
+        data = cluster.get("/dashboard/data", headers=auth).json()
+        if data["cost_model"] is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    model = data["cost_model"]
+    assert model is not None, "no replica's cost model reached the ingress"
+    assert {t["name"] for t in model["tiers"]} == {"disk", "redis"}
+    assert model["policy"] == "always" and len(model["prefix_tokens"]) > 10
+    assert cluster.get("/dashboard", headers=auth).status_code == 200
 
 
 def test_another_tenants_identical_prompt_gets_nothing(cluster):

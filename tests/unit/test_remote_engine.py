@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -248,3 +249,33 @@ def test_merge_stats_sums_replicas():
     assert dataclasses.asdict(merge_stats([stats(1, 1, 0.1)])) == dataclasses.asdict(
         stats(1, 1, 0.1)
     )
+
+
+def test_the_dashboard_over_a_remote_engine_draws_a_replicas_cost_model():
+    from kvwise.store.costmodel import CostCurves, TierCurve
+
+    def curves(break_even: int) -> CostCurves:
+        tier = TierCurve("disk", (0.04, 0.05), break_even, 3)
+        return CostCurves((16, 32), (0.06, 0.09), (tier,), 7, policy="auto")
+
+    published: dict[str, CostCurves] = {}
+
+    async def replica_stats():
+        return {"r1": EngineStats(0, 0, 0, 0, KVCacheStats(100, 0, 0, 100, 0, 0, 0, 0.0))}
+
+    async def replica_curves():
+        return dict(published)
+
+    engine = _engine(replica_stats=replica_stats, replica_curves=replica_curves,
+                     stats_interval_s=0.05)  # fmt: skip
+    assert engine.cost_curves() is None  # nothing polled yet
+    app = create_app(engine)
+    with TestClient(app) as client:
+        time.sleep(0.2)
+        assert client.get("/dashboard/data").json()["cost_model"] is None  # none published
+        published.update({"r2": curves(48), "r1": curves(16)})
+        time.sleep(0.2)
+        model = client.get("/dashboard/data").json()["cost_model"]
+        assert model["policy"] == "auto" and model["prefix_tokens"] == [16, 32]
+        assert model["tiers"][0]["break_even_tokens"] == 16  # r1's: the first by name
+        assert "kvwise_kv_tier_break_even_tokens" in client.get("/metrics").text
