@@ -62,7 +62,8 @@ def report(result: dict, model: ModelShape, hw: Hardware) -> str:
     lines.append(f"  hardware: {hw.peak_flops / 1e12:,.4g} TFLOP/s peak, mfu {hw.mfu:.2f}, "
                  f"attention {hw.attn_fraction or hw.mfu:.2f}, memory {hw.mem_bandwidth / GB:,.4g}"
                  f" GB/s ({'overlapped with' if hw.memory_overlap else 'after'} compute), step "
-                 f"overhead {hw.step_overhead_s * 1e3:.3g} ms, request overhead "
+                 f"overhead {hw.step_overhead_s * 1e3:.3g} ms (+{hw.prefill_overhead_s * 1e3:.3g}"
+                 f" ms a prefill step), request overhead "
                  f"{hw.request_overhead_s * 1e3:.3g} ms; {hw.source}")  # fmt: skip
     for name, t in result["tiers"].items():
         lines.append(f"  tier {name}: {t['latency_s'] * 1e6:,.0f} us + bytes / "

@@ -163,7 +163,8 @@ def _measure_engines(args, loaded, tiers: list[str], model) -> tuple[dict, dict]
 
 
 def _print_fit(hw, step_check: list[dict]) -> None:
-    print(f"step: {hw.step_overhead_s * 1e3:.1f} ms + matmuls at {hw.mfu:.2f} of peak + "
+    print(f"step: {hw.step_overhead_s * 1e3:.1f} ms (+{hw.prefill_overhead_s * 1e3:.1f} ms a "
+          f"prefill step) + matmuls at {hw.mfu:.2f} of peak + "
           f"attention at {hw.attn_fraction:.2f} ({'overlapped with' if hw.memory_overlap else 'after'}"
           " the memory time)")  # fmt: skip
     print(f"request overhead: {hw.request_overhead_s * 1e3:.1f} ms")

@@ -230,7 +230,8 @@ def test_validation_compares_at_the_three_lengths(tmp_path, capsys):
 def test_the_fit_picks_the_step_form_that_fits_compute_after_memory():
     # a CPU whose steps read the weights and then compute (no overlap): the sum form fits
     truth = Hardware("cpu", 400e9, 28e9, mfu=0.75, attn_fraction=0.55, step_overhead_s=0.007,
-                     memory_overlap=False, weight_dtype="float32", kv_dtype="float32")  # fmt: skip
+                     prefill_overhead_s=0.012, memory_overlap=False, weight_dtype="float32",
+                     kv_dtype="float32")  # fmt: skip
     roof = Roofline(SMOL, truth)
     prefill = [(q, c, roof.forward_s(q, c)) for q, c in [(64, 0), (192, 0), (512, 0), (512, 2048)]]
     decode = [(c, roof.forward_s(1, c)) for c in (64, 512, 2560)]
@@ -239,8 +240,12 @@ def test_the_fit_picks_the_step_form_that_fits_compute_after_memory():
     assert fitted.mfu == pytest.approx(0.75, rel=1e-3)
     assert fitted.attn_fraction == pytest.approx(0.55, rel=1e-3)
     assert fitted.step_overhead_s == pytest.approx(0.007, rel=1e-3)
+    assert fitted.prefill_overhead_s == pytest.approx(0.012, rel=1e-3)
+    # one token: the step overhead and the memory time, its few FLOPs; no prefill overhead
+    assert roof.forward_s(1, 64) < 0.007 + roof.memory_s(1, 64) + 0.002
     assert roof.forward_s(64, 0) == pytest.approx(
         0.007
+        + 0.012
         + (2 * SMOL.linear_params * 64 + 2 * 576 * 49152) / (0.75 * 400e9)
         + SMOL.attention_flops(64, 0) / (0.55 * 400e9)
         + (SMOL.total_params * 4 + 64 * 46_080) / 28e9
