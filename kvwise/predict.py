@@ -129,15 +129,18 @@ def plot(path: str, model: ModelShape, hw: Hardware, tiers: list[Tier], overlap:
     plt.close(fig)
 
 
-def validate(result_lengths: list[int], roof: Roofline, tiers: list[Tier], measured: dict,
-             lengths=(256, 1024, 4096)) -> list[dict]:  # fmt: skip
-    """Predicted vs measured median TTFT at ``lengths``: one row per (curve, length)."""
+ACCEPTANCE_LENGTHS = (256, 1024, 4096)
+
+
+def validate(roof: Roofline, tiers: list[Tier], measured: dict) -> list[dict]:
+    """Predicted vs measured median TTFT at every measured length: one row per (curve,
+    length). The measured file must hold ``ACCEPTANCE_LENGTHS``."""
     med, have = measured["median_ttft_s"], measured["lengths"]
+    missing = [n for n in ACCEPTANCE_LENGTHS if n not in have]
+    if missing:
+        raise ValueError(f"validate: the measured file has no {missing} token points ({have})")
     rows = []
-    for n in lengths:
-        if n not in have:
-            raise ValueError(f"validate: the measured file has no {n}-token point ({have})")
-        i = have.index(n)
+    for i, n in enumerate(have):
         curves = [("recompute", roof.recompute_s(n), med["recompute"][i])]
         curves += [(f"{t.name} load", roof.load_s(n, t), med[f"{t.name} load"][i])
                    for t in tiers if f"{t.name} load" in med]  # fmt: skip
@@ -213,15 +216,18 @@ def main(args: argparse.Namespace) -> int:
     if args.validate:
         measured = json.loads(Path(args.validate).read_text())
         roof = Roofline(model, hw, args.overlap, args.gpus)
-        rows = validate(result["lengths"], roof, tiers, measured)
+        rows = validate(roof, tiers, measured)
         result["validation"] = rows
         print(f"\npredicted vs measured ({args.validate}):")
         print(f"  {'curve':<14} {'tokens':>7} {'predicted':>11} {'measured':>11} {'error':>7}")
         for r in rows:
             print(f"  {r['curve']:<14} {r['tokens']:>7,} {_ms(r['predicted_s']):>11} "
                   f"{_ms(r['measured_s']):>11} {r['error']:>+7.0%}")  # fmt: skip
-        worst = max(abs(r["error"]) for r in rows)
-        print(f"  worst: {worst:.0%} ({'within' if worst <= 0.25 else 'NOT within'} 25%)")
+        worst = max(abs(r["error"]) for r in rows if r["tokens"] in ACCEPTANCE_LENGTHS)
+        print(f"  worst at 256, 1,024 and 4,096 tokens: {worst:.0%} "
+              f"({'within' if worst <= 0.25 else 'NOT within'} 25%)")  # fmt: skip
+        if any(r["tokens"] not in ACCEPTANCE_LENGTHS for r in rows):
+            print(f"  worst at every length: {max(abs(r['error']) for r in rows):.0%}")
     if args.plot:
         plot(args.plot, model, hw, tiers, args.overlap, args.gpus, measured,
              max_tokens=min(args.max_tokens, 131072))  # fmt: skip

@@ -224,7 +224,7 @@ def test_validation_compares_at_the_three_lengths(tmp_path, capsys):
     for r in rows:
         expected = 1 / 1.1 - 1 if r["curve"] == "recompute" else 1 / 0.9 - 1
         assert r["error"] == pytest.approx(expected)
-    assert "worst: 11% (within 25%)" in capsys.readouterr().out
+    assert "worst at 256, 1,024 and 4,096 tokens: 11% (within 25%)" in capsys.readouterr().out
 
 
 def test_the_fit_picks_the_step_form_that_fits_compute_after_memory():
@@ -250,3 +250,26 @@ def test_the_fit_picks_the_step_form_that_fits_compute_after_memory():
         + SMOL.attention_flops(64, 0) / (0.55 * 400e9)
         + (SMOL.total_params * 4 + 64 * 46_080) / 28e9
     )
+
+
+def test_validation_needs_the_three_lengths_and_reports_the_others_too(tmp_path, capsys):
+    hw = H100.replace(tiers=(Tier("host", 1e-3, 4e9, "measured"),))
+    machine = tmp_path / "m.json"
+    save_machine(machine, hw, {})
+    roof = Roofline(SMOL, hw)
+
+    def bench(lengths):
+        path = tmp_path / f"b{len(lengths)}.json"
+        med = {"recompute": [roof.recompute_s(n) for n in lengths],
+               "host load": [roof.load_s(n, hw.tiers[0]) * 2 for n in lengths]}  # fmt: skip
+        path.write_text(json.dumps({"lengths": lengths, "median_ttft_s": med}))
+        return str(path)
+
+    args = ["breakeven", "--predict", "--hardware", "this-machine", "--machine", str(machine)]
+    assert main([*args, "--validate", bench([256, 1024])]) == 2
+    assert "no [4096] token points" in capsys.readouterr().err
+    assert main([*args, "--validate", bench([16, 256, 1024, 4096])]) == 0
+    out = capsys.readouterr().out
+    assert "worst at 256, 1,024 and 4,096 tokens: 50% (NOT within 25%)" in out
+    assert "worst at every length: 50%" in out
+    assert any(line.split()[:3] == ["host", "load", "16"] for line in out.splitlines())
