@@ -187,15 +187,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="`kvwise bench breakeven --out` results: predicted vs measured at 256, "
                    "1,024 and 4,096 tokens")  # fmt: skip
     p.add_argument("--reps", type=int, default=5, help="--calibrate: repetitions per point")
+    p.add_argument("--refit", default=None, metavar="CALIBRATION_JSON",
+                   help="with --calibrate: fit that file's measurements again with this "
+                   "version's model, into --machine (nothing is measured)")  # fmt: skip
     p.add_argument("--plot", default=None, help="write TTFT vs prefix length as a PNG here")
     p.add_argument("--out", default=None, help="write the prediction as JSON here")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.calibrate:
+        machine = Path(args.machine) if args.machine else default_machine_file()
+        if args.refit:
+            from kvwise.bench.calibrate import print_fit
+            from kvwise.roofline import refit_machine
+
+            hw, check = refit_machine(args.refit, machine)
+            print_fit(hw, check)
+            print(f"calibration: {machine} (refitted from {args.refit})")
+            return 0
         from kvwise.bench.calibrate import calibrate
 
-        calibrate(args, Path(args.machine) if args.machine else default_machine_file())
+        calibrate(args, machine)
         return 0
     if not args.predict:
         raise ValueError("breakeven: give --predict (a model) or --calibrate (measure this "

@@ -481,6 +481,27 @@ def _fit_fractions(model: ModelShape, hw: Hardware, prefill: list) -> Hardware:
                       attn_fraction=min(1.0, 1 / inv_af))  # fmt: skip
 
 
+def step_check(model: ModelShape, hw: Hardware, prefill: list, decode: list) -> list[dict]:
+    """Each calibration step, measured and as fitted."""
+    roof = Roofline(model, hw)
+    rows = [(q, c, s) for q, c, s in prefill] + [(1, c, s) for c, s in decode]
+    return [{"tokens": q, "context": c, "measured_s": s, "predicted_s": roof.forward_s(q, c)}
+            for q, c, s in rows]  # fmt: skip
+
+
+def refit_machine(src: str | Path, dst: str | Path) -> tuple[Hardware, list[dict]]:
+    """Fit a calibration file's measured steps again, with this version's model (tiers,
+    peak and bandwidth as measured); write the result to ``dst``."""
+    hw = load_machine(src)
+    measured = json.loads(Path(src).read_text())["measured"]
+    model = model_shape(measured.get("model", "default"))
+    draft = hw.replace(step_overhead_s=0.0, prefill_overhead_s=0.0)
+    hw = fit_steps(model, draft, measured["prefill_steps"], measured["decode_steps"])
+    check = step_check(model, hw, measured["prefill_steps"], measured["decode_steps"])
+    save_machine(dst, hw, {**measured, "step_check": check, "refitted_from": str(src)})
+    return hw, check
+
+
 def fit_tier(name: str, reads: list[tuple[float, float]], source: str) -> Tier:
     """From measured reads ``(bytes, seconds)``: latency + bytes / bandwidth."""
     lat, s_per_byte = least_squares([[1.0, b] for b, _ in reads], [s for _, s in reads])

@@ -79,6 +79,7 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
         Roofline,
         fit_steps,
         save_machine,
+        step_check,
     )
 
     if args.reps < 1:
@@ -107,18 +108,12 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
         source=f"measured by `kvwise breakeven --calibrate` ({torch.get_num_threads()} threads)",
     )  # fmt: skip
     hw = fit_steps(model, draft, result["prefill_steps"], result["decode_steps"])
-    roof = Roofline(model, hw)
-    step_check = [
-        {"tokens": q, "context": c, "measured_s": s, "predicted_s": roof.forward_s(q, c)}
-        for q, c, s in result["prefill_steps"]
-    ] + [
-        {"tokens": 1, "context": c, "measured_s": s, "predicted_s": roof.forward_s(1, c)}
-        for c, s in result["decode_steps"]
-    ]
-    measured = {**result, "engine_weight_bytes": facts["weight_bytes"],
-                "shape_weight_bytes": roof.weight_bytes, "step_check": step_check}  # fmt: skip
+    check = step_check(model, hw, result["prefill_steps"], result["decode_steps"])
+    measured = {**result, "model": args.model, "engine_weight_bytes": facts["weight_bytes"],
+                "shape_weight_bytes": Roofline(model, hw).weight_bytes,
+                "step_check": check}  # fmt: skip
     save_machine(path, hw, measured)
-    _print_fit(hw, step_check)
+    print_fit(hw, check)
     print(f"calibration: {path}")
     return measured
 
@@ -162,7 +157,7 @@ def _measure_engines(args, loaded, tiers: list[str], model) -> tuple[dict, dict]
     return result, facts
 
 
-def _print_fit(hw, step_check: list[dict]) -> None:
+def print_fit(hw, step_check: list[dict]) -> None:
     print(f"step: {hw.step_overhead_s * 1e3:.1f} ms (+{hw.prefill_overhead_s * 1e3:.1f} ms a "
           f"prefill step) + matmuls at {hw.mfu:.2f} of peak + "
           f"attention at {hw.attn_fraction:.2f} ({'overlapped with' if hw.memory_overlap else 'after'}"

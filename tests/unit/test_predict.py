@@ -273,3 +273,27 @@ def test_validation_needs_the_three_lengths_and_reports_the_others_too(tmp_path,
     assert "worst at 256, 1,024 and 4,096 tokens: 50% (NOT within 25%)" in out
     assert "worst at every length: 50%" in out
     assert any(line.split()[:3] == ["host", "load", "16"] for line in out.splitlines())
+
+
+def test_refit_fits_a_calibration_files_measurements_again(tmp_path, capsys):
+    truth = Hardware("this machine", 400e9, 28e9, mfu=0.75, attn_fraction=0.55,
+                     step_overhead_s=0.007, prefill_overhead_s=0.012, memory_overlap=False,
+                     weight_dtype="float32", kv_dtype="float32", prefill_chunk=512,
+                     tiers=(Tier("host", 1e-3, 4e9, "measured"),))  # fmt: skip
+    roof = Roofline(SMOL, truth)
+    measured = {
+        "model": "default",
+        "prefill_steps": [
+            (q, c, roof.forward_s(q, c)) for q, c in [(64, 0), (512, 0), (512, 2048)]
+        ],
+        "decode_steps": [(c, roof.forward_s(1, c)) for c in (64, 2560)],
+    }
+    src, dst = tmp_path / "old.json", tmp_path / "new.json"
+    save_machine(src, truth.replace(mfu=0.3, step_overhead_s=0.0, prefill_overhead_s=0.0), measured)
+    assert main(["breakeven", "--calibrate", "--refit", str(src), "--machine", str(dst)]) == 0
+    assert "refitted from" in capsys.readouterr().out
+    refitted = load_machine(dst)
+    assert refitted.mfu == pytest.approx(0.75, rel=1e-3)
+    assert refitted.prefill_overhead_s == pytest.approx(0.012, rel=1e-3)
+    assert refitted.tiers == truth.tiers
+    assert main(["breakeven", "--calibrate", "--refit", str(tmp_path / "none.json")]) == 2
