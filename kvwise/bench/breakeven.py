@@ -295,6 +295,7 @@ def _measure(args, engines, tiers: list[str], lengths: list[int]) -> dict:
     for tier in tiers:
         for n in lengths:
             _ttft(engines[tier], stored[(tier, n)])
+        engines[tier].flush()  # the writes done: no writer thread competes with what is timed
     total = args.reps * len(lengths) * (1 + 2 * len(tiers))
     with tqdm(total=total, desc="bench breakeven", unit="run") as bar:
         for _ in range(args.reps):

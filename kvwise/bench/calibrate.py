@@ -170,9 +170,32 @@ def print_fit(hw, step_check: list[dict]) -> None:
               f"{d['measured_s'] * 1e3:.1f} ms, fitted {d['predicted_s'] * 1e3:.1f} ms")  # fmt: skip
 
 
+class _TimedLoader:
+    """Installs a ``KVLoader`` that records its own time (reading, checking and copying every
+    layer group in) as ``last``, for the duration of a ``with``."""
+
+    def __enter__(self):
+        from kvwise.engine import llm_engine
+
+        timer = self
+        self.last: float | None = None
+        self._module, self._original = llm_engine, llm_engine.KVLoader
+
+        class Timed(llm_engine.KVLoader):
+            def _run(self) -> None:
+                t0 = time.perf_counter()
+                super()._run()
+                timer.last = time.perf_counter() - t0
+
+        llm_engine.KVLoader = Timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._module.KVLoader = self._original
+
+
 def _measure(args, engines, tiers, model) -> dict:
     from kvwise.bench import breakeven as be
-    from kvwise.engine import llm_engine
 
     rng = random.Random(2)
     vocab = model.vocab_size
@@ -186,54 +209,26 @@ def _measure(args, engines, tiers, model) -> dict:
     for t in tiers:
         for n in TIER_LENGTHS:
             be._ttft(engines[t], stored[(t, n)])
+        engines[t].flush()  # the writes done: no writer thread competes with what is timed
     waits: dict[str, list[tuple[float, float]]] = {t: [] for t in tiers}
     load_overheads: dict[str, list[float]] = {t: [] for t in tiers}
-
-    class TimedLoader(llm_engine.KVLoader):
-        """The loader's own time: reading, checking and copying every layer group in."""
-
-        last_wait = None
-
-        def _run(self) -> None:
-            t0 = time.perf_counter()
-            super()._run()
-            TimedLoader.last_wait = time.perf_counter() - t0
-
     total = args.reps * (len(STEP_LENGTHS) + len(tiers) * len(TIER_LENGTHS))
-    original = llm_engine.KVLoader
-    llm_engine.KVLoader = TimedLoader
-    try:
-        with tqdm(total=total, desc="calibrate", unit="run") as bar:
-            for _ in range(args.reps):
-                for n in STEP_LENGTHS:
-                    ttft, times = _timed_request(engine, be._prompt(rng, vocab, n), 4)
-                    chunks = [(s, min(chunk, n - s)) for s in range(0, n, chunk)]
-                    for (s, q), sec in zip(chunks, times):
-                        steps.setdefault((q, s), []).append(sec)
-                    decode.setdefault(n, []).extend(times[len(chunks) :])
-                    overheads.append(ttft - sum(times[: len(chunks)]))
+    with _TimedLoader() as loader, tqdm(total=total, desc="calibrate", unit="run") as bar:
+        for _ in range(args.reps):
+            for n in STEP_LENGTHS:
+                ttft, times = _timed_request(engine, be._prompt(rng, vocab, n), 4)
+                chunks = [(s, min(chunk, n - s)) for s in range(0, n, chunk)]
+                for (s, q), sec in zip(chunks, times):
+                    steps.setdefault((q, s), []).append(sec)
+                decode.setdefault(n, []).extend(times[len(chunks) :])
+                overheads.append(ttft - sum(times[: len(chunks)]))
+                bar.update()
+            for t in tiers:
+                for n in TIER_LENGTHS:
+                    wait, extra = _tier_load(engines[t], stored[(t, n)], n, loader)
+                    waits[t].append((n * engines[t].runner.spec.bytes_per_token, wait))
+                    load_overheads[t].append(extra)
                     bar.update()
-                for t in tiers:
-                    engines[t].store.policy = "always"
-                    for n in TIER_LENGTHS:
-                        be._cold(engines[t])
-                        TimedLoader.last_wait = None
-                        ttft, out = be._ttft(engines[t], stored[(t, n)])
-                        if out.num_loaded_tokens != n or TimedLoader.last_wait is None:
-                            raise RuntimeError(f"{t}: loaded {out.num_loaded_tokens} of {n}")
-                        kv_bytes = n * engines[t].runner.spec.bytes_per_token
-                        waits[t].append((kv_bytes, TimedLoader.last_wait))
-                        # the same prompt again, its prefix now in the device pool: the last
-                        # token's forward as the engine runs it; what a load costs beyond that
-                        # and the loader's own time is the load path's overhead (planning,
-                        # the loader thread)
-                        hit, out = be._ttft(engines[t], stored[(t, n)])
-                        if out.num_cached_tokens != n:
-                            raise RuntimeError(f"{t}: {out.num_cached_tokens} of {n} cached")
-                        load_overheads[t].append(ttft - TimedLoader.last_wait - hit)
-                        bar.update()
-    finally:
-        llm_engine.KVLoader = original
     return {
         "reps": args.reps,
         "prefill_steps": [(q, c, statistics.median(v)) for (q, c), v in sorted(steps.items())],
@@ -242,6 +237,25 @@ def _measure(args, engines, tiers, model) -> dict:
         "tier_reads": {t: _medians(v) for t, v in waits.items()},
         "load_overheads": load_overheads,
     }
+
+
+def _tier_load(engine, prompt: list[int], n: int, loader: _TimedLoader) -> tuple[float, float]:
+    """A forced, cold load of ``prompt``'s stored ``n``-token prefix: (the loader's time, the
+    load path's overhead). The same prompt again, its prefix now in the device pool, gives
+    the last token's forward as the engine runs it; what the load's TTFT costs beyond that and
+    the loader's own time is the load path's overhead (planning, the loader thread)."""
+    from kvwise.bench import breakeven as be
+
+    engine.store.policy = "always"
+    be._cold(engine)
+    loader.last = None
+    ttft, out = be._ttft(engine, prompt)
+    if out.num_loaded_tokens != n or loader.last is None:
+        raise RuntimeError(f"loaded {out.num_loaded_tokens} of {n} tokens")
+    hit, out = be._ttft(engine, prompt)
+    if out.num_cached_tokens != n:
+        raise RuntimeError(f"{out.num_cached_tokens} of {n} tokens cached")
+    return loader.last, ttft - loader.last - hit
 
 
 def _tier_fit(name: str, result: dict):
