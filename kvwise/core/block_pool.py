@@ -155,7 +155,8 @@ class BlockPool:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
-        """Take ``num_blocks`` from the head of the free queue, evicting their hashes."""
+        """Take ``num_blocks`` from the head of the free queue, evicting their hashes; returned
+        in ascending block id order."""
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"cannot allocate {num_blocks} blocks, {self.num_free_blocks} free")
         if num_blocks > self.free_queue.num_free_blocks:
@@ -170,6 +171,11 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
+        # NOTE: the queue hands back freed blocks tail-first (a sequence frees its tail
+        # first), so a batch popped in queue order runs backwards through memory: every block
+        # a separate copy when KV is loaded into them. The same blocks in ascending order are
+        # as good for the cache and keep neighbouring ids together.
+        blocks.sort(key=lambda b: b.block_id)
         return blocks
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

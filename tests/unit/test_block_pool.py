@@ -20,7 +20,21 @@ def test_freed_cached_blocks_join_tail_in_given_order():
     pool.cache_blocks(blocks, [b"h0", b"h1", b"h2"])
     pool.free_blocks(reversed(blocks))  # tail first
     assert pool.free_queue.block_ids() == [3, 2, 1, 0]
-    assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 2]
+    # the queue's head is taken (3, then 2: block 1 and 0 keep their hashes), in id order
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 3]
+    assert set(pool.cached) == {b"h0", b"h1"}
+
+
+def test_a_batch_of_reused_blocks_comes_in_ascending_order():
+    # a sequence frees its tail first, so its blocks rejoin the queue backwards; taken again
+    # together they must not run backwards through memory (each block a separate copy when
+    # KV is loaded into them)
+    pool = BlockPool(8)
+    first = pool.get_new_blocks(8)
+    pool.cache_blocks(first, [bytes([i]) for i in range(8)])
+    pool.free_blocks(reversed(first))
+    again = [b.block_id for b in pool.get_new_blocks(8)]
+    assert again == list(range(8))
 
 
 def test_freed_blocks_without_hash_go_to_head_before_cached_ones():
@@ -53,7 +67,7 @@ def test_lazy_eviction_keeps_hash_until_reused():
     assert pool.free_queue.block_ids() == [2, 1]
     # taking new blocks evicts b's hash (head of queue after block 2)
     new = pool.get_new_blocks(2)
-    assert [x.block_id for x in new] == [2, 1]
+    assert [x.block_id for x in new] == [1, 2]  # the queue's head (2, then 1), in id order
     assert pool.get_cached_block(b"h1") is None
     assert pool.cached == {b"h0": a} and b.block_hash is None
     assert pool.num_evictions == 1

@@ -105,14 +105,15 @@ def test_freed_blocks_are_revived_and_evicted_lru_tail_first():
     m.free(req)
     # tail first: the sequence's last block is evicted first
     assert m.pool.free_queue.block_ids() == [3, 4, 5, 2, 1, 0]
-    # a new request takes the never-used blocks, then the tail of "a"
+    # a new request takes the never-used blocks, then the tail of "a" (in id order)
     req_b, ids_b, _ = computed(m, "b", [9, 9, 9, 9, 9, 9, 9, 9])
-    assert ids_b == [3, 4, 5, 2]
+    assert ids_b == [2, 3, 4, 5]
     m.free(req_b)
-    assert m.pool.free_queue.block_ids() == [1, 0, 2, 5, 4, 3]
-    # "a"'s first two blocks survive and are revived; its third is recomputed
+    assert m.pool.free_queue.block_ids() == [1, 0, 5, 4, 3, 2]
+    # "a"'s first two blocks survive and are revived; its third is recomputed, in the block
+    # at the queue's head
     _, ids, cached = computed(m, "a2", [1, 2, 3, 4, 5, 6])
-    assert cached == 4 and ids == [0, 1, 2]
+    assert cached == 4 and ids == [0, 1, 5]
     m.check_integrity()
 
 
