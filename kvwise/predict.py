@@ -199,7 +199,7 @@ def main(args: argparse.Namespace) -> int:
         machine = Path(args.machine) if args.machine else default_machine_file()
         if args.refit:
             from kvwise.bench.calibrate import print_fit
-            from kvwise.roofline import refit_machine
+            from kvwise.roofline_fit import refit_machine
 
             hw, check = refit_machine(args.refit, machine)
             print_fit(hw, check)

@@ -73,14 +73,8 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
 
     from kvwise.bench.common import measure_read_bandwidth
     from kvwise.models.loader import load_model
-    from kvwise.roofline import (
-        Hardware,
-        ModelShape,
-        Roofline,
-        fit_steps,
-        save_machine,
-        step_check,
-    )
+    from kvwise.roofline import Hardware, ModelShape, Roofline, save_machine
+    from kvwise.roofline_fit import fit_steps, step_check
 
     if args.reps < 1:
         raise ValueError("reps: must be at least 1")
@@ -261,7 +255,8 @@ def _tier_load(engine, prompt: list[int], n: int, loader: _TimedLoader) -> tuple
 def _tier_fit(name: str, result: dict):
     """A tier as a request sees it: the loader's time (reads, checks, copies) fitted as
     latency + bytes / bandwidth, plus the load path's own overhead (median)."""
-    from kvwise.roofline import Tier, fit_tier
+    from kvwise.roofline import Tier
+    from kvwise.roofline_fit import fit_tier
 
     fit = fit_tier(name, result["tier_reads"][name], "")
     extra = max(0.0, statistics.median(result["load_overheads"][name]))

@@ -15,15 +15,13 @@ from kvwise.roofline import (
     Hardware,
     Roofline,
     Tier,
-    fit_steps,
-    fit_tier,
     hardware_preset,
-    least_squares,
     load_machine,
     model_shape,
     parse_tier,
     save_machine,
 )
+from kvwise.roofline_fit import fit_steps, fit_tier, least_squares
 
 LLAMA70 = MODELS["llama-3-70b"]
 SMOL = MODELS["smollm2-135m"]
