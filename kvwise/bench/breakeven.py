@@ -329,47 +329,9 @@ def _measure(args, engines, tiers: list[str], lengths: list[int]) -> dict:
         "auto_run_within_10pct": {},
         "cost_model": engines[tiers[0]].store.cost.snapshot() if tiers else {},
     }
-    print(f"\nTTFT medians over {args.reps} reps (ms); prefix of L tokens + 1 computed token")
-    header = f"{'L':>6} {'recompute':>10}" + "".join(
-        f" {t + ' load':>11} {t + ' auto':>11} {'speed-up':>8}" for t in tiers
-    )
-    print(header)
-    for i, n in enumerate(lengths):
-        row = f"{n:>6} {med['recompute'][i] * 1e3:>10.1f}"
-        for t in tiers:
-            load, auto = med[f"{t} load"][i], med[f"{t} auto"][i]
-            row += f" {load * 1e3:>11.1f} {auto * 1e3:>11.1f} {med['recompute'][i] / load:>7.1f}x"
-        print(row)
+    _print_table(args.reps, lengths, med, tiers)
     for t in tiers:
-        be = _break_even(lengths, med["recompute"], med[f"{t} load"])
-        report["break_even_tokens"][t] = be
-        ok, ok_raw = [], []
-        for i, n in enumerate(lengths):
-            best = min(med["recompute"][i], med[f"{t} load"][i])
-            # the measured cost of what the model chose: the median of that option's column
-            # (a partial load has no column: its own run stands for it)
-            picked = [
-                med[f"{t} load"][i]
-                if loaded == n
-                else med["recompute"][i]
-                if loaded == 0
-                else samples[f"{t} auto"][n][r]
-                for r, loaded in enumerate(chosen[t][n])
-            ]
-            ok.append(median(picked) <= 1.10 * best)
-            ok_raw.append(med[f"{t} auto"][i] <= 1.10 * best)
-        report["cost_model_within_10pct"][t] = ok
-        report["auto_run_within_10pct"][t] = ok_raw
-        where = (
-            "never (recompute wins at every measured length)"
-            if be is None
-            else ("below the shortest length measured" if be == 0 else f"~{be:.0f} tokens")
-        )
-        print(
-            f"{t}: break-even {where}; the cost model's choices cost within 10% of the better "
-            f"option at {sum(ok)}/{len(ok)} lengths (its own runs' medians: {sum(ok_raw)}/"
-            f"{len(ok_raw)})"
-        )
+        _judge_tier(report, t, lengths, med, samples, chosen[t])
     if "disk" in tiers and 2048 in lengths:
         i = lengths.index(2048)
         speedup = med["recompute"][i] / med["disk load"][i]
@@ -381,6 +343,54 @@ def _measure(args, engines, tiers: list[str], lengths: list[int]) -> dict:
         _plot(args.plot, lengths, med, tiers, report["break_even_tokens"])
         print(f"plot: {args.plot}")
     return report
+
+
+def _print_table(reps: int, lengths: list[int], med: dict, tiers: list[str]) -> None:
+    print(f"\nTTFT medians over {reps} reps (ms); prefix of L tokens + 1 computed token")
+    header = f"{'L':>6} {'recompute':>10}" + "".join(
+        f" {t + ' load':>11} {t + ' auto':>11} {'speed-up':>8}" for t in tiers
+    )
+    print(header)
+    for i, n in enumerate(lengths):
+        row = f"{n:>6} {med['recompute'][i] * 1e3:>10.1f}"
+        for t in tiers:
+            load, auto = med[f"{t} load"][i], med[f"{t} auto"][i]
+            row += f" {load * 1e3:>11.1f} {auto * 1e3:>11.1f} {med['recompute'][i] / load:>7.1f}x"
+        print(row)
+
+
+def _judge_tier(report: dict, t: str, lengths: list[int], med: dict, samples: dict, chosen) -> None:
+    """Tier ``t``'s break-even, and whether the cost model's choices cost within 10% of the
+    better option at each length; into ``report``, and printed."""
+    be = _break_even(lengths, med["recompute"], med[f"{t} load"])
+    report["break_even_tokens"][t] = be
+    ok, ok_raw = [], []
+    for i, n in enumerate(lengths):
+        best = min(med["recompute"][i], med[f"{t} load"][i])
+        # the measured cost of what the model chose: the median of that option's column
+        # (a partial load has no column: its own run stands for it)
+        picked = [
+            med[f"{t} load"][i]
+            if loaded == n
+            else med["recompute"][i]
+            if loaded == 0
+            else samples[f"{t} auto"][n][r]
+            for r, loaded in enumerate(chosen[n])
+        ]
+        ok.append(median(picked) <= 1.10 * best)
+        ok_raw.append(med[f"{t} auto"][i] <= 1.10 * best)
+    report["cost_model_within_10pct"][t] = ok
+    report["auto_run_within_10pct"][t] = ok_raw
+    where = (
+        "never (recompute wins at every measured length)"
+        if be is None
+        else ("below the shortest length measured" if be == 0 else f"~{be:.0f} tokens")
+    )
+    print(
+        f"{t}: break-even {where}; the cost model's choices cost within 10% of the better "
+        f"option at {sum(ok)}/{len(ok)} lengths (its own runs' medians: {sum(ok_raw)}/"
+        f"{len(ok_raw)})"
+    )
 
 
 def _plot(path: str, lengths, med, tiers, break_even) -> None:
