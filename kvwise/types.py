@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 from kvwise.errors import InvalidRequest
 from kvwise.utils import parse_duration
 
+# Bounds on what one request may make the engine hold or scan each step (a 400 naming the
+# field past them): names of cache namespaces and conversations, stop strings, stop ids.
+MAX_KEY_CHARS = 256  # tenant, cache_salt, session_id (prompt_cache_key)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # one stop string
+MAX_STOP_TOKEN_IDS = 1024
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
@@ -57,11 +64,25 @@ class SamplingParams:
             raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+            )
         for stop in self.stop:
             if not isinstance(stop, str) or not stop:
                 raise InvalidRequest(
                     "stop", f"each stop string must be a non-empty string, got {stop!r}"
                 )
+            if len(stop) > MAX_STOP_CHARS:
+                raise InvalidRequest(
+                    "stop",
+                    f"a stop string has at most {MAX_STOP_CHARS} characters, got {len(stop)}",
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+            )
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id)
             if token_id < 0:
@@ -155,5 +176,9 @@ class RequestOptions:
             not isinstance(self.session_id, str) or not self.session_id
         ):
             raise InvalidRequest("session_id", "must be a non-empty string")
+        for name in ("tenant", "cache_salt", "session_id"):
+            value = getattr(self, name)
+            if value is not None and len(value) > MAX_KEY_CHARS:
+                raise InvalidRequest(name, f"at most {MAX_KEY_CHARS} characters, got {len(value)}")
         if self.retention not in (None, "default"):
             object.__setattr__(self, "retention_s", parse_duration(self.retention, "retention"))

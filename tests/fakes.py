@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from kvwise.config import EngineConfig
 from kvwise.engine.assemble import assemble_engine
-from kvwise.engine.chat_template import check_messages
+from kvwise.engine.chat_template import check_messages, check_rendered_length
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.worker.fake_runner import FakeModelRunner
 
@@ -34,10 +34,14 @@ class ByteTokenizer:
         data = bytes(i for i in ids if i != EOS)
         return data.decode(errors="replace")
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, *, max_chars=None
+    ) -> list[int]:
         check_messages(messages)
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return self.encode(text + ("assistant: " if add_generation_prompt else ""))
+        text += "assistant: " if add_generation_prompt else ""
+        check_rendered_length(text, max_chars)
+        return self.encode(text)
 
 
 class ControlledRunner:

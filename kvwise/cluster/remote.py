@@ -303,8 +303,13 @@ class RemoteEngine:
         spec = await self.ensure_spec()
         options = options or RequestOptions()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        token_ids = tokenize_prompt(self.tokenizer, prompt, spec.vocab_size, spec.max_model_len)
-        chain = spec.hasher.chain(token_ids, options.tenant, options.cache_salt)
+
+        def tokenize_and_hash() -> tuple[list[int], list]:
+            ids = tokenize_prompt(self.tokenizer, prompt, spec.vocab_size, spec.max_model_len)
+            return ids, spec.hasher.chain(ids, options.tenant, options.cache_salt)
+
+        # NOTE: on a worker thread: a large prompt never holds up the ingress's event loop
+        token_ids, chain = await asyncio.to_thread(tokenize_and_hash)
         session = (options.tenant, options.session_id) if options.session_id else None
         route = RouteHint(
             tuple(chain), len(token_ids), self._sessions.get(session) if session else None

@@ -3,8 +3,13 @@
 Contract:
 
 - Every `LLMEngine` call (add_request, step, abort, stats, check_integrity) runs on the engine
-  thread. Other threads never touch the engine: they post commands (`submit`) that the thread
+  thread, except ``tokenize`` / ``tokenized`` (they touch no engine state). Other threads never touch the engine: they post commands (`submit`) that the thread
   runs between two steps, in the order they were posted.
+- What a request brings is handled off the engine thread, before it is posted: the chat
+  template is rendered and the prompt tokenized on a small pool of tokenizer threads
+  (``LLMEngine.tokenize`` only reads the tokenizer), with its cost bounded before any work
+  (``engine/prompts.py``: the message count, the characters, the rendering), so one caller's
+  huge prompt never holds up the steps of the others.
 - `add_request` returns a `RequestStream` only once the request is admitted, so admission errors
   surface before any output: `InvalidRequest` (a `ValueError`) naming the field (bad prompt,
   prompt over the context) and `QueueFullError` when the scheduler's bounded waiting queue is
@@ -109,6 +114,7 @@ class AsyncEngine:
         close_engine: close the engine (flushing its pending tier writes) once the loop has
             stopped; False leaves it open, to be reused after `shutdown` (tests).
         idle_refresh_s: while idle, stats are refreshed this often.
+        tokenizer_threads: threads that render and tokenize prompts (off the engine thread).
     """
 
     def __init__(
@@ -118,8 +124,12 @@ class AsyncEngine:
         *,
         close_engine: bool = True,
         idle_refresh_s: float = 1.0,
+        tokenizer_threads: int = 2,
     ) -> None:
         self.engine = engine
+        self._tokenizers = concurrent.futures.ThreadPoolExecutor(
+            tokenizer_threads, thread_name_prefix="kvwise-tokenize"
+        )
         self.idle_refresh_s = idle_refresh_s
         self.retry_after_s = retry_after_s
         self.close_engine = close_engine
@@ -251,13 +261,23 @@ class AsyncEngine:
             EngineDeadError: the engine loop is not running.
         """
         loop = asyncio.get_running_loop()
+        if self._dead or self._stopping:
+            raise EngineDeadError(self._dead or "the engine is shutting down")
+        # NOTE: off the engine thread and off the event loop: bad input is refused here, and
+        # a large prompt costs a tokenizer thread, never a step
+        try:
+            tokenized = await loop.run_in_executor(self._tokenizers, self.engine.tokenized, prompt)
+        except RuntimeError as exc:  # the pool is shut down: the loop has stopped
+            if self._dead or self._stopping:
+                raise EngineDeadError(self._dead or "the engine is shutting down") from None
+            raise exc
         queue: asyncio.Queue = asyncio.Queue()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         retry_after_s = self.retry_after_s
 
         def add(engine: LLMEngine) -> None:
             try:
-                engine.add_request(prompt, params, options, request_id=request_id)
+                engine.add_request(tokenized, params, options, request_id=request_id)
             except QueueFullError:
                 raise QueueFullError(retry_after_s) from None
             self._sinks[request_id] = _Sink(loop, queue)
@@ -329,6 +349,7 @@ class AsyncEngine:
             reason = "the engine is shut down"
         with self._lock:
             self._dead = reason
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
         self._close_all(EngineDeadError(reason))
         self._loop_done.set()
         self._close_engine()

@@ -18,7 +18,11 @@ import jinja2.ext
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvwise.errors import InvalidRequest
+from kvwise.errors import ContextLengthExceeded, InvalidRequest
+
+# NOTE: a chat request's cost before it is refused must not grow with its body: the messages
+# are counted before anything is rendered, and the rendering measured before it is tokenized
+MAX_MESSAGES = 2048  # messages in one chat prompt
 
 
 def pick_template(template: Any) -> str | None:
@@ -32,12 +36,26 @@ def pick_template(template: Any) -> str | None:
 def check_messages(messages: Any) -> None:
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise InvalidRequest("messages", "expected a non-empty list of {role, content} dicts")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(
+            "messages", f"at most {MAX_MESSAGES} messages in one request, got {len(messages)}"
+        )
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise InvalidRequest("messages", f"item {i} is {type(message).__name__}, not a dict")
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise InvalidRequest("messages", f"item {i} needs a str {key!r}")
+
+
+def check_rendered_length(text: str, max_chars: int | None) -> None:
+    """Refuse a rendered chat longer than ``max_chars`` before it is tokenized."""
+    if max_chars is not None and len(text) > max_chars:
+        raise ContextLengthExceeded(
+            "messages",
+            f"the rendered chat has {len(text)} characters, more than the model's context "
+            f"can hold ({max_chars})",
+        )
 
 
 def _raise_exception(message: str) -> None:

@@ -19,7 +19,7 @@ from kvwise.core.request import Request
 from kvwise.core.scheduler import Scheduler
 from kvwise.engine.kv_loader import KVLoader
 from kvwise.engine.output_processor import OutputProcessor
-from kvwise.engine.prompts import Prompt, Tokenizer, tokenize_prompt
+from kvwise.engine.prompts import Prompt, TokenizedPrompt, Tokenizer, tokenize_prompt
 from kvwise.engine.sessions import SessionMap
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import InvalidRequest, SessionBusy, SessionNotFound
@@ -47,6 +47,7 @@ class LLMEngine:
         self.scheduler = scheduler
         self.store = store
         self.max_model_len = max_model_len
+        self._vocab_size = runner.vocab_size
         self.outputs = outputs
         self.sessions = SessionMap()
         self._next_id = 0
@@ -56,8 +57,14 @@ class LLMEngine:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """A string, a chat message list or token ids → token ids (InvalidRequest on bad
-        input)."""
-        return tokenize_prompt(self.tokenizer, prompt, self.runner.vocab_size, self.max_model_len)
+        input). Safe to call from any thread (it reads the tokenizer and immutable sizes
+        only): ``AsyncEngine`` tokenizes on its own threads and hands ``add_request`` a
+        ``TokenizedPrompt``, so the step loop never renders or tokenizes."""
+        return tokenize_prompt(self.tokenizer, prompt, self._vocab_size, self.max_model_len)
+
+    def tokenized(self, prompt: Prompt) -> TokenizedPrompt:
+        """``tokenize`` as a prompt ``add_request`` takes without further work."""
+        return TokenizedPrompt(tuple(self.tokenize(prompt)))
 
     def add_request(
         self,

@@ -29,7 +29,12 @@ import jinja2
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from kvwise.engine.chat_template import check_messages, compile_template, pick_template
+from kvwise.engine.chat_template import (
+    check_messages,
+    check_rendered_length,
+    compile_template,
+    pick_template,
+)
 from kvwise.errors import InvalidRequest
 
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # values of tokenizer.ggml.token_type
@@ -294,10 +299,17 @@ class Tokenizer:
             raise InvalidRequest("messages", f"rendering the chat template failed: {exc}") from exc
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        max_chars: int | None = None,
     ) -> list[int]:
-        """Token ids of the rendered chat; BOS is not added again if the template wrote it."""
+        """Token ids of the rendered chat; BOS is not added again if the template wrote it.
+        A rendering longer than ``max_chars`` is refused before it is tokenized
+        (``ContextLengthExceeded`` naming ``messages``)."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        check_rendered_length(text, max_chars)
         bos = self._template_tokens().get("bos_token")
         return self.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 

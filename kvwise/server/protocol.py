@@ -22,8 +22,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from kvwise.engine.chat_template import MAX_MESSAGES
 from kvwise.errors import InvalidRequest, KVWiseError
-from kvwise.types import RequestOptions, SamplingParams
+from kvwise.types import MAX_KEY_CHARS, MAX_STOP_STRINGS, RequestOptions, SamplingParams
 
 # Below this a temperature is treated as greedy: dividing logits by a tinier one overflows.
 _GREEDY_TEMPERATURE = 1e-5
@@ -111,7 +112,9 @@ class _SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1, description="0 or -1: off (extension)")
     min_p: float | None = Field(None, ge=0, le=1, description="(extension)")
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64, description="reproducible sampling")
-    stop: str | list[str] | None = Field(None, description="up to any number of stop strings")
+    stop: str | list[str] | None = Field(
+        None, description=f"at most {MAX_STOP_STRINGS} stop strings"
+    )
     stop_token_ids: list[int] | None = Field(None, description="(extension)")
     ignore_eos: bool = Field(False, description="keep generating past EOS (extension)")
     stream: bool = False
@@ -122,10 +125,14 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="not supported")
     user: str | None = Field(None, description="ignored; the tenant comes from the API key")
     cache_salt: str | None = Field(
-        None, min_length=1, description="extra prompt-cache salt within the caller's tenant"
+        None,
+        min_length=1,
+        max_length=MAX_KEY_CHARS,
+        description="extra prompt-cache salt within the caller's tenant",
     )
     prompt_cache_key: str | None = Field(
         None,
+        max_length=MAX_KEY_CHARS,
         description="names the conversation within the caller's tenant, for "
         "POST /v1/kvwise/park (never shares across tenants)",
     )
@@ -221,7 +228,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    # NOTE: the count is bounded here, so that a flood of tiny messages costs one list
+    # length check, not a validation per message (or a rendering and tokenizing later)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
     logprobs: bool | None = Field(None, description="only false is supported")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="not supported")
@@ -269,7 +278,10 @@ class ParkRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     prompt_cache_key: str = Field(
-        ..., min_length=1, description="the conversation whose KV to move to the tiers"
+        ...,
+        min_length=1,
+        max_length=MAX_KEY_CHARS,
+        description="the conversation whose KV to move to the tiers",
     )
 
 

@@ -102,7 +102,10 @@ def test_async_preemption_keeps_every_answer_and_frees_every_block():
 
     async def main():
         adds = [asyncio.ensure_future(async_engine.add_request(p, P)) for p in PROMPTS]
-        await asyncio.sleep(0)  # every admission is posted: the loop admits them in one batch
+        # the prompts are tokenized off the engine thread; once every admission is posted,
+        # the loop admits them in one batch
+        while len(async_engine._commands) < len(PROMPTS):
+            await asyncio.sleep(0.005)
         async_engine.start()
         streams = await asyncio.gather(*adds)
         finals = []

@@ -47,7 +47,7 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [1 + (ord(c) % 50) for c in text]
 
-    def encode_chat(self, messages, add_generation_prompt=True):
+    def encode_chat(self, messages, add_generation_prompt=True, *, max_chars=None):
         return self.encode("".join(m["content"] for m in messages))
 
 
