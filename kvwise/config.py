@@ -131,6 +131,8 @@ class StoreConfig:
     kv_layer_groups: int = 1  # entries per chunk, by layers: loads stream group by group
     kv_store_min_tokens: int = 64  # sequences shorter than this are not written to the tiers
     kv_load_policy: str = "auto"  # auto: the cost model decides; always / never (benchmarks)
+    # the share of the host and the disk tier one tenant's kept (retention) entries may take
+    kv_max_kept_fraction_per_tenant: float = 0.5
     # entry keys are HMACs under this secret (None: $KVWISE_KV_SECRET; without either, a disk
     # tier makes one beside its entries, and a Redis tier is refused unless the next is set)
     kv_store_secret: str | None = field(default=None, repr=False)
@@ -173,6 +175,15 @@ class StoreConfig:
         _positive_int("kv_chunk_blocks", self.kv_chunk_blocks)
         _positive_int("kv_layer_groups", self.kv_layer_groups)
         _positive_int("kv_store_min_tokens", self.kv_store_min_tokens)
+        fraction = self.kv_max_kept_fraction_per_tenant
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not (0 <= fraction <= 1)
+        ):
+            raise ValueError(
+                f"kv_max_kept_fraction_per_tenant: expected a number in [0, 1], got {fraction!r}"
+            )
         if self.kv_load_policy not in LOAD_POLICIES:
             raise ValueError(
                 f"kv_load_policy: expected one of {LOAD_POLICIES}, got {self.kv_load_policy!r}"

@@ -49,6 +49,7 @@ class KVSave:
     block_ids: list[int]
     chunk: ChunkWrite
     ttl_s: float | None
+    tenant: str | None = None  # whose retention ``ttl_s`` is (tiers cap it per tenant)
 
 
 @dataclass

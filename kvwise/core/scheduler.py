@@ -284,7 +284,7 @@ class Scheduler:
         )
         for chunk in self.tiers.plan_writes(request.block_hashes, num_full, cuts):
             ids = block_ids[chunk.first_block : chunk.first_block + len(chunk.block_hashes)]
-            self._pending_saves.append(KVSave(ids, chunk, request.retention_s))
+            self._pending_saves.append(KVSave(ids, chunk, request.retention_s, request.tenant))
 
     def take_saves(self) -> list[KVSave]:
         """Blocks to copy out for the tiers; copy them before the next step runs."""

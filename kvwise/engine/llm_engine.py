@@ -179,7 +179,8 @@ class LLMEngine:
         """Copy the blocks the scheduler queued for the tiers out of the pool (a memory copy
         here; packing and I/O run on the store's writer thread)."""
         for save in self.scheduler.take_saves():
-            self.store.write(save.chunk, self.runner.save_kv(save.block_ids), save.ttl_s)
+            payload = self.runner.save_kv(save.block_ids)
+            self.store.write(save.chunk, payload, save.ttl_s, owner=save.tenant)
 
     # ---- introspection ------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from kvwise.store import disk_files
 from kvwise.store.base import BuffersFor, EvictionReports, FaultLog, TierStats
-from kvwise.store.index import LruIndex, check_key, check_value
+from kvwise.store.index import KeepLog, LruIndex, check_key, check_value, kept_cap
 from kvwise.utils import format_bytes
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class DiskStore(EvictionReports):
         capacity_bytes: int,
         num_io_threads: int = 4,
         clock: Callable[[], float] = time.time,
+        max_kept_fraction_per_tenant: float | None = None,
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes: expected >= 0, got {capacity_bytes}")
@@ -78,7 +79,8 @@ class DiskStore(EvictionReports):
         self.stats = TierStats()
         self._clock = clock
         self._faults = FaultLog(self.name, self.stats)
-        self._index = LruIndex()
+        self._index = LruIndex(kept_cap(capacity_bytes, max_kept_fraction_per_tenant))
+        self._keeps = KeepLog(self.name, self.stats)
         self._lock = threading.Lock()
         self._closed = False
         self.path.mkdir(parents=True, exist_ok=True)
@@ -156,17 +158,23 @@ class DiskStore(EvictionReports):
             self._update_gauges()
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> bool:
+    def put(
+        self,
+        items: Sequence[tuple[bytes, bytes]],
+        ttl_s: float | None = None,
+        owner: str | None = None,
+    ) -> bool:
         items = [(check_key(k), v, check_value(v)) for k, v in items]
         stored = 0
         for key, value, num_bytes in items:
             if num_bytes > self.capacity_bytes:
                 continue
             now = self._clock()
+            wanted = now + ttl_s if ttl_s else 0.0
             with self._lock:
                 if self._closed:
                     return False
-                keep_until = max(now + ttl_s if ttl_s else 0.0, self._index.keep_until(key))
+                keep_until, keeper = self._index.keep_for(key, num_bytes, wanted, owner, now)
             path = self.file_path(key)
             tmp = self._write_tmp(path, value, now, keep_until)
             if tmp is None:
@@ -186,7 +194,9 @@ class DiskStore(EvictionReports):
                     self._unlink(self.file_path(victim))
                     self.stats.evictions += 1
                     self._evicted(victim)
-                self._index.add(key, num_bytes, keep_until, now)
+                kept = self._index.add(key, num_bytes, keep_until, now, keeper)
+                if wanted > now and not kept:
+                    self._keeps.refused(owner)
                 self.stats.bytes_written += num_bytes
                 self._update_gauges()
                 stored += 1
@@ -286,6 +296,10 @@ class DiskStore(EvictionReports):
         for path in temporaries:
             self._unlink(path)
         now = self._clock()
+        # NOTE: who kept an entry is not written down (it would link entries to tenants), so
+        # the keeps found here share one account, capped as one tenant's: whatever a tenant
+        # kept, after a restart it cannot hold more of the tier than that (least recently
+        # used first: those past the cap are plain again)
         for f in found:
             self._index.add(f.key, f.num_bytes, f.mtime if f.mtime > now else 0.0, now)
         for victim in self._index.evict_for(0, self.capacity_bytes, now):
@@ -303,4 +317,8 @@ def from_config(config: StoreConfig) -> DiskStore | None:
     """The disk tier ``kv_disk_path`` / ``kv_disk_size`` ask for; None when the path is off."""
     if not config.kv_disk_path:
         return None
-    return DiskStore(config.kv_disk_path, config.kv_disk_size)
+    return DiskStore(
+        config.kv_disk_path,
+        config.kv_disk_size,
+        max_kept_fraction_per_tenant=config.kv_max_kept_fraction_per_tenant,
+    )

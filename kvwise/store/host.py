@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvwise.store.base import EvictionReports, TierStats
-from kvwise.store.index import LruIndex, check_key, check_value
+from kvwise.store.index import KeepLog, LruIndex, check_key, check_value, kept_cap
 from kvwise.utils import format_bytes
 
 if TYPE_CHECKING:
@@ -34,19 +34,28 @@ class HostStore(EvictionReports):
 
     Args:
         capacity_bytes: budget for the entries' bytes (header and payload).
+        max_kept_fraction_per_tenant: the share of the budget one tenant's kept (``ttl_s``)
+            entries may take; past it, its entries are stored in plain LRU order (None: no
+            cap).
         clock: seconds, for ``ttl_s`` (injectable for tests).
     """
 
     name = "host"
     load_prior = (2e-5, 2e-5, 0.4)  # the cost model's start: λ s, μ s per entry, s per GB
 
-    def __init__(self, capacity_bytes: int, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        clock: Callable[[], float] = time.time,
+        max_kept_fraction_per_tenant: float | None = None,
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes: expected >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
         self._clock = clock
-        self._index = LruIndex()
+        self._index = LruIndex(kept_cap(capacity_bytes, max_kept_fraction_per_tenant))
+        self._keeps = KeepLog(self.name, self.stats)
         self._values: dict[bytes, bytes] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -73,7 +82,12 @@ class HostStore(EvictionReports):
             self.stats.load_seconds += time.perf_counter() - start
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> bool:
+    def put(
+        self,
+        items: Sequence[tuple[bytes, bytes]],
+        ttl_s: float | None = None,
+        owner: str | None = None,
+    ) -> bool:
         items = [(check_key(k), v, check_value(v)) for k, v in items]
         with self._lock:
             if self._closed:
@@ -84,14 +98,16 @@ class HostStore(EvictionReports):
             for key, value, num_bytes in items:
                 if num_bytes > self.capacity_bytes:
                     continue
+                until, keeper = self._index.keep_for(key, num_bytes, keep_until, owner, now)
                 # the old entry's bytes must not count against its replacement
-                keep = max(keep_until, self._index.keep_until(key))
                 self._index.remove(key)
                 for victim in self._index.evict_for(num_bytes, self.capacity_bytes, now):
                     del self._values[victim]
                     self.stats.evictions += 1
                     self._evicted(victim)
-                self._index.add(key, num_bytes, keep, now)
+                kept = self._index.add(key, num_bytes, until, now, keeper)
+                if keep_until > now and not kept:
+                    self._keeps.refused(owner)
                 self._values[key] = value if isinstance(value, bytes) else bytes(value)
                 self.stats.bytes_written += num_bytes
                 stored += 1
@@ -128,4 +144,9 @@ class HostStore(EvictionReports):
 
 def from_config(config: StoreConfig) -> HostStore | None:
     """The host tier ``kv_host_memory`` asks for; None when it is off (0)."""
-    return HostStore(config.kv_host_memory) if config.kv_host_memory else None
+    if not config.kv_host_memory:
+        return None
+    return HostStore(
+        config.kv_host_memory,
+        max_kept_fraction_per_tenant=config.kv_max_kept_fraction_per_tenant,
+    )

@@ -184,10 +184,13 @@ class TieredStore:
 
     # ---- writes, sessions, lifecycle, stats ---------------------------------------------
 
-    def write(self, chunk: ChunkWrite, payload, ttl_s: float | None = None) -> None:
+    def write(
+        self, chunk: ChunkWrite, payload, ttl_s: float | None = None, owner: str | None = None
+    ) -> None:
         """Queue one chunk's payload, all layers ``(num_layers, 2, num_blocks, ...)``, a buffer
-        the caller no longer changes, for every tier (split into its layer groups)."""
-        if not self._writer.submit(WriteChunk(chunk, payload, ttl_s)):
+        the caller no longer changes, for every tier (split into its layer groups); ``ttl_s``
+        keeps it on ``owner``'s (the tenant's) account."""
+        if not self._writer.submit(WriteChunk(chunk, payload, ttl_s, owner)):
             self._forget_chunk(chunk)  # dropped: a later sequence may write it
 
     # ---- what each tier holds, as events (for cache-aware routers) ---------------------------

@@ -52,7 +52,7 @@ class ScratchTier:
             self.stats.load_seconds += time.perf_counter() - start
         return out
 
-    def put(self, items, ttl_s=None) -> None:
+    def put(self, items, ttl_s=None, owner=None) -> None:
         with self._lock:
             for key, value in items:
                 self.entries[bytes(key)] = bytes(value)

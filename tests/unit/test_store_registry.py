@@ -36,7 +36,7 @@ class MemoryTier:
     def get(self, keys):
         return [self.entries.get(k) for k in keys]
 
-    def put(self, items, ttl_s=None) -> None:
+    def put(self, items, ttl_s=None, owner=None) -> None:
         for key, value in items:
             self.entries[key] = bytes(value)
             self.stats.bytes_written += len(value)
@@ -130,6 +130,11 @@ def test_tier_stats_name_their_metrics():
         "loaded_tokens": (
             "kvwise_kv_tier_loaded_tokens",
             "prompt tokens loaded from the tier into the pool",
+            "counter",
+        ),
+        "keeps_refused": (
+            "kvwise_kv_tier_keeps_refused",
+            "entries stored in plain LRU order though asked to be kept: the tenant was at its cap",
             "counter",
         ),
         "num_entries": ("kvwise_kv_tier_entries", "KV entries held by the tier", "gauge"),

@@ -332,7 +332,7 @@ def test_background_writer_flushes_on_close_and_drops_when_full():
     store = TieredStore([host], FMT, chunk_blocks=4, min_tokens=4, max_pending_bytes=600)
     gate = threading.Event()
     real_put = host.put
-    host.put = lambda items, ttl_s=None: (gate.wait(5), real_put(items, ttl_s))
+    host.put = lambda items, ttl_s=None, owner=None: (gate.wait(5), real_put(items, ttl_s))
     h = chain(12)
     writes = store.plan_writes(h, 12)
     for w in writes:  # 512 bytes each: the second does not fit while the first is pending
