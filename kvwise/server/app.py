@@ -13,15 +13,22 @@ Tenants: with API keys configured, every /v1 route needs ``Authorization: Bearer
 otherwise) and the key alone names the tenant, so one tenant's prompts never hit another's
 cache. Without keys every request is tenant ``default``. /health and /metrics are open.
 
+Hosts: with ``allowed_hosts`` set, a request whose Host header names another host gets 421
+before anything runs, /health included (``transport.HostCheck``): a web page cannot reach a
+keyless loopback server through a DNS name it controls (DNS rebinding). ``kvwise serve`` on a
+loopback address allows only loopback names by default.
+
 Dashboard: GET /dashboard, a live page over the server's own stats (``dashboard.py``); with
 API keys (or an admin key) set it needs the admin key, never a tenant's.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
 (naming the field; text that is no Unicode included), 401, 404 unknown model, route or
-session, 409 park of a session with a request in flight, 413 a body over the limit (refused
-before it is parsed), 429 (with Retry-After) when the engine's waiting queue is full, 431
-a request line and headers over 16 KiB (answered by the server before the app: see
-``serving.py``), 503 when the engine is down. A stream that fails (a failed step, the engine
+session, 408 a request line and headers or a body not received in time (answered by the
+server: see ``serving.py``), 409 park of a session with a request in flight, 413 a body over
+the limit (refused before it is parsed), 421 a Host header not allowed, 429 (with
+Retry-After) when the engine's waiting queue is full, 431 a request line and headers over
+16 KiB (answered by the server before the app: see ``serving.py``), 503 when the engine is
+down. A stream that fails (a failed step, the engine
 stopping, a shutdown: see ``serving.py``) ends with an error event and ``[DONE]``. A client
 that disconnects, streaming or not, has its request aborted and its KV blocks freed before the
 next engine step.
@@ -30,7 +37,7 @@ next engine step.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -50,7 +57,13 @@ from kvwise.server.protocol import (
     ParkResponse,
 )
 from kvwise.server.routes import DEFAULT_COMPLETION_MAX_TOKENS, OpenAIRoutes
-from kvwise.server.transport import AuthAndCount, BodyLimit, install_error_handlers
+from kvwise.server.transport import (
+    AuthAndCount,
+    BodyLimit,
+    HostCheck,
+    install_error_handlers,
+    parse_allowed_hosts,
+)
 
 _ERRORS = {
     code: {"model": ErrorResponse, "description": text}
@@ -80,6 +93,7 @@ def create_app(
     default_completion_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     admin_key: str | None = None,
+    allowed_hosts: Iterable[str] | None = None,
 ) -> FastAPI:
     """Build the app over one engine.
 
@@ -91,7 +105,11 @@ def create_app(
         max_request_bytes: a larger request body gets 413 before it is parsed.
         admin_key: the key /dashboard needs (see ``dashboard.py``); ValueError if it is
             blank or a tenant's key.
+        allowed_hosts: the Host header values served (``transport.allowed_hosts_for``: a
+            name or address, any port unless it has ``:port``; ``*``: any); another is a
+            421. None: any. ValueError if one is no host.
     """
+    allowed = None if allowed_hosts is None else parse_allowed_hosts(allowed_hosts)
     keys = dict(api_keys or {})
     admin_key = check_admin_key(admin_key, keys)
     owns_engine = isinstance(engine, LLMEngine)
@@ -124,6 +142,8 @@ def create_app(
     app.add_middleware(AdminGate, admin_key=admin_key, tenant_keys=list(keys))
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(AuthAndCount, keys=keys, metrics=metrics)
+    if allowed is not None:
+        app.add_middleware(HostCheck, allowed=allowed)  # outermost: before anything runs
     _add_routes(app, OpenAIRoutes(async_engine, metrics, model_name, default_completion_max_tokens))
     dashboard.add_routes(app)
     return app

@@ -1,4 +1,5 @@
-"""HTTP plumbing under the routes: API keys → tenants (checked before the body is read),
+"""HTTP plumbing under the routes: the Host header checked against the allowed hosts (421
+otherwise, before anything else), API keys → tenants (checked before the body is read),
 requests counted by route and status, OpenAI error bodies for every failure, server-sent-event
 responses that abort their request however they end, and disconnect detection for answers that
 are not streamed."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 
@@ -42,6 +44,119 @@ def parse_api_keys(pairs: Iterable[str] | None = None, env: str | None = None) -
             raise ValueError(f"api_key: item {i + 1} maps a key already given another tenant")
         keys[key] = tenant
     return keys
+
+
+# what a server bound to a loopback address answers to by default: a page a browser loaded
+# from any other name (DNS rebinding: evil.example resolving to 127.0.0.1) is refused
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
+def allowed_hosts_for(bind_host: str, given: Iterable[str] | None = None) -> tuple[str, ...] | None:
+    """The Host header values a server bound to ``bind_host`` answers to (None: any).
+
+    Args:
+        given: ``--allowed-hosts`` items (repeatable, each may be ``a,b``): host names or
+            addresses, each with an optional ``:port`` (without one, any port), IPv6 in
+            brackets; ``*`` allows any. None or empty: the default, loopback names only
+            (``LOOPBACK_HOSTS``) when ``bind_host`` is a loopback address, else any host.
+
+    Raises:
+        ValueError: an item that is no host (naming ``allowed_hosts``).
+    """
+    items = [item.strip() for value in given or () for item in value.split(",")]
+    items = [item for item in items if item]
+    if not items:
+        return LOOPBACK_HOSTS if _is_loopback(bind_host) else None
+    return None if parse_allowed_hosts(items) is None else tuple(dict.fromkeys(items))
+
+
+def parse_allowed_hosts(items: Iterable[str]) -> frozenset[tuple[str, int | None]] | None:
+    """Allowed hosts as (lowercase name, port or None: any port); None when ``*`` is one.
+
+    Raises:
+        ValueError: an item that is no host (naming ``allowed_hosts``).
+    """
+    hosts = set()
+    for item in items:
+        if item.strip() == "*":
+            return None
+        host = _split_host(item, bare_ipv6=True)
+        if host is None:
+            raise ValueError(
+                f"allowed_hosts: {item!r} is not a host name or address with an optional "
+                "':port' (IPv6 in brackets), nor '*'"
+            )
+        hosts.add(host)
+    return frozenset(hosts)
+
+
+def _is_loopback(bind_host: str) -> bool:
+    if bind_host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bind_host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _split_host(value: str, bare_ipv6: bool = False) -> tuple[str, int | None] | None:
+    """``name[:port]`` / ``[v6][:port]`` → (lowercase name, port or None); None if malformed.
+    ``bare_ipv6``: accept ``::1`` without brackets too (the flag's items, never a header)."""
+    value = value.strip().lower()
+    if bare_ipv6 and value.count(":") > 1 and not value.startswith("["):
+        value = f"[{value}]"
+    if value.startswith("["):
+        name, bracket, port = value[1:].partition("]")
+        try:
+            name = f"[{ipaddress.IPv6Address(name)}]"
+        except ValueError:
+            return None
+        if not bracket or (port and not port.startswith(":")):
+            return None
+        port = port[1:] if port else None
+    else:
+        name, colon, port = value.partition(":")
+        port = port if colon else None
+        name = name.rstrip(".")  # "localhost." is localhost
+        if not name or any(c in name for c in "/@?#\\ \t*[]"):
+            return None
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        return None
+    return name, int(port) if port is not None else None
+
+
+class HostCheck:
+    """ASGI middleware: a request whose Host header names no allowed host gets 421
+    (Misdirected Request) with an OpenAI error body, before anything else runs: every route,
+    /health included. An allowed host without a port matches it on any port."""
+
+    def __init__(self, app, allowed: frozenset[tuple[str, int | None]]) -> None:
+        """``allowed``: from ``parse_allowed_hosts``."""
+        self.app = app
+        self.allowed = allowed
+
+    def allows(self, value: bytes) -> bool:
+        split = _split_host(value.decode("latin-1"))
+        if split is None:
+            return False
+        return split in self.allowed or (split[0], None) in self.allowed
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        hosts = [value for name, value in scope.get("headers") or () if name == b"host"]
+        if hosts and all(self.allows(value) for value in hosts):
+            await self.app(scope, receive, send)
+            return
+        if hosts:
+            shown = hosts[0].decode("latin-1")
+            shown = shown if len(shown) <= 100 else shown[:100] + "..."
+            message = f"Host header {shown!r}: not a host this server answers to"
+        else:
+            message = "no Host header: this server answers only to named hosts"
+        error = APIError(421, f"{message} (see --allowed-hosts)", code="host_not_allowed")
+        await JSONResponse(error.body(), status_code=421)(scope, receive, send)
 
 
 async def collect_or_disconnect(stream: RequestStream, request: Request) -> RequestOutput | None:

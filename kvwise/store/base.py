@@ -6,7 +6,14 @@
 - Every method takes a batch and never raises for a tier fault (I/O error, timeout, full
   disk, server down): ``get`` answers ``None`` for that key, ``contains`` ``False``, ``put``
   drops the entry. The fault is counted in ``stats.faults`` and logged once per kind. Only
-  programming errors (wrong types) raise.
+  programming errors (wrong types) raise. The store calls every tier through ``guarded``
+  all the same: whatever a tier raises (a client library's surprise, a bug) is a fault of
+  that tier and a miss, never an error of the engine.
+- Deadlines: a tier whose calls can block on something outside this machine (Redis) sets
+  ``deadline_s`` and returns from every call within it, whole (not per socket read), serving
+  what it did not get as a miss. A tier without one (host RAM, local disk) is assumed to
+  finish within ``DEFAULT_DEADLINE_S``; ``call_deadline`` says which applies. The loader's
+  waits and the writer's flush are bounded by these (``engine/kv_loader.py``, ``writer.py``).
 - ``get`` of a key refreshes its recency (LRU); ``put`` of an existing key replaces it.
 - ``ttl_s`` on ``put``: keep the entry at least that long where the tier can (Redis: TTL of
   at least that; disk and host: evicted after every entry without one, until it expires).
@@ -20,11 +27,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 logger = logging.getLogger("kvwise.store")
+
+T = TypeVar("T")
+
+# how long a call of a tier that declares no ``deadline_s`` (RAM, a local disk) may take before
+# the loader and the writer stop waiting for it
+DEFAULT_DEADLINE_S = 5.0
 
 
 def _metric(name: str, help_text: str, kind: str = "counter", default: float = 0):
@@ -59,6 +73,10 @@ class TierStats:
     loaded_tokens: int = _metric(  # counted by the store: a chunk by its first group's tier
         "kvwise_kv_tier_loaded_tokens", "prompt tokens loaded from the tier into the pool"
     )
+    keeps_refused: int = _metric(  # counted by host and disk (index.KeepLog)
+        "kvwise_kv_tier_keeps_refused",
+        "entries stored in plain LRU order though asked to be kept: the tenant was at its cap",
+    )
     num_entries: int = _metric("kvwise_kv_tier_entries", "KV entries held by the tier", "gauge")
     num_bytes: int = _metric("kvwise_kv_tier_bytes", "bytes held by the tier", "gauge")
 
@@ -82,10 +100,16 @@ class KVStore(Protocol):
         """The entries, ``None`` where missing or faulty."""
         ...
 
-    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> bool:
+    def put(
+        self,
+        items: Sequence[tuple[bytes, bytes]],
+        ttl_s: float | None = None,
+        owner: str | None = None,
+    ) -> bool:
         """Store ``(key, entry)`` pairs; may evict others to stay under the budget. Returns
         True when every pair was stored, False when any was not (a fault, an entry over the
-        budget, a closed tier): the caller may write it again later."""
+        budget, a closed tier): the caller may write it again later. ``owner``: the tenant
+        whose ``ttl_s`` it is, for a tier that caps what one tenant may keep (host, disk)."""
         ...
 
     def delete(self, keys: Sequence[bytes]) -> None:
@@ -139,6 +163,20 @@ class EvictionReports:
             self.on_evict(key)
 
 
+def call_deadline(tier: KVStore) -> float:
+    """Seconds one call of ``tier`` may take: its own ``deadline_s`` (which it enforces),
+    else ``DEFAULT_DEADLINE_S``."""
+    return getattr(tier, "deadline_s", None) or DEFAULT_DEADLINE_S
+
+
+# NOTE: one tier's faults are counted by several FaultLogs (its own, the store's guards), on
+# several threads: one lock for all of them keeps ``stats.faults`` exact
+_COUNT_LOCK = threading.Lock()
+
+# the exceptions a tier's I/O is expected to raise: logged without a traceback
+_IO_ERRORS = (OSError, TimeoutError)
+
+
 class FaultLog:
     """Counts faults into ``stats`` and logs each kind once (then at debug level)."""
 
@@ -150,11 +188,42 @@ class FaultLog:
     def corrupt(self, detail: object = "") -> None:
         """An entry the tier returned (and counted as a hit) failed its checks: it is a
         fault, not a hit."""
-        self.stats.hits -= 1
+        with _COUNT_LOCK:
+            self.stats.hits -= 1
         self.fault("corrupt entry", detail)
 
-    def fault(self, kind: str, detail: object = "") -> None:
-        self.stats.faults += 1
-        level = logging.DEBUG if kind in self._seen else logging.WARNING
-        self._seen.add(kind)
-        logger.log(level, "kv tier %s: %s %s (served as a miss)", self.tier, kind, detail)
+    def fault(self, kind: str, detail: object = "", exc: BaseException | None = None) -> None:
+        """Count one fault of ``kind``; the first of its kind is a warning, with ``exc``'s
+        traceback when it is no I/O error (a surprise: maybe a bug, which a test must see)."""
+        with _COUNT_LOCK:
+            self.stats.faults += 1
+            first = kind not in self._seen
+            self._seen.add(kind)
+        if not first:
+            logger.debug("kv tier %s: %s %s (served as a miss)", self.tier, kind, detail)
+        elif exc is None or isinstance(exc, _IO_ERRORS):
+            logger.warning("kv tier %s: %s %s (served as a miss)", self.tier, kind, detail)
+        else:
+            logger.error(
+                "kv tier %s: unexpected %s %s (served as a miss)", self.tier, kind, detail,
+                exc_info=exc,
+            )  # fmt: skip
+
+    def exception(self, op: str, exc: BaseException) -> None:
+        """``op`` (e.g. "contains") raised ``exc``: a fault of its kind."""
+        self.fault(f"{type(exc).__name__} in {op}", f"({exc})", exc)
+
+
+def guarded(faults: FaultLog, op: str, call: Callable[..., T], *args: Any, miss: T) -> T:
+    """``call(*args)``, or ``miss`` when it raises anything at all: whatever a tier raises
+    is a fault of that tier (``faults``), served as a miss, and never reaches the engine.
+
+    NOTE: this is the one fault boundary between the store and its tiers (the planner, the
+    reader and the writer call every tier through it), so a new tier needs nothing of its
+    own for it. ``Exception`` only: an interrupt still interrupts.
+    """
+    try:
+        return call(*args)
+    except Exception as exc:
+        faults.exception(op, exc)
+        return miss

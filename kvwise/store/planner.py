@@ -35,6 +35,9 @@ Contract:
   the ones a tier failed to store. Hits read by the reader are remembered, corrupt entries it
   deletes forgotten; ``roll_back`` forgets the entries a load failed to deliver, so that their
   recomputed blocks are written again.
+- A tier that raises in ``contains`` has faulted: its answer is "none of them"
+  (``base.guarded``), never an error of the engine thread that plans. A tier that can block
+  bounds its ``contains`` by its ``deadline_s`` (the engine thread waits at most that).
 - Calls come from the engine thread; the known map is also updated from the loader thread
   and is locked.
 """
@@ -50,7 +53,7 @@ from dataclasses import dataclass
 from kvwise.config import LOAD_POLICIES
 from kvwise.core.kv_tiers import ChunkWrite, LoadPlan, PlannedChunk
 from kvwise.store import serde
-from kvwise.store.base import KVStore
+from kvwise.store.base import FaultLog, KVStore, guarded
 from kvwise.store.costmodel import CostModel, LoadDecision
 
 logger = logging.getLogger("kvwise.store")
@@ -123,6 +126,7 @@ class ChunkPlanner:
         self.min_tokens = min_tokens
         self.policy = policy
         self.known = KnownChunks()
+        self._faults = [FaultLog(t.name, t.stats) for t in self.tiers]  # by tier index
         self.decisions: deque[LoadDecision] = deque(maxlen=1000)
         self.load_decisions = 0
         self.recompute_decisions = 0
@@ -261,11 +265,13 @@ class ChunkPlanner:
     def _locate(self, keys: list[bytes]) -> list[KVStore | None]:
         """The first tier holding each key (None: in no tier)."""
         located: list[KVStore | None] = [None] * len(keys)
-        for tier in self.tiers:
+        for tier, faults in zip(self.tiers, self._faults):
             todo = [i for i, t in enumerate(located) if t is None]
             if not todo:
                 break
-            for i, present in zip(todo, tier.contains([keys[i] for i in todo])):
+            found = guarded(faults, "contains", tier.contains,
+                            [keys[i] for i in todo], miss=[False] * len(todo))  # fmt: skip
+            for i, present in zip(todo, found):
                 if present:
                     located[i] = tier
         return located

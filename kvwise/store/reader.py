@@ -21,26 +21,38 @@ Contract:
   else (read in place) by the request's own write when it leaves the pool, which the known
   map then sends to the tiers above this one only.
 - Each tier's share of a call is timed into the cost model (``CostModel.observe_load``).
+- Whatever a tier raises is a fault of that tier and a miss (``base.guarded``).
+- Writes into ``dest``'s buffers happen only while ``dest.writing()`` is held (when ``dest``
+  has it: the loader's gate, ``engine/kv_loader.py``), and ``read_group`` returns (or raises)
+  only once every part of it is done: after that, nothing it started writes into them.
+
+NOTE: a tier that reads into memory (host, Redis) reads outside ``dest.writing()``: only
+opening the entry into ``dest``'s buffers (AES-GCM, memory speed) is inside it, so a slow
+tier never holds the gate. A ``ReadsInPlace`` tier (disk's ``preadv``) writes into them as it
+reads, so its whole read is inside: joined, however long it takes. That is bounded by the
+local disk; reading into memory first instead would cost the copy the in-place read saves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvwise.core.kv_tiers import PlannedChunk
 from kvwise.store import serde
-from kvwise.store.base import FaultLog, KVStore, ReadsInPlace
+from kvwise.store.base import FaultLog, KVStore, ReadsInPlace, guarded
 from kvwise.store.costmodel import CostModel
 from kvwise.store.planner import KnownChunks
 
 _READ_PARTS = 4  # a tier's share of one read runs (and is checked) in this many parallel parts
 
 # dest(i, entry_blocks): the payload buffers for planned chunk i's entry of that many blocks
-# (None: the entry is too short to hold the chunk)
+# (None: the entry is too short to hold the chunk, or they are no longer wanted); it may also
+# have ``writing()``, a context manager held while they are written (the module docstring)
 Dest = Callable[[int, int], list | None]
 # promote(tier_index, key, entry): put an entry read from that tier into the tiers above it
 PromoteFn = Callable[[int, bytes, bytes], object]
@@ -92,7 +104,7 @@ class Reader:
         self.known = known
         self.cost = cost
         self._promote = promote
-        self._faults = {t.name: FaultLog(t.name, t.stats) for t in self.tiers}
+        self._faults = [FaultLog(t.name, t.stats) for t in self.tiers]  # by tier index
         self._pool = ThreadPoolExecutor(_READ_PARTS, thread_name_prefix="kvwise-kv-read")
 
     def read_group(
@@ -119,12 +131,12 @@ class Reader:
             # overlaps reading the next; others get a few batches (one round trip each)
             num_parts = len(idx) if in_place else min(_READ_PARTS, len(idx))
             parts = [idx[p::num_parts] for p in range(num_parts)]
-            results = self._pool.map(
-                lambda part, t=tier: self._read(t, keys, part, group, dest), parts
-            )
+            futures = [self._pool.submit(self._read, tier_index, keys, part, group, dest)
+                       for part in parts]  # fmt: skip
+            wait(futures)  # every part, even when one raised: none writes into dest later
             num_bytes = 0
-            for part, got in zip(parts, results):
-                for i, read in zip(part, got):
+            for part, future in zip(parts, futures):
+                for i, read in zip(part, future.result()):
                     num_bytes += read.num_bytes
                     out[i] = self._check(tier_index, keys[i], read, chunks[i])
             self.cost.observe_load(tier.name, len(idx), num_bytes, time.perf_counter() - t0)
@@ -133,8 +145,11 @@ class Reader:
     def close(self) -> None:
         self._pool.shutdown()
 
-    def _read(self, tier: KVStore, keys, part: list[int], group: int, dest) -> list[_Got]:
+    def _read(self, tier_index: int, keys, part: list[int], group: int, dest) -> list[_Got]:
         """Get and open the entries ``keys[i]`` for ``i`` in ``part`` (one batch)."""
+        tier, faults = self.tiers[tier_index], self._faults[tier_index]
+        misses = [None] * len(part)
+        writing = getattr(dest, "writing", None) or contextlib.nullcontext
         if dest is not None and isinstance(tier, ReadsInPlace):
 
             def buffers_for(i: int):
@@ -151,10 +166,13 @@ class Reader:
 
                 return make
 
-            got = tier.get_into([keys[i] for i in part], [buffers_for(i) for i in part])
-            return [self._open_parts(keys[i], buffers) for i, buffers in zip(part, got)]
-        values = tier.get([keys[i] for i in part])
-        return [self._open(keys[i], value, group, i, dest) for i, value in zip(part, values)]
+            with writing():  # the read itself lands in dest's buffers
+                got = guarded(faults, "get_into", tier.get_into, [keys[i] for i in part],
+                              [buffers_for(i) for i in part], miss=misses)  # fmt: skip
+                return [self._open_parts(keys[i], buffers) for i, buffers in zip(part, got)]
+        values = guarded(faults, "get", tier.get, [keys[i] for i in part], miss=misses)
+        with writing():  # opened into dest's buffers
+            return [self._open(keys[i], v, group, i, dest) for i, v in zip(part, values)]
 
     def _open(self, key: bytes, value, group: int, i: int, dest: Dest | None) -> _Got:
         """Open an entry read into memory: into ``dest``'s buffers when given."""
@@ -198,8 +216,8 @@ class Reader:
         end = chunk.first_block + chunk.num_blocks
         if isinstance(entry, serde.CorruptEntry) or entry.first_block + entry.num_blocks != end:
             reason = entry if isinstance(entry, serde.CorruptEntry) else "misplaced entry"
-            self._faults[tier.name].corrupt(reason)
-            tier.delete([key])
+            self._faults[tier_index].corrupt(reason)
+            guarded(self._faults[tier_index], "delete", tier.delete, [key], miss=None)
             self.known.forget(chunk.key)
             return _MISS
         skip = chunk.first_block - entry.first_block

@@ -7,11 +7,19 @@ at least the store's ``ttl_s``; Redis expires and evicts entries itself.
 Contract (on top of ``base.KVStore``):
 - One round trip per call: ``get`` is one MGET, ``contains`` and ``put`` one
   non-transactional pipeline (EXISTS, SET ... EX), ``delete`` one DEL.
-- A Redis error, socket error or timeout (``timeout_s``, for connect and for each reply) is a
-  fault: counted, logged once per kind, served as a miss. After a connection-level fault
-  (server down, timeout, refused login) the store is *down* for ``retry_after_s``: calls
-  answer misses at once, with no network and no stats, so a dead server costs one timeout,
-  not one per request. An error reply (e.g. OOM on SET) is a fault but not an outage.
+- A deadline for the whole call: ``timeout_s`` (``deadline_s``) bounds each call from start
+  to end, connect, handshake and every reply byte included (redis-py's socket timeout bounds
+  each socket read only: a server that answers a byte at a time would never trip it). The
+  client's work runs on this store's I/O threads and the caller waits for it at most that
+  long; past it the call is a fault (a miss), the node's connections are closed (which ends
+  the read stuck on them) and the node is down.
+- Anything a call raises is a fault: counted, logged once per kind, served as a miss (a
+  Redis error, a socket error, a reply redis-py cannot make sense of and raises some other
+  exception for, a reply of the wrong shape). After a connection-level fault (server down,
+  deadline passed, refused login, a reply that makes no sense) the node's connections are
+  closed and the store is *down* for ``retry_after_s``: calls answer misses at once, with no
+  network and no stats, so a dead or confused server costs one deadline, not one per
+  request. An error reply (e.g. OOM on SET) is a fault but not an outage.
 - Nothing touches the network before the first call: an unreachable server at start-up is a
   fault on first use, not an exception.
 - Stats: ``evictions`` stays 0 and the ``num_entries``/``num_bytes`` gauges stay 0: Redis
@@ -20,16 +28,22 @@ Contract (on top of ``base.KVStore``):
 - Thread safety: redis-py's client draws connections from a thread-safe pool; this store
   locks only its own counters and outage state.
 
+NOTE: a call abandoned at its deadline may still be running on an I/O thread until its
+connection is closed under it; it only ever reads into memory of its own, and its outcome is
+dropped (never counted, never returned), so nothing of it reaches a caller late.
+
 Redis Cluster (``redis+cluster://`` / ``rediss+cluster://``, any node as the seed): entry keys
 are HMACs, so they spread over every hash slot. Each call groups its keys by the node that
 serves their slot and sends each node one non-transactional pipeline of single-key commands
-(GET, EXISTS, SET, DEL: no multi-key command has to stay within one slot). A node's fault
+(GET, EXISTS, SET, DEL: no multi-key command has to stay within one slot), every node at
+once, all within the call's deadline. A node's fault
 and outage window are its own: its entries are misses while the other nodes keep serving.
 The cluster's slot map is read on the first call, not at start-up.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import threading
 import time
@@ -50,6 +64,10 @@ if TYPE_CHECKING:
 
 _SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 _SKIPPED = object()  # the call did not reach the server (closed, down, or a fault)
+_IO_THREADS = 16  # calls in flight at once (the engine, loader, writer threads; per node)
+# what redis-py raises for the faults it knows (anything else: a surprise, logged with its
+# traceback once)
+_CLIENT_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 
 class RedisStore:
@@ -58,7 +76,7 @@ class RedisStore:
     Args:
         url: ``redis://[[user]:password@]host:port/db``, ``rediss://...`` or ``unix://...``.
         ttl_s: minimum TTL of every entry, in seconds.
-        timeout_s: connect and reply timeout of each call.
+        timeout_s: the deadline of each call, whole (connect, handshake, every reply).
         retry_after_s: how long the store stays down after a connection-level fault.
         prefix: namespace of this store's Redis keys.
         clock: monotonic seconds, for the outage window (injectable for tests).
@@ -91,7 +109,7 @@ class RedisStore:
         if retry_after_s < 0:
             raise ValueError(f"retry_after_s: expected >= 0 seconds, got {retry_after_s}")
         self.ttl_s = ttl_s
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # the deadline of a call (base.KVStore's deadline_s)
         self.retry_after_s = retry_after_s
         self.prefix = prefix
         self.stats = TierStats()
@@ -109,6 +127,9 @@ class RedisStore:
         self._client: Any = None
         self._cluster_url = url.replace("+cluster", "", 1) if self.cluster else None
         self._cluster_options = options
+        self._io = concurrent.futures.ThreadPoolExecutor(
+            _IO_THREADS, thread_name_prefix="kvwise-redis"
+        )
         try:
             if not self.cluster:
                 self._client = redis.Redis.from_url(url, health_check_interval=0, **options)
@@ -116,6 +137,11 @@ class RedisStore:
                 redis.connection.parse_url(self._cluster_url)  # a bad URL fails now, not later
         except ValueError as exc:
             raise ValueError(f"kv_redis_url: {exc}") from None
+
+    @property
+    def deadline_s(self) -> float:
+        """``base.KVStore``'s deadline: every call returns within it."""
+        return self.timeout_s
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         names = self._names(keys)
@@ -130,9 +156,11 @@ class RedisStore:
         if self.cluster:
             values = self._per_node("get", names, lambda pipe, name: pipe.get(name))
         else:
-            values = self._call("get", lambda: self._client.mget(names))
+            values = self._call("get", lambda: _replies(self._client.mget(names), names))
             if values is _SKIPPED:
                 values = [_SKIPPED] * len(names)
+        # NOTE: a value that is not bytes (a confused server) is no entry: a miss
+        values = [v if v is _SKIPPED or isinstance(v, bytes) else None for v in values]
         served = [v for v in values if v is not _SKIPPED]
         values = [None if v is _SKIPPED else v for v in values]
         if not served:
@@ -147,7 +175,15 @@ class RedisStore:
             self.stats.load_seconds += time.perf_counter() - start
         return values
 
-    def put(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float | None = None) -> bool:
+    def put(
+        self,
+        items: Sequence[tuple[bytes, bytes]],
+        ttl_s: float | None = None,
+        owner: str | None = None,
+    ) -> bool:
+        # NOTE: ``owner`` is not capped here: Redis evicts by its own maxmemory policy, and a
+        # longer TTL does not keep an entry ahead of others' under allkeys-lru (the policy
+        # to run a shared KV tier with); it only lasts longer
         checked = [(self.prefix + check_key(k).hex(), v, check_value(v)) for k, v in items]
         if not checked:
             return True
@@ -177,13 +213,14 @@ class RedisStore:
             if self._closed:
                 return
             self._closed = True
+        self._io.shutdown(wait=False, cancel_futures=True)
         if self._client is None:
             return
         try:
             self._client.close()
             if not self.cluster:
                 self._client.connection_pool.disconnect()
-        except (redis.exceptions.RedisError, OSError):
+        except Exception:  # closing is best effort: the calls in flight end either way
             pass
 
     def describe(self) -> str:
@@ -194,23 +231,28 @@ class RedisStore:
         return [self.prefix + check_key(k).hex() for k in keys]
 
     def _per_node(self, op: str, names: list[str], add: Callable[[Any, str], Any]) -> list[Any]:
-        """One pipeline a node of ``add(pipe, name)`` commands; the results in ``names``'
-        order, ``_SKIPPED`` where the node was down or faulted."""
+        """One pipeline a node of ``add(pipe, name)`` commands, every node at once; the
+        results in ``names``' order, ``_SKIPPED`` where the node was down or faulted."""
         results: list[Any] = [_SKIPPED] * len(names)
         if not names:
             return results
-        groups = self._call(op, lambda: self._groups(names))
+        if self._client is None:  # a cluster's first call: its slot map, over the network
+            groups = self._call(op, lambda: self._groups(names))
+        else:  # no network: the server, or the slot map read already
+            groups = self._call_here(op, lambda: self._groups(names))
         if groups is _SKIPPED:
             return results
-        for node, client, indices in groups:
 
-            def run(client=client, indices=indices) -> list[Any]:
-                pipe = client.pipeline(transaction=False)
-                for i in indices:
-                    add(pipe, names[i])
-                return pipe.execute()
+        def run(client, indices: list[int]) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for i in indices:
+                add(pipe, names[i])
+            return _replies(pipe.execute(), indices)
 
-            out = self._call(op, run, node)
+        calls = [
+            (node, lambda c=client, ix=indices: run(c, ix)) for node, client, indices in groups
+        ]
+        for (_, _, indices), out in zip(groups, self._calls(op, calls), strict=True):
             if out is not _SKIPPED:
                 for i, value in zip(indices, out, strict=True):
                     results[i] = value
@@ -233,20 +275,92 @@ class RedisStore:
                 for key, (node, indices) in by_node.items()]  # fmt: skip
 
     def _call(self, op: str, run: Callable[[], Any], node: str = "") -> Any:
-        """``run()``'s result, or ``_SKIPPED`` if closed, ``node`` down, or it faulted."""
+        """``run()``'s result, or ``_SKIPPED`` if closed, ``node`` down, or it faulted
+        (raised, or passed the deadline)."""
+        return self._calls(op, [(node, run)])[0]
+
+    def _calls(self, op: str, calls: list[tuple[str, Callable[[], Any]]]) -> list[Any]:
+        """Each ``(node, run)``'s result (``_SKIPPED``: closed, node down, or it faulted),
+        all run at once on the I/O threads and waited for within one deadline."""
+        out: list[Any] = [_SKIPPED] * len(calls)
+        futures: dict[int, concurrent.futures.Future] = {}
         with self._lock:
-            if self._closed or self._clock() < self._down_until.get(node, 0.0):
+            now = self._clock()
+            todo = [i for i, (node, _) in enumerate(calls)
+                    if not self._closed and now >= self._down_until.get(node, 0.0)]  # fmt: skip
+        for i in todo:
+            try:
+                futures[i] = self._io.submit(calls[i][1])
+            except RuntimeError:  # closed meanwhile: the pool takes no more work
+                break
+        if not futures:
+            return out
+        concurrent.futures.wait(futures.values(), timeout=self.timeout_s)
+        for i, future in futures.items():
+            node = calls[i][0]
+            if future.cancelled():  # closed meanwhile: never ran
+                continue
+            if not future.done():  # NOTE: its thread is freed once its connection is closed
+                future.cancel()
+                self._fault(op, node, f"no answer within {self.timeout_s:g} s", outage=True)
+            elif future.exception() is not None:
+                exc = future.exception()
+                # an error reply is no outage; anything else leaves the connection in doubt
+                outage = not isinstance(exc, redis.exceptions.ResponseError)
+                surprise = None if isinstance(exc, _CLIENT_ERRORS) else exc
+                self._fault(op, node, exc, outage, type(exc).__name__, surprise)
+            else:
+                out[i] = future.result()
+        return out
+
+    def _call_here(self, op: str, run: Callable[[], Any]) -> Any:
+        """``run()`` on this thread (it touches no network), a fault if it raises."""
+        with self._lock:
+            if self._closed:
                 return _SKIPPED
         try:
             return run()
-        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException,
-                OSError) as exc:  # fmt: skip
-            with self._lock:
-                if not isinstance(exc, redis.exceptions.ResponseError):
-                    self._down_until[node] = self._clock() + self.retry_after_s
-                where = f" (node {node})" if node else ""
-                self._faults.fault(type(exc).__name__, f"in {op}{where}: {exc}")
+        except Exception as exc:
+            surprise = None if isinstance(exc, _CLIENT_ERRORS) else exc
+            self._fault(op, "", exc, False, type(exc).__name__, surprise)
             return _SKIPPED
+
+    def _fault(self, op: str, node: str, detail: object, outage: bool, kind: str = "deadline",
+               exc: BaseException | None = None) -> None:  # fmt: skip
+        """Count a fault of a call to ``node``; an outage also closes the node's connections
+        (ending any read stuck on them) and takes it down for ``retry_after_s``."""
+        where = f" (node {node})" if node else ""
+        with self._lock:
+            if outage:
+                self._down_until[node] = self._clock() + self.retry_after_s
+            self._faults.fault(kind, f"in {op}{where}: {detail}", exc)
+        if outage:
+            self._disconnect(node)
+
+    def _disconnect(self, node: str) -> None:
+        """Close every connection to ``node`` (all of them for "" on a cluster), those in use
+        by a call in flight included: its blocked read ends at once."""
+        try:
+            if not self.cluster:
+                self._client.connection_pool.disconnect(inuse_connections=True)
+            elif self._client is not None and node:
+                found = self._client.get_node(node_name=node)
+                if found is not None and found.redis_connection is not None:
+                    found.redis_connection.connection_pool.disconnect(inuse_connections=True)
+            elif self._client is not None:
+                self._client.disconnect_connection_pools()
+        except Exception:  # best effort: the node is down whatever happens here
+            pass
+
+
+def _replies(values: Any, expected: Sequence[Any]) -> list[Any]:
+    """``values`` as one reply per command sent, or ``InvalidResponse``: a server that gives
+    anything else (a confused proxy, not Redis) is faulty, not a source of entries."""
+    if not isinstance(values, list) or len(values) != len(expected):
+        raise redis.exceptions.InvalidResponse(
+            f"expected {len(expected)} replies, got {type(values).__name__}"
+        )
+    return values
 
 
 def from_config(config: StoreConfig) -> RedisStore | None:

@@ -13,12 +13,17 @@ Contract:
     is handed to ``on_lost``, so that it is written again the next time it is saved.
   - ``Promote``: an entry read from a lower tier, put unchanged into the tiers above it.
 - ``pending_bytes``: bytes of the submitted jobs not yet finished (a gauge).
-- ``flush()`` returns once every job submitted before it has finished; ``close()`` flushes,
-  then stops the thread (idempotent; later submits are dropped). The tiers are the caller's
-  to close.
-- ``background=False`` runs each job inside ``submit`` (tests, deterministic); an error in a
-  job then reaches the caller. On the thread it is logged and the job skipped: one bad job
-  never stops the writer.
+- Whatever a tier raises in ``put`` is a fault of that tier (``base.guarded``): the entry is
+  not stored there, the chunk handed to ``on_lost``.
+- ``flush()`` returns once every job submitted before it has finished, or once the writer
+  has finished no job for ``stall_s`` (a job puts to each tier once, each put bounded by the
+  tier's deadline: ``base.call_deadline``; a tier stuck past it is logged, and flush returns
+  False instead of waiting for ever, so ``park`` and ``close`` never hang on a tier).
+  ``close()`` flushes, then stops the thread (idempotent; later submits are dropped; a thread
+  stuck in a tier is left behind, a daemon). The tiers are the caller's to close.
+- ``background=False`` runs each job inside ``submit`` (tests, deterministic); an error of
+  the writer's own (packing) then reaches the caller. On the thread it is logged and the
+  job skipped: one bad job never stops the writer.
 
 NOTE: a job's payload is a buffer the caller no longer changes; the writer holds it, not a
 copy, until the job has run.
@@ -34,9 +39,11 @@ from dataclasses import dataclass
 
 from kvwise.core.kv_tiers import ChunkWrite
 from kvwise.store import serde
-from kvwise.store.base import KVStore
+from kvwise.store.base import FaultLog, KVStore, call_deadline, guarded
 
 logger = logging.getLogger("kvwise.store")
+
+_STALL_MARGIN_S = 1.0  # packing a job, on top of its puts' deadlines
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class WriteChunk:
     chunk: ChunkWrite
     payload: object  # buffer: (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
     ttl_s: float | None = None
+    owner: str | None = None  # the tenant whose retention ``ttl_s`` is
 
     @property
     def num_bytes(self) -> int:
@@ -94,10 +102,16 @@ class Writer:
         # for each tier a chunk landed in; None: nobody asked (TieredStore.record_events)
         self.on_stored: Callable[[str, list[bytes], list[bytes]], None] | None = None
         self.max_pending_bytes = max_pending_bytes
+        # how long flush waits for the next job to finish before it gives up on the writer
+        self.stall_s = sum(call_deadline(t) for t in self.tiers) + _STALL_MARGIN_S
         self.chunks_written = 0
         self.writes_dropped = 0
         self._pending_bytes = 0
+        self._faults = [FaultLog(t.name, t.stats) for t in self.tiers]  # by tier index
         self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)  # a job finished
+        self._num_queued = 0  # jobs queued so far (the thread's), and finished
+        self._num_finished = 0
         self._closed = False
         self._queue: queue.Queue[WriteJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -118,51 +132,66 @@ class Writer:
                 self.writes_dropped += 1
                 return False
             self._pending_bytes += num_bytes
+            if self._thread is not None:
+                self._num_queued += 1
+                self._queue.put(job)  # under the lock: queued in the order counted
         if self._thread is None:
             self._run(job)
-        else:
-            self._queue.put(job)
         return True
 
-    def flush(self) -> None:
-        """Wait until every job submitted so far has reached the tiers."""
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.join()
+    def flush(self) -> bool:
+        """Wait until every job submitted so far has reached the tiers. False: the writer
+        finished no job for ``stall_s`` (stuck in a tier; logged), so this stopped waiting."""
+        with self._lock:
+            target = self._num_queued
+            while self._num_finished < target:
+                if self._thread is None or not self._thread.is_alive():
+                    return True
+                seen = self._num_finished
+                if not self._done.wait_for(lambda s=seen: self._num_finished > s, self.stall_s):
+                    logger.warning(
+                        "kv writer: no write finished for %.1f s (a tier stuck past its "
+                        "deadline?): not waiting for the %d queued", self.stall_s,
+                        target - self._num_finished,
+                    )  # fmt: skip
+                    return False
+        return True
 
     def close(self) -> None:
         """Flush, then stop the thread. Idempotent."""
         with self._lock:
             if self._closed:
                 return
-        self.flush()
+        flushed = self.flush()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join()
+            self._thread.join(None if flushed else self.stall_s)
 
     def _loop(self) -> None:
         while True:
             job = self._queue.get()
+            if job is None:
+                return
             try:
-                if job is None:
-                    return
-                try:
-                    self._run(job)
-                except Exception:  # never let one bad write stop the writer
-                    logger.exception("kv writer: unexpected error")
+                self._run(job)
+            except Exception:  # never let one bad write stop the writer
+                logger.exception("kv writer: unexpected error")
             finally:
-                self._queue.task_done()
+                with self._lock:
+                    self._num_finished += 1
+                    self._done.notify_all()
 
     def _run(self, job: WriteJob) -> None:
         try:
             if isinstance(job, WriteChunk):
                 self._write_chunk(job)
             else:
-                for tier in self.tiers[: job.tier_index]:
-                    tier.put([(job.key, bytes(job.value))])
+                for index in range(job.tier_index):
+                    self._put(index, [(job.key, bytes(job.value))])
         finally:
             with self._lock:
                 self._pending_bytes -= job.num_bytes
@@ -179,9 +208,8 @@ class Writer:
             entries.append((self.fmt.entry_key(chunk.key, g), value))
             offset = end
         # NOTE: every tier is tried (no short cut): each stores what it can
-        stored = [
-            tier.put(entries, job.ttl_s) is not False for tier in self.tiers[: chunk.num_tiers]
-        ]
+        num_tiers = len(self.tiers[: chunk.num_tiers])
+        stored = [self._put(i, entries, job.ttl_s, job.owner) for i in range(num_tiers)]
         if self.on_stored is not None:
             keys = [key for key, _ in entries]
             for tier, ok in zip(self.tiers, stored):
@@ -190,3 +218,14 @@ class Writer:
         self.chunks_written += 1
         if not all(stored) and self.on_lost is not None:
             self.on_lost(chunk)
+
+    def _put(
+        self, index: int, entries: list, ttl_s: float | None = None, owner: str | None = None
+    ) -> bool:
+        """Tier ``index``'s ``put``; False: not all stored (a fault, whatever it raised
+        included)."""
+        put, faults = self.tiers[index].put, self._faults[index]
+        # NOTE: ``owner`` only when there is one: a tier that keeps no per-owner share need
+        # not take it
+        args = (entries, ttl_s) if owner is None else (entries, ttl_s, owner)
+        return guarded(faults, "put", put, *args, miss=False) is not False
