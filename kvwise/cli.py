@@ -1,4 +1,6 @@
-"""Command line: ``kvwise generate | chat | size | serve | bench | eval``; each has ``--help``."""
+"""Command line: ``kvwise generate | chat | size | serve | secret | bench | eval``; each has
+``--help``. A ``ValueError`` (or an ``OSError``) ends the command with one line,
+``kvwise: error: ...`` naming the flag, and exit status 2."""
 
 from __future__ import annotations
 
@@ -37,10 +39,36 @@ def _sampling(args: argparse.Namespace):
     )
 
 
+def _engine_config(kwargs: dict):
+    """The engine's config, with what can fail fast checked before the model loads: the
+    model path, the store secret's strength and the disk tier's directory (ValueError naming
+    the option)."""
+    from kvwise.config import EngineConfig
+    from kvwise.engine.store_factory import check_secret_strength, check_store_config
+
+    if kwargs.get("kv_store_secret"):  # before StoreConfig's own, shorter, minimum
+        check_secret_strength(kwargs["kv_store_secret"])
+    config = EngineConfig.from_kwargs(**kwargs)
+    model = config.model.model
+    if model is not None:
+        path = Path(model).expanduser()
+        try:
+            if path.is_dir():
+                os.listdir(path)
+            else:
+                with open(path, "rb"):
+                    pass
+        except OSError as e:
+            raise ValueError(f"model: cannot read '{model}': {e.strerror}") from None
+    check_store_config(config.store)
+    return config
+
+
 def _make_llm(args: argparse.Namespace):
     from kvwise.engine.llm import LLM
 
     kwargs = engine_kwargs(args)
+    _engine_config(kwargs)
     return LLM(
         progress=True, **{k: v for k, v in kwargs.items() if k != "model"}, model=kwargs["model"]
     )
@@ -133,40 +161,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvwise.config import EngineConfig
     from kvwise.engine.builder import build_engine
     from kvwise.models.default import DEFAULT_MODEL_NAME
     from kvwise.server import create_app, parse_api_keys
     from kvwise.server.dashboard import check_admin_key
     from kvwise.server.serving import DrainingServer
+    from kvwise.server.transport import allowed_hosts_for
     from kvwise.utils import parse_bytes
 
     keys = parse_api_keys(args.api_key, os.environ.get("KVWISE_API_KEYS"))
     check_admin_key(args.admin_key, keys)  # before the model loads
+    allowed_hosts = allowed_hosts_for(args.host, args.allowed_hosts)
     max_request_bytes = parse_bytes(args.max_request_bytes, "max_request_bytes")
-    config = EngineConfig.from_kwargs(**engine_kwargs(args), max_waiting=args.max_waiting)
+    config = _engine_config({**engine_kwargs(args), "max_waiting": args.max_waiting})
     if args.served_model_name:
         name = args.served_model_name
     elif args.model:
         name = Path(args.model).stem if args.model.endswith(".gguf") else Path(args.model).name
     else:
         name = DEFAULT_MODEL_NAME
+    app_kwargs = {
+        "max_request_bytes": max_request_bytes,
+        "admin_key": args.admin_key,
+        "allowed_hosts": allowed_hosts,
+    }
     if args.ray:
-        return _serve_ray(args, keys, name, max_request_bytes)
+        return _serve_ray(args, keys, name, app_kwargs)
     engine = build_engine(config)
-    app = create_app(
-        engine,
-        api_keys=keys,
-        model_name=name,
-        max_request_bytes=max_request_bytes,
-        admin_key=args.admin_key,
-    )
+    app = create_app(engine, api_keys=keys, model_name=name, **app_kwargs)
     logging.getLogger("kvwise").info(
-        "serving %s on http://%s:%d/v1 (%s)",
+        "serving %s on http://%s:%d/v1 (%s; %s)",
         name,
         args.host,
         args.port,
         f"{len(keys)} API keys" if keys else "no API keys: every request is tenant 'default'",
+        f"Host: {', '.join(allowed_hosts)}" if allowed_hosts else "any Host",
     )
     server = DrainingServer(
         uvicorn.Config(
@@ -177,6 +206,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=args.shutdown_timeout,
         ),
         app.state.engine,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
     )
     # uvicorn turns SIGTERM and Ctrl-C into a graceful shutdown (stop accepting, give open
     # requests --shutdown-timeout seconds, ending open streams with an error event just before
@@ -193,7 +224,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_ray(args: argparse.Namespace, keys: dict, name: str, max_request_bytes: int) -> int:
+def _serve_ray(args: argparse.Namespace, keys: dict, name: str, app_kwargs: dict) -> int:
     try:
         from kvwise.cluster import ray_serve
     except ImportError as exc:
@@ -212,8 +243,15 @@ def _serve_ray(args: argparse.Namespace, keys: dict, name: str, max_request_byte
         threads_per_replica=threads,
         api_keys=keys,
         model_name=name,
-        app_kwargs={"max_request_bytes": max_request_bytes, "admin_key": args.admin_key},
+        app_kwargs=app_kwargs,
     )
+
+
+def cmd_secret(args: argparse.Namespace) -> int:
+    import secrets
+
+    print(secrets.token_hex(32))
+    return 0
 
 
 def cmd_claims(args: argparse.Namespace) -> int:
@@ -295,6 +333,16 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvwise", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -369,6 +417,31 @@ def build_parser() -> argparse.ArgumentParser:
         default="8MiB",
         help="largest request body accepted; past it a 413, before the body is parsed",
     )
+    p.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=[],
+        metavar="HOST[,HOST...]",
+        help="the Host header values served (repeatable; a name or address, any port unless "
+        "given as HOST:PORT; '*': any); another gets 421. Default: bound to a loopback "
+        "address, only localhost, 127.0.0.1 and [::1]; bound to any other, any host",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="a request's line and headers must arrive within this, else a 408 and the "
+        "connection closed (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request's whole body must arrive within this of its headers, else a 408 "
+        "(default 30)",
+    )
     g = p.add_argument_group(
         "many replicas (Ray Serve; pip install 'kvwise[ray]')",
         "N engine replicas behind this one endpoint, each request routed to the replica whose "
@@ -392,6 +465,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "secret",
+        help="print a new store secret (64 hex digits: 32 random bytes) for $KVWISE_KV_SECRET",
+    )
+    p.set_defaults(func=cmd_secret)
 
     p = sub.add_parser("bench", help="benchmarks against peers")
     bench_sub = p.add_subparsers(dest="bench", required=True)
@@ -472,8 +551,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _naming_the_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """``field: ...`` → ``--field: ...`` when the command line has that flag (the config's
+    messages name its fields; a user typed flags)."""
+    field, sep, rest = message.partition(": ")
+    flag = "--" + field.replace("_", "-")
+    if sep and field.isidentifier() and flag in _option_strings(parser):
+        return f"{flag}: {rest}"
+    return message
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    found = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _option_strings(sub)
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -483,6 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:
+        print(f"kvwise: error: {_naming_the_flag(str(e), parser)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file or directory the checks did not foresee
+        logging.getLogger("kvwise").debug("the error", exc_info=True)
         print(f"kvwise: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -155,7 +155,7 @@ def _engines(
         elif tier == "disk":
             engines[tier] = make(kv_disk_path=f"{disk_root}/{tier}", kv_disk_size="8GiB")
         else:
-            secret = kw.get("kv_store_secret") or secrets.token_hex(16)
+            secret = kw.get("kv_store_secret") or secrets.token_hex(32)
             engines[tier] = make(
                 kv_redis_url=redis_url, kv_redis_timeout=5.0, kv_store_secret=secret
             )

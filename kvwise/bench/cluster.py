@@ -195,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
     system, docs = _workload(args)
     public = _first_turn_bound(model_path, system)
     keys = {f"key-tenant-{t}": f"tenant-{t}" for t in range(args.tenants)}
-    secret = os.environ.get(ray_serve.SECRET_ENV) or os.urandom(16).hex()
+    secret = os.environ.get(ray_serve.SECRET_ENV) or os.urandom(32).hex()
     base = {"model": model_path, "public_system_prompts": (system,), "kv_host_memory": "off",
             "kv_disk_path": "off", "max_num_batched_tokens": 2048}  # fmt: skip
     if args.redis_url:

@@ -1,21 +1,39 @@
 """Build the tiered KV store an engine's ``StoreConfig`` asks for: the tiers the config turns
 on, in the registry's order (``store/registry.py``), over entries of this engine's KV layout
-and model."""
+and model.
+
+``check_store_config`` refuses, before anything is built (the CLI calls it before the model
+loads), a weak store secret and a disk tier path it cannot use, with a ``ValueError`` naming
+the option. The secret rule (``check_secret_strength``): at least 32 characters, at least 10
+of them different, and at least 64 when it is all hex digits (32 bytes once decoded). One sealed
+entry lets anyone who can read the tier test guesses offline, so a secret must be out of reach
+of a search: ``kvwise secret`` prints one (``secrets.token_hex(32)``), as does
+``openssl rand -hex 32``. The rule cannot measure entropy; it refuses the short and the
+obviously repetitive.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import string
+from pathlib import Path
 
 from kvwise.config import StoreConfig
 from kvwise.core.kv_spec import KVSpec
 from kvwise.store.costmodel import CostModel
+from kvwise.store.disk_files import SECRET_NAME
 from kvwise.store.registry import build_tiers
 from kvwise.store.serde import EntryFormat
 from kvwise.store.tiered import TieredStore
 
 logger = logging.getLogger("kvwise")
+
+SECRET_ENV = "KVWISE_KV_SECRET"
+MIN_SECRET_CHARS = 32
+MIN_HEX_SECRET_CHARS = 64  # 32 bytes
+MIN_SECRET_DISTINCT_CHARS = 10
 
 
 def build_store(
@@ -32,7 +50,13 @@ def build_store(
             refused.
         prefill_chunk_size: the scheduler's, for the cost model's recompute estimates.
     """
-    tiers = build_tiers(config)
+    check_store_config(config)
+    try:
+        tiers = build_tiers(config)
+    except OSError as e:  # what the checks cannot foresee (a race, a read-only file system)
+        if config.kv_disk_path is None:
+            raise
+        raise ValueError(f"kv_disk_path: cannot open the disk tier: {e}") from e
     if not tiers:
         return None
     try:
@@ -76,9 +100,10 @@ def store_secret(config: StoreConfig, tiers) -> bytes:
     Raises:
         ValueError: a shared tier (Redis) without a secret, unless explicitly allowed.
     """
-    configured = config.kv_store_secret or os.environ.get("KVWISE_KV_SECRET")
+    configured = configured_secret(config)
     if configured:
-        return hashlib.sha256(b"kvwise.store-secret.v1" + configured.encode()).digest()
+        check_secret_strength(*configured)
+        return hashlib.sha256(b"kvwise.store-secret.v1" + configured[0].encode()).digest()
     if any(getattr(tier, "shared", False) for tier in tiers):
         if not config.kv_redis_allow_no_secret:
             raise ValueError(
@@ -92,5 +117,76 @@ def store_secret(config: StoreConfig, tiers) -> bytes:
     for tier in tiers:
         local_secret = getattr(tier, "local_secret", None)
         if local_secret is not None:
-            return local_secret()
+            try:
+                return local_secret()
+            except OSError as e:
+                raise ValueError(
+                    f"kv_disk_path: cannot read or make the disk tier's store secret: {e}"
+                ) from e
     return os.urandom(32)  # host RAM only: nothing outlives the process
+
+
+def configured_secret(config: StoreConfig) -> tuple[str, str] | None:
+    """The configured store secret and where it came from (``kv_store_secret``, else
+    ``$KVWISE_KV_SECRET``), or None."""
+    if config.kv_store_secret:
+        return config.kv_store_secret, "kv_store_secret"
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV], f"kv_store_secret (${SECRET_ENV})"
+    return None
+
+
+def check_secret_strength(secret: str, source: str = "kv_store_secret") -> None:
+    """ValueError (naming ``source``, never echoing the secret) unless ``secret`` has at least
+    32 characters, at least 10 of them different, and at least 64 if all are hex digits."""
+    is_hex = all(c in string.hexdigits for c in secret)
+    minimum = MIN_HEX_SECRET_CHARS if is_hex else MIN_SECRET_CHARS
+    if len(secret) < minimum or len(set(secret)) < MIN_SECRET_DISTINCT_CHARS:
+        raise ValueError(
+            f"{source}: too weak to resist an offline search: a store secret needs at least "
+            f"{MIN_SECRET_CHARS} characters, {MIN_SECRET_DISTINCT_CHARS} of them different, "
+            f"and {MIN_HEX_SECRET_CHARS} if it is all hex digits (32 bytes); make one with "
+            "'kvwise secret' or 'openssl rand -hex 32'"
+        )
+
+
+def check_store_config(config: StoreConfig) -> None:
+    """What can be checked before a tier is built: the configured secret's strength and the
+    disk tier's directory. ValueError naming the option."""
+    configured = configured_secret(config)
+    if configured:
+        check_secret_strength(*configured)
+    if config.kv_disk_path is not None:
+        check_disk_path(config.kv_disk_path)
+
+
+def check_disk_path(path: str) -> None:
+    """ValueError (naming ``kv_disk_path``) unless the disk tier can use ``path``: a directory
+    it can read and write (or create), whose store secret file, if there, is a readable file."""
+    root = Path(path).expanduser()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"kv_disk_path: '{path}' is not a directory")
+    if not root.exists():
+        parent = root.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ValueError(f"kv_disk_path: cannot create '{path}': '{parent}' is not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"kv_disk_path: cannot create '{path}': '{parent}' is not writable")
+        return
+    if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+        raise ValueError(f"kv_disk_path: '{path}' is not a directory this user can read and write")
+    secret = root / SECRET_NAME
+    if secret.is_symlink() or secret.exists():
+        if not secret.is_file():
+            raise ValueError(
+                f"kv_disk_path: the disk tier's store secret '{secret}' is not a regular file"
+            )
+        try:
+            with open(secret, "rb"):
+                pass
+        except OSError as e:
+            raise ValueError(
+                f"kv_disk_path: cannot read the disk tier's store secret '{secret}': {e.strerror}"
+            ) from e

@@ -46,7 +46,10 @@ def test_a_killed_node_is_a_miss_for_its_entries_only(redis_cluster):
 
 
 def test_an_engine_loads_a_prefix_from_the_cluster(tier_engine, redis_cluster):
-    kw = {"kv_redis_url": redis_cluster.url, "kv_store_secret": "a secret both engines share"}
+    kw = {
+        "kv_redis_url": redis_cluster.url,
+        "kv_store_secret": "a secret both engines share, long enough",
+    }
     cold = run(tier_engine(**kw))
     engine = tier_engine(**kw)
     evict_device(engine)

@@ -21,7 +21,7 @@ def _engine(url: str, secret: str):
 
 def test_a_forged_redis_entry_is_rejected_counted_and_the_answer_is_unchanged(redis_db):
     reference = run_all(fake_engine(), [LONG], P)[0]
-    engine = _engine(redis_db.url, "the deployment's secret")
+    engine = _engine(redis_db.url, "the deployment's secret, long enough")
     run_all(engine, [LONG], P)
     evict_device(engine)
     client = redis_db.client()
@@ -39,12 +39,12 @@ def test_a_forged_redis_entry_is_rejected_counted_and_the_answer_is_unchanged(re
 
 
 def test_installations_with_different_secrets_share_nothing(redis_db):
-    first = _engine(redis_db.url, "the first installation secret")
+    first = _engine(redis_db.url, "the first installation secret, long enough")
     run_all(first, [LONG], P)
     first.flush()
     client = redis_db.client()
     keys_one = set(client.keys("kvwise:kv:*"))
-    second = _engine(redis_db.url, "the second installation secret")
+    second = _engine(redis_db.url, "the second installation secret, long enough")
     out = run_all(second, [LONG], P)[0]
     assert out.num_loaded_tokens == 0  # cannot even find the first one's entries
     second.flush()

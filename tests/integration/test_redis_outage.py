@@ -16,7 +16,7 @@ def test_writes_lost_in_an_outage_are_written_after_recovery(start_redis):
     server = start_redis()
     engine = fake_engine(
         kv_redis_url=server.url,
-        kv_store_secret="the secret of this installation",
+        kv_store_secret="the secret of this installation, long enough",
         kv_store_min_tokens=8,
         kv_load_policy="always",
         kv_redis_timeout=0.5,

@@ -27,7 +27,7 @@ url, tenants = sys.argv[1], sys.argv[2].split(",")
 engine = build_engine(EngineConfig.from_kwargs(
     kv_cache_memory="256MiB", kv_host_memory="off", kv_disk_path="off", kv_redis_url=url,
     quantization="none",  # the float weights of the engine it shares the tier with
-    kv_store_secret="a secret both engines share",
+    kv_store_secret="a secret both engines share, long enough",
     kv_store_min_tokens=16), progress=False)
 for tenant in tenants:
     out = run(engine, tenant=tenant)
@@ -45,7 +45,11 @@ def reference(make_engine):
 @pytest.fixture
 def redis_engine(tier_engine, redis_db):
     return lambda **kw: tier_engine(
-        **{"kv_redis_url": redis_db.url, "kv_store_secret": "a secret both engines share", **kw}
+        **{
+            "kv_redis_url": redis_db.url,
+            "kv_store_secret": "a secret both engines share, long enough",
+            **kw,
+        }
     )
 
 

@@ -247,7 +247,9 @@ def test_stored_entries_do_not_reveal_layer0_values(tiered, tmp_path):
     no row within 1e-3 of one, at any byte alignment; the opened payloads (control) do."""
     import torch
 
-    engine = tiered(kv_disk_path=str(tmp_path), kv_store_secret="a secret of sixteen+ chars")
+    engine = tiered(
+        kv_disk_path=str(tmp_path), kv_store_secret="a secret of thirty-two characters or more"
+    )
     run(engine)
     engine.flush()
     kv = engine.runner.kv_cache.kv  # (layers, 2, blocks, block_size, kv_heads, head_dim)

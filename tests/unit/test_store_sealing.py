@@ -15,7 +15,7 @@ from tests.fakes import ByteTokenizer, fake_engine, run_all
 from tests.tiers_util import evict_device
 
 P = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-SECRET = "the secret of this installation"
+SECRET = "the secret of this installation, long enough"
 LONG = "Alice's account number is 4417 1234 5678 9113; her pet is a cat. " * 2  # 134 bytes
 FMT = serde.EntryFormat(KVSpec(2, 1, 1, 4, "float32"), "model", secret=b"s" * 32)
 
