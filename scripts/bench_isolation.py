@@ -1,0 +1,280 @@
+"""Nobody stalls anybody, measured: ``kvwise bench load``'s clients (tenant alice) against a
+``kvwise serve`` on loopback, clean and hostile, interleaved.
+
+- clean: the server's Redis tier is a real ``redis-server`` on a loopback port; nobody else.
+- hostile: the Redis tier points at a misbehaving server (``--redis-mode``: ``slow`` answers
+  one byte every 50 ms, ``silent`` accepts and never answers, ``garbage`` answers the
+  handshake with bytes that are no Redis reply), and tenant mallory floods the server with
+  bad and huge requests the whole time (230,000 tiny messages, a 5M-character prompt, a
+  million token ids, 2,048 messages that render past the context, a 4 MB prompt_cache_key,
+  broken JSON), ``--flooders`` at a time.
+
+Reported per run: alice's requests ok / errors, TTFT p50 / p99, tokens/s; mallory's answers by
+status (every one must be a 4xx); the pool afterwards (no leaked blocks); and the medians'
+ratio hostile / clean. A benchmark, not a test: run it by hand, e.g.
+
+    .venv/bin/python scripts/bench_isolation.py --rounds 5 --duration 30 --clients 32
+
+Every server it starts listens on 127.0.0.1 and keeps its disk tier in a temporary directory;
+every loop is bounded in time and count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from kvwise.bench.common import wait_ready
+from kvwise.bench.load import _kvwise_after, _load
+
+SECRET = secrets.token_hex(32)  # a store secret for the benchmark's servers only
+KEYS = {"key-alice": "alice", "key-mallory": "mallory"}
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BadRedis(threading.Thread):
+    """A TCP server on 127.0.0.1 that speaks Redis badly (see the module's docstring)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__(daemon=True)
+        self.mode = mode
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.stopped = threading.Event()
+        self.connections = 0
+
+    def run(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(0.5)
+        deadline = time.monotonic() + 120  # no connection lives longer than this
+        try:
+            while not self.stopped.is_set() and time.monotonic() < deadline:
+                try:
+                    if not conn.recv(65536):
+                        return
+                except TimeoutError:
+                    continue
+                if self.mode == "silent":
+                    continue
+                if self.mode == "garbage":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n\x00\xff not redis\r\n")
+                    continue
+                for byte in b"+OK\r\n":  # slow: one byte at a time
+                    if self.stopped.wait(0.05):
+                        return
+                    conn.sendall(bytes([byte]))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.sock.close()
+
+
+def flood_bodies() -> list[tuple[str, bytes]]:
+    """(path, body) of each kind of bad or huge request mallory sends."""
+    tiny = [{"role": "user", "content": ""}]
+
+    def chat(**fields) -> bytes:
+        return json.dumps({"model": MODEL, "max_tokens": 8, **fields}).encode()
+
+    return [
+        ("/v1/chat/completions", chat(messages=tiny * 230_000)),
+        ("/v1/completions", chat(prompt="x" * 5_000_000)),
+        ("/v1/completions", chat(prompt=[1] * 1_000_000)),
+        ("/v1/chat/completions", chat(messages=tiny * 2048)),
+        ("/v1/chat/completions", chat(messages=tiny, prompt_cache_key="k" * 4_000_000)),
+        (
+            "/v1/chat/completions",
+            b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "cont',
+        ),
+    ]
+
+
+async def flood(url: str, deadline: float, num_flooders: int) -> dict:
+    """Mallory's requests until ``deadline``: the count of answers by status."""
+    bodies = flood_bodies()
+    counts: dict[str, int] = {}
+    headers = {"Authorization": "Bearer key-mallory", "Content-Type": "application/json"}
+
+    async def one(i: int, http: httpx.AsyncClient) -> None:
+        n = i
+        while time.perf_counter() < deadline and n < 100_000:
+            path, body = bodies[n % len(bodies)]
+            n += num_flooders
+            try:
+                r = await http.post(url + path, content=body, headers=headers)
+                key = str(r.status_code)
+            except httpx.HTTPError as exc:
+                key = type(exc).__name__
+            counts[key] = counts.get(key, 0) + 1
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        await asyncio.gather(*(one(i, http) for i in range(num_flooders)))
+    return counts
+
+
+def run_once(kind: str, args, redis_url: str, tmp: Path) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    disk = tempfile.mkdtemp(dir=tmp, prefix=f"disk-{kind}-")
+    cmd = [
+        sys.executable, "-m", "kvwise.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--kv-disk-path", disk, "--kv-redis-url", redis_url,
+        "--max-waiting", str(args.max_waiting),
+    ]  # fmt: skip
+    for key, tenant in KEYS.items():
+        cmd += ["--api-key", f"{key}={tenant}"]
+    env = {**os.environ, "KVWISE_KV_SECRET": SECRET}
+    log = open(tmp / f"serve-{kind}-{port}.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+    try:
+        wait_ready(url, proc, timeout=300, path="/health")
+        load_args = argparse.Namespace(
+            clients=args.clients,
+            duration=args.duration,
+            max_requests=5000,
+            max_tokens=args.max_tokens,
+            api_key="key-alice",
+        )
+
+        async def work() -> tuple[dict, dict]:
+            model = MODEL
+            deadline = time.perf_counter() + args.duration
+            floods = flood(url, deadline, args.flooders) if kind == "hostile" else None
+            if floods is None:
+                return await _load(url, model, load_args), {}
+            return tuple(await asyncio.gather(_load(url, model, load_args), floods))
+
+        result, flooded = asyncio.run(work())
+        result.update(_kvwise_after(url))
+        result["flood"] = flooded
+        return result
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def start_redis(tmp: Path) -> tuple[subprocess.Popen, str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server not found (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru", "--dir", str(tmp)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5, help="clean + hostile pairs, interleaved")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load per run")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-waiting", type=int, default=48)
+    p.add_argument("--flooders", type=int, default=2, help="mallory's concurrent requests")
+    p.add_argument("--redis-mode", choices=("slow", "silent", "garbage"), default="slow")
+    p.add_argument("--out", default=None, help="write every run as JSON here")
+    args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvwise-isolation-"))
+    redis_proc, good_url = start_redis(tmp)
+    bad = BadRedis(args.redis_mode)
+    bad.start()
+    runs: dict[str, list[dict]] = {"clean": [], "hostile": []}
+    try:
+        for i in range(args.rounds):
+            for kind in ("clean", "hostile") if i % 2 == 0 else ("hostile", "clean"):
+                url = good_url if kind == "clean" else f"redis://127.0.0.1:{bad.port}/0"
+                r = run_once(kind, args, url, tmp)
+                runs[kind].append(r)
+                after = r["after"]
+                print(
+                    f"round {i + 1} {kind:7s}: ok {r['ok']:4d} errors {r['errors'] or 0} "
+                    f"429 {r['429']:3d} | TTFT p50 {r['ttft_p50_s']:.3f} s p99 "
+                    f"{r['ttft_p99_s']:.3f} s | {r['tokens_per_s']:6.1f} tok/s | blocks used "
+                    f"after {after.get('kvwise_kv_blocks_used', float('nan')):.0f} | "
+                    f"flood {r['flood']}",
+                    flush=True,
+                )
+    finally:
+        bad.stop()
+        redis_proc.terminate()
+        redis_proc.wait(10)
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("ttft_p50_s", "ttft_p99_s",
+           "tokens_per_s")} for k, v in runs.items()}  # fmt: skip
+    print("\nmedians over", args.rounds, "rounds:")
+    for kind, m in med.items():
+        print(f"  {kind:7s}: TTFT p50 {m['ttft_p50_s']:.3f} s, p99 {m['ttft_p99_s']:.3f} s, "
+              f"{m['tokens_per_s']:.1f} tok/s")  # fmt: skip
+    print(
+        f"  hostile / clean: TTFT p99 {med['hostile']['ttft_p99_s'] / med['clean']['ttft_p99_s']:.2f}x, "
+        f"p50 {med['hostile']['ttft_p50_s'] / med['clean']['ttft_p50_s']:.2f}x, "
+        f"tokens/s {med['hostile']['tokens_per_s'] / med['clean']['tokens_per_s']:.2f}x"
+    )
+    alice_errors = sum(sum(r["errors"].values()) for v in runs.values() for r in v)
+    mallory_5xx = sum(
+        n for r in runs["hostile"] for s, n in r["flood"].items() if not s.startswith("4")
+    )
+    leaked = max(r["after"].get("kvwise_kv_blocks_used", 0) for v in runs.values() for r in v)
+    print(f"  alice's errors: {alice_errors}; mallory's answers that were not 4xx: {mallory_5xx}; "
+          f"most blocks used after a run: {leaked:.0f}")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({"args": vars(args), "runs": runs, "medians": med}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
