@@ -145,7 +145,7 @@ def test_serve_refuses_a_bad_admin_key_before_loading_the_model(monkeypatch, cap
     monkeypatch.delenv("KVWISE_API_KEYS", raising=False)
     assert main(["serve", "--api-key", "key-alice=alice", "--admin-key", "key-alice"]) == 2
     err = capsys.readouterr().err
-    assert "admin_key: must differ from every tenant's API key" in err
+    assert "--admin-key: must differ from every tenant's API key" in err
     assert err.count("key-alice") == 0
 
 

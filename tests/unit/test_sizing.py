@@ -45,7 +45,7 @@ def test_errors_name_the_field(capsys):
     with pytest.raises(ValueError, match="^head_dim:"):
         KVShape(32, 32, 8, 0)
     assert main(["size", "--layers", "2", "--heads", "4"]) == 2
-    assert "error: layers:" in capsys.readouterr().err
+    assert "error: --layers:" in capsys.readouterr().err
     assert main(["size", "--model", "/nonexistent"]) == 2
 
 

@@ -72,7 +72,7 @@ def test_unreadable_public_system_prompt_file(capsys):
     from kvwise.cli import main
 
     assert main(["generate", "--public-system-prompt-file", "/nonexistent", "hi"]) == 2
-    assert "public_system_prompt_file: cannot read" in capsys.readouterr().err
+    assert "--public-system-prompt-file: cannot read" in capsys.readouterr().err
     with pytest.raises(ValueError, match="^public_system_prompts:"):
         EngineConfig.from_kwargs(public_system_prompts=("",))
 
