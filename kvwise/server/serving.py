@@ -149,6 +149,10 @@ class JSONErrorH11Protocol(H11Protocol):
         self.body_timer = None
         if self.lingering or self.transport.is_closing():
             return
+        if self.cycle is not None and self.cycle.response_complete:
+            # answered without its body (a 413, a 401): no second response, just the close
+            self.transport.close()
+            return
         message = f"request body: not received within {self.body_timeout_s:g} s of the headers"
         self._send_error(APIError(408, message, code="request_timeout"))
 

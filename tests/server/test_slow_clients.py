@@ -162,6 +162,27 @@ def test_a_body_dripping_steadily_is_still_cut_at_the_deadline(server):
     assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 1.5
 
 
+def test_a_body_refused_before_it_is_read_still_ends_at_the_deadline(server):
+    # a 413 by its Content-Length, answered at once; the client drips on regardless
+    start = time.monotonic()
+    with connect(server) as sock:
+        sock.sendall(completion_head(9 << 20))
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert response.status == 413 and response.read()
+        closed, extra = False, b""
+        while not closed and time.monotonic() - start < 5:
+            try:
+                sock.sendall(b" ")
+                if answered(sock, within_s=0.1):
+                    chunk = sock.recv(4096)
+                    closed, extra = not chunk, extra + chunk
+            except ConnectionError:
+                closed = True
+    assert closed and extra == b""  # no second response after the 413
+    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 1.5
+
+
 def test_a_body_in_time_is_served(server):
     body = json.dumps({"model": "kvwise", "prompt": "hi", "max_tokens": 2}).encode()
     with connect(server) as sock:
