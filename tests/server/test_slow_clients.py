@@ -23,6 +23,7 @@ from tests.fakes import fake_engine
 from .conftest import LiveServer
 
 TIMEOUT_S = 1.0
+SLACK_S = 3.0  # a loaded machine answers late; never early
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,7 @@ def test_headers_sent_a_byte_at_a_time_are_cut_at_the_header_timeout(server, cap
         "param": None,
         "code": "request_timeout",
     }
-    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 1.5
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + SLACK_S
     assert "408" in caplog.text and "Traceback" not in caplog.text
     assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
 
@@ -109,7 +110,7 @@ def test_a_connection_that_sends_nothing_is_closed(server):
     start = time.monotonic()
     with connect(server) as sock:
         assert sock.recv(1) == b""  # closed, nothing written
-    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 1.5
+    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + SLACK_S
 
 
 def test_a_slow_head_on_a_kept_alive_connection_gets_its_own_header_timeout(server):
@@ -122,7 +123,7 @@ def test_a_slow_head_on_a_kept_alive_connection_gets_its_own_header_timeout(serv
         start = time.monotonic()
         status, error = read_error(sock)
     assert status == 408 and error["code"] == "request_timeout"
-    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 1.5
+    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + SLACK_S
 
 
 def completion_head(content_length: int) -> bytes:
@@ -143,7 +144,7 @@ def test_a_body_that_never_completes_is_408(server, caplog):
         "param": None,
         "code": "request_timeout",
     }
-    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 1.5
+    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + SLACK_S
     time.sleep(0.2)  # the app's side of the request ends (it sees a disconnect)
     assert "Traceback" not in caplog.text and "unhandled error" not in caplog.text
     assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
@@ -159,7 +160,7 @@ def test_a_body_dripping_steadily_is_still_cut_at_the_deadline(server):
                 break
         status, error = read_error(sock)
     assert status == 408 and error["code"] == "request_timeout"
-    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 1.5
+    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + SLACK_S
 
 
 def test_a_body_refused_before_it_is_read_still_ends_at_the_deadline(server):
@@ -180,7 +181,7 @@ def test_a_body_refused_before_it_is_read_still_ends_at_the_deadline(server):
             except ConnectionError:
                 closed = True
     assert closed and extra == b""  # no second response after the 413
-    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 1.5
+    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + SLACK_S
 
 
 def test_a_body_in_time_is_served(server):
