@@ -1,6 +1,6 @@
 """Command line: ``kvwise generate | chat | size | serve | secret | bench | eval``; each has
-``--help``. A ``ValueError`` (or an ``OSError``) ends the command with one line,
-``kvwise: error: ...`` naming the flag, and exit status 2."""
+``--help``. A flag it cannot use ends the command with one line naming it
+(``kvwise: error: --flag: ...``) and exit status 2."""
 
 from __future__ import annotations
 
