@@ -169,7 +169,8 @@ class Writer:
             self._closed = True
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join(None if flushed else self.stall_s)
+            if flushed:  # else it is stuck in a tier: left behind (a daemon)
+                self._thread.join()
 
     def _loop(self) -> None:
         while True:
