@@ -40,10 +40,10 @@ def _encode(value, resp3: bool) -> bytes:
     if isinstance(value, list):
         return b"*%d\r\n" % len(value) + b"".join(_encode(v, resp3) for v in value)
     if isinstance(value, dict):
-        items = [_encode(k.encode(), resp3) + _encode(v, resp3) for k, v in value.items()]
-        return (b"%%%d\r\n" if resp3 else b"*%d\r\n") % (len(value) * (1 if resp3 else 2)) + b"".join(
-            items
-        )
+        items = b"".join(_encode(k.encode(), resp3) + _encode(v, resp3) for k, v in value.items())
+        if resp3:
+            return b"%%%d\r\n" % len(value) + items
+        return b"*%d\r\n" % (2 * len(value)) + items
     raise TypeError(type(value))
 
 
