@@ -173,7 +173,8 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
         "--kv-redis-timeout",
         default=None,
         metavar="SECONDS",
-        help="a Redis call slower than this counts as a fault, served as a miss "
+        help="deadline of a whole Redis call (connect, handshake, every reply byte): a call "
+        "past it is a fault, served as a miss, and Redis is skipped for 5 s "
         f"(default: {default['kv_redis_timeout']})",
     )
     g.add_argument(
