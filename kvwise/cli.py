@@ -188,6 +188,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_ray(args, keys, name, app_kwargs)
     engine = build_engine(config)
+    from kvwise.server.transport import InvalidRequestBudget
+
+    app_kwargs["invalid_request_budget"] = InvalidRequestBudget()
     app = create_app(engine, api_keys=keys, model_name=name, **app_kwargs)
     logging.getLogger("kvwise").info(
         "serving %s on http://%s:%d/v1 (%s; %s)",

@@ -226,6 +226,7 @@ def main() -> int:
     p.add_argument("--flooders", type=int, default=2, help="mallory's concurrent requests")
     p.add_argument("--redis-mode", choices=("slow", "silent", "garbage"), default="slow")
     p.add_argument("--out", default=None, help="write every run as JSON here")
+    p.add_argument("--kinds", default="clean,hostile", help="which runs, e.g. hostile")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvwise-isolation-"))
     redis_proc, good_url = start_redis(tmp)
@@ -234,7 +235,8 @@ def main() -> int:
     runs: dict[str, list[dict]] = {"clean": [], "hostile": []}
     try:
         for i in range(args.rounds):
-            for kind in ("clean", "hostile") if i % 2 == 0 else ("hostile", "clean"):
+            kinds = [k for k in ("clean", "hostile") if k in args.kinds.split(",")]
+            for kind in kinds if i % 2 == 0 else kinds[::-1]:
                 url = good_url if kind == "clean" else f"redis://127.0.0.1:{bad.port}/0"
                 r = run_once(kind, args, url, tmp)
                 runs[kind].append(r)

@@ -61,6 +61,7 @@ from kvwise.server.transport import (
     AuthAndCount,
     BodyLimit,
     HostCheck,
+    InvalidRequestBudget,
     install_error_handlers,
     parse_allowed_hosts,
 )
@@ -94,6 +95,7 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     admin_key: str | None = None,
     allowed_hosts: Iterable[str] | None = None,
+    invalid_request_budget: InvalidRequestBudget | None = None,
 ) -> FastAPI:
     """Build the app over one engine.
 
@@ -108,6 +110,9 @@ def create_app(
         allowed_hosts: the Host header values served (``transport.allowed_hosts_for``: a
             name or address, any port unless it has ``:port``; ``*``: any); another is a
             421. None: any. ValueError if one is no host.
+        invalid_request_budget: how many invalid requests (4xx) a caller may send before it
+            gets a 429 ahead of reading its body (``transport.InvalidRequestBudget``); None:
+            no limit. ``kvwise serve`` sets one.
     """
     allowed = None if allowed_hosts is None else parse_allowed_hosts(allowed_hosts)
     keys = dict(api_keys or {})
@@ -141,7 +146,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(AdminGate, admin_key=admin_key, tenant_keys=list(keys))
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    app.add_middleware(AuthAndCount, keys=keys, metrics=metrics)
+    app.add_middleware(AuthAndCount, keys=keys, metrics=metrics, budget=invalid_request_budget)
     if allowed is not None:
         app.add_middleware(HostCheck, allowed=allowed)  # outermost: before anything runs
     _add_routes(app, OpenAIRoutes(async_engine, metrics, model_name, default_completion_max_tokens))

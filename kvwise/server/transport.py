@@ -10,6 +10,8 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from fastapi import FastAPI, Request
@@ -206,14 +208,63 @@ class SSEResponse(StreamingResponse):
             self._on_close()
 
 
-class AuthAndCount:
-    """ASGI middleware: the tenant from the Bearer key (401 before the body is read), and the
-    request counter by route and status."""
+class InvalidRequestBudget:
+    """How many invalid requests a caller may send: a token bucket per caller (the tenant with
+    API keys, else the client's address), charged by every 4xx answer it earned (400, 404,
+    413, 422, 431: 1 + 1 per MiB of its body), refilled at ``refill_per_s``. A caller whose
+    bucket is empty gets a 429 at once, before its body is read, until it refills: a tenant
+    flooding the server with bad or huge requests costs it a header parse each, and the other
+    tenants' requests go on at their speed (``tests/server/test_isolation.py``). Well-behaved
+    callers never see it: it takes ``capacity`` invalid requests in a burst."""
 
-    def __init__(self, app, keys: dict[str, str], metrics: ServerMetrics) -> None:
+    CHARGED = frozenset({400, 404, 413, 422, 431})
+    MAX_CALLERS = 10_000  # buckets remembered; full ones are forgotten first
+
+    def __init__(self, capacity: float = 20.0, refill_per_s: float = 5.0, clock=time.monotonic):
+        self.capacity = capacity
+        self.refill_per_s = refill_per_s
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # caller -> (tokens, at)
+        self.num_refused = 0
+
+    def _tokens(self, caller: str) -> float:
+        tokens, at = self._buckets.get(caller, (self.capacity, self._clock()))
+        return min(self.capacity, tokens + (self._clock() - at) * self.refill_per_s)
+
+    def retry_after_s(self, caller: str) -> int | None:
+        """None: the caller may send; else the seconds until its bucket has a token."""
+        tokens = self._tokens(caller)
+        if tokens >= 1:
+            return None
+        self.num_refused += 1
+        return max(1, math.ceil((1 - tokens) / self.refill_per_s))
+
+    def charge(self, caller: str, status: int, num_body_bytes: int) -> None:
+        if status not in self.CHARGED:
+            return
+        cost = 1.0 + num_body_bytes / 2**20
+        self._buckets[caller] = (self._tokens(caller) - cost, self._clock())
+        if len(self._buckets) > self.MAX_CALLERS:
+            for other in [c for c in self._buckets if self._tokens(c) >= self.capacity]:
+                del self._buckets[other]
+
+
+class AuthAndCount:
+    """ASGI middleware: the tenant from the Bearer key (401 before the body is read), the
+    invalid-request budget of its caller (429 before the body is read), and the request
+    counter by route and status."""
+
+    def __init__(
+        self,
+        app,
+        keys: dict[str, str],
+        metrics: ServerMetrics,
+        budget: InvalidRequestBudget | None = None,
+    ) -> None:
         self.app = app
         self.keys = [(key.encode(), tenant) for key, tenant in keys.items()]
         self.metrics = metrics
+        self.budget = budget  # None: no budget
 
     def tenant_of(self, scope) -> str | None:
         if not self.keys:
@@ -257,6 +308,29 @@ class AuthAndCount:
                     await response(scope, receive, send_counted)
                     return
                 scope.setdefault("state", {})["tenant"] = tenant
+                if self.budget is None:
+                    await self.app(scope, receive, send_counted)
+                    return
+                caller = tenant if self.keys else f"client {(scope.get('client') or ('',))[0]}"
+                retry_after = self.budget.retry_after_s(caller)
+                if retry_after is not None:
+                    error = APIError(
+                        429,
+                        f"too many invalid requests from this caller: retry after {retry_after} s",
+                        code="invalid_request_budget",
+                    )
+                    response = JSONResponse(
+                        error.body(), status_code=429, headers={"Retry-After": str(retry_after)}
+                    )
+                    await response(scope, receive, send_counted)
+                    return
+                try:
+                    await self.app(scope, receive, send_counted)
+                finally:
+                    headers = dict(scope.get("headers") or [])
+                    length = headers.get(b"content-length", b"0")
+                    self.budget.charge(caller, status, int(length) if length.isdigit() else 0)
+                return
             await self.app(scope, receive, send_counted)
         finally:
             self.metrics.requests.labels(_route_label(path), str(status)).inc()

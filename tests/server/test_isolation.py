@@ -19,6 +19,7 @@ from kvwise.engine.async_engine import AsyncEngine
 from kvwise.engine.chat_template import MAX_MESSAGES
 from kvwise.errors import ContextLengthExceeded, InvalidRequest
 from kvwise.server import create_app
+from kvwise.server.transport import InvalidRequestBudget
 from kvwise.types import MAX_KEY_CHARS, RequestOptions, SamplingParams
 from tests.fakes import ControlledRunner
 
@@ -171,3 +172,29 @@ def test_engine_refuses_oversized_input_off_the_engine_thread(make_tiny_engine):
     finally:
         async_engine.shutdown()
         engine.tokenizer.encode = encode
+
+
+def test_a_caller_flooding_invalid_requests_is_refused_before_its_body_is_read():
+    """``kvwise serve``'s invalid-request budget: past it, a tenant's requests get a 429 at
+    once (its body unread), while another tenant's requests are served as before."""
+    from tests.fakes import fake_engine
+    from tests.server.fake_http import MODEL, serve
+
+    budget = InvalidRequestBudget(capacity=5, refill_per_s=1.0)
+    with serve(fake_engine(), api_keys=KEYS, invalid_request_budget=budget) as (server, _):
+        with httpx.Client(base_url=server.base_url, timeout=30) as client:
+            statuses = []
+            for _ in range(12):
+                r = client.post("/v1/completions", headers=BOB, json={"model": MODEL, "prompt": ""})
+                statuses.append(r.status_code)
+            assert statuses[:5] == [400] * 5 and set(statuses[5:]) == {429}, statuses
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "invalid_request_budget"
+            good = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+            assert client.post("/v1/completions", headers=ALICE, json=good).status_code == 200
+            # a huge bad body costs more of the budget than a small one
+            budget2 = InvalidRequestBudget(capacity=5, refill_per_s=1.0)
+            budget2.charge("x", 413, 8 * 2**20)
+            assert budget2.retry_after_s("x") is not None
+            budget2.charge("y", 200, 8 * 2**20)  # served requests cost nothing
+            assert budget2.retry_after_s("y") is None
