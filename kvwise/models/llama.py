@@ -13,7 +13,8 @@ k, v into its paged cache and attends over each sequence's cached prefix.
 Layout, chosen for memory-bound CPU decode:
 - every linear weight is stored transposed, contiguous `[in, out]`, and applied as `x @ w`;
 - q/k/v are one fused weight, gate/up are one fused weight;
-- residual adds are fused into the o_proj / down_proj matmuls (`residual.addmm_`);
+- float32 matmuls run on kvwise's ``f32mm`` where the kernels are built (a fixed order of
+  operations for every output, so a row's bits never depend on the batch; else ``torch.mm``);
 - with tied embeddings, `embed` `[vocab, hidden]` serves lookup and `lm_head` `[hidden, vocab]`
   is a separate transposed copy for logits.
 
@@ -69,6 +70,15 @@ class _FusedOps:
 
 
 _FUSED = _FusedOps()
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for the float path: float32 on kvwise's ``f32mm`` where the kernels are built
+    (each output one fma chain down k: a row's bits do not depend on the other rows, where a
+    BLAS picks other kernels for other row counts), else ``torch.mm``."""
+    if w.dtype == torch.float32 and x.dtype == torch.float32 and kernels.available():
+        return _FUSED.f32mm(x, w)
+    return torch.mm(x, w)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -158,19 +168,18 @@ class LlamaDecoderLayer(nn.Module):
         if self._quantized_step is not None:
             return self._quantized_step(layer_idx, residual, rope_cos, rope_sin, attn)
         x = rms_norm(residual, self.input_norm, self.eps)  # (T, hidden)
-        if self.qkv_bias is None:
-            qkv = torch.mm(x, self.qkv_proj)  # (T, q + 2kv)
-        else:
-            qkv = torch.addmm(self.qkv_bias, x, self.qkv_proj)  # (T, q + 2kv)
+        qkv = _mm(x, self.qkv_proj)  # (T, q + 2kv)
+        if self.qkv_bias is not None:
+            qkv.add_(self.qkv_bias)
         out = self._attend(layer_idx, qkv, rope_cos, rope_sin, attn)  # (T, H * D)
-        residual.addmm_(out, self.o_proj)  # (T, hidden)
+        residual.add_(_mm(out, self.o_proj))  # (T, hidden)
         if self.o_bias is not None:
             residual.add_(self.o_bias)
         x = rms_norm(residual, self.post_attention_norm, self.eps)  # (T, hidden)
-        gate_up = torch.mm(x, self.gate_up_proj)  # (T, 2 * inter)
+        gate_up = _mm(x, self.gate_up_proj)  # (T, 2 * inter)
         gate = F.silu(gate_up[:, : self.intermediate_size], inplace=True)  # (T, inter), a view
         gate.mul_(gate_up[:, self.intermediate_size :])
-        residual.addmm_(gate, self.down_proj)  # (T, hidden)
+        residual.add_(_mm(gate, self.down_proj))  # (T, hidden)
         return residual
 
     def _attend(
@@ -311,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
         """`(N, hidden)` -> `(N, vocab)` float32 logits."""
         head = self.lm_head_quant
         if head is None:
-            return torch.mm(hidden, self.lm_head).float()  # (N, vocab)
+            return _mm(hidden, self.lm_head).float()  # (N, vocab)
         logits = head.mm(hidden)  # (N, vocab), int8-activation precision
         k = min(_EXACT_TOP_K, logits.shape[-1])
         if kernels.available():

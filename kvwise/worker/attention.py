@@ -2,25 +2,35 @@
 
 The model calls ``attn(layer, q, k, v)`` once per layer with the new tokens of every
 scheduled request flattened into one dimension. The backend first writes all new K/V rows into
-their slots, then attends:
+their slots, then attends.
 
-- decode rows (one new token each) in one call of kvwise's paged decode kernel
-  (``csrc/paged_attention.cpp``, ``csrc/kv_int4.cpp``), which reads K/V where they lie in the
-  pool (float32, int8 or int4 codes and their scales); without it (no compiler, a 16-bit
-  float pool, ``paged_kernel=False``), in one batched SDPA call over their gathered
-  (dequantized) blocks, with a padding mask when their context lengths differ;
-- each prefill chunk in its own call: a chunk starting at position 0 attends to its own K/V
-  with a causal mask; a later chunk attends to its gathered blocks with an offset causal mask.
-  When the pool stores K/V lossily (quantized, or a narrower float), every chunk attends to
-  its gathered blocks, so that a prompt sees the K/V the cache holds whether it was computed
-  now or loaded.
+Where kvwise's kernels are built (and the compute dtype is float32), EVERY row, decode or
+prefill, goes through one call of the paged kernel (``csrc/paged_attention.cpp`` for float32,
+bfloat16, float16 and int8 pools, ``csrc/kv_int4.cpp`` for int4), which reads K/V where they
+lie in the pool: a prefill row at position p is a query over the p + 1 keys its sequence has
+in the pool, as a decode of that token would be. The kernel's reduction order depends on the
+row alone (a fixed split of its keys), so a token's attention has the same bits whichever
+batch, prefill chunk or step it runs in, and whether it was decoded, prefilled, recomputed
+after a preemption or read from a cached prefix: greedy decoding is batch-invariant
+(tests/model/test_batch_invariance.py). A decode-only step over a float32 or int8 pool writes
+and attends in one call.
+
+Without the kernels (no compiler, ``paged_kernel=False``, a 16-bit compute dtype), the torch
+reference: decode rows in one batched SDPA call over their gathered (dequantized) blocks, with a
+padding mask when their context lengths differ; each prefill chunk in its own call: a chunk
+starting at position 0 attends to its own K/V with a causal mask; a later chunk attends to its
+gathered blocks with an offset causal mask. When the pool stores K/V lossily (quantized, or a
+narrower float), every chunk attends to its gathered blocks, so that a prompt sees the K/V the
+cache holds whether it was computed now or loaded. The same maths, but SDPA's rounding depends
+on the batch: this path is not batch-invariant.
 
 int4 keys are quantized per block once it is full (``kv_cache.py``). A query then attends to
 the keys of earlier blocks as their sealed bytes hold them and to its own block's keys in full
-precision (``attend_open_blocks``; decodes overlay their own block's staged keys on the
-gathered ones). What a token sees depends only on its position, never on how the prompt was
-chunked or whether its prefix was cached: the sealed bytes of a block are the same whichever
-way it was computed.
+precision (the kernel reads them from a staging slot: the cache's for decodes, one built from
+the chunk's rows for prefill rows; the torch path: ``attend_open_blocks``, and decodes overlay
+their own block's staged keys on the gathered ones). What a token sees depends only on its
+position, never on how the prompt was chunked or whether its prefix was cached: the sealed
+bytes of a block are the same whichever way it was computed.
 """
 
 from __future__ import annotations
@@ -59,6 +69,9 @@ class AttentionMetadata:
     decode_ctx_lens: torch.Tensor | None = None  # (Bd,) long: each decode's context length
     decode_open_blocks: list[int] | None = None  # each decode's own (last) block id
     decode_open_index: torch.Tensor | None = None  # (Bd,) long: its index in the block table
+    # every row, decodes then prefill rows (the paged kernels' view of the step):
+    row_block_table: torch.Tensor | None = None  # (T, max_blocks) long: its sequence's blocks
+    row_ctx_lens: torch.Tensor | None = None  # (T,) long: position + 1, the keys it attends to
 
 
 class TorchSDPAAttention:
@@ -72,24 +85,24 @@ class TorchSDPAAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sealed_keys = kv_cache.spec.sealed_keys
-        # int4 decodes: a kernel reading codes and scales in place (csrc/kv_int4.cpp)
-        self.paged_int4 = paged_kernel and self.sealed_keys and kernels.available()
-        self.paged_kernel = (
-            paged_kernel and kv_cache.dtype == torch.float32 and not kv_cache._cast
-            and kernels.available()
-        )  # fmt: skip
-        self._decode = (
-            torch.ops.kvwise.paged_decode_attention.default if self.paged_kernel else None
-        )
-        # int8 KV: the same kernel reading int8 codes and their scales in place
-        self.paged_int8 = paged_kernel and kv_cache.spec.dtype == "int8" and kernels.available()
-        if self.paged_int8:
-            self.paged_kernel = True
+        usable = paged_kernel and kv_cache.compute_dtype == torch.float32 and kernels.available()
+        # int4: a kernel reading codes and scales in place (csrc/kv_int4.cpp), every row
+        self.paged_int4 = usable and self.sealed_keys
+        # every other pool: one kernel for all rows (csrc/paged_attention.cpp); float32 and
+        # int8 pools can also take the step's new rows and write them first (``_write_in_op``)
+        self._rows_op = None
+        self._write_in_op = False
+        if usable and kv_cache.spec.dtype == "int8":
             int8_op = torch.ops.kvwise.paged_decode_attention_int8.default
             block_size = kv_cache.block_size
-            self._decode = lambda q, kc, vc, tables, lens, scale, *new: int8_op(
+            self._rows_op = lambda q, kc, vc, tables, lens, scale, *new: int8_op(
                 q, kc, vc, tables, lens, scale, block_size, *new
             )
+            self._write_in_op = True
+        elif usable and not kv_cache.quantized:  # float32, bfloat16 or float16 pools
+            self._rows_op = torch.ops.kvwise.paged_decode_attention.default
+            self._write_in_op = not kv_cache._cast
+        self.paged_kernel = self._rows_op is not None
 
     def bind(self, meta: AttentionMetadata, layer_ready: Callable[[int], None] | None = None):
         """Return the ``attn(layer, q, k, v)`` callable for one step.
@@ -115,13 +128,19 @@ class TorchSDPAAttention:
     ) -> torch.Tensor:
         cache = self.kv_cache
         num_tokens = q.shape[0]
-        if self.paged_kernel and not meta.prefills and meta.decode_rows_contiguous:
-            # a decode-only step: write the new rows and attend in one call
-            return self._decode(
-                q, cache.k_blocks[layer], cache.v_blocks[layer], meta.decode_block_table,
-                meta.decode_ctx_lens, self.scale, k, v, meta.slot_mapping,
+        if self._rows_op is not None:  # every row through the paged kernel
+            if self._write_in_op and not meta.prefills:  # decodes only: write and attend at once
+                new = (k, v, meta.slot_mapping)
+            else:
+                cache.write(layer, meta.slot_mapping, k, v)
+                new = ()
+            return self._rows_op(
+                q, cache.k_blocks[layer], cache.v_blocks[layer], meta.row_block_table,
+                meta.row_ctx_lens, self.scale, *new,
             ).view(num_tokens, self.num_heads * self.head_dim)  # fmt: skip
         cache.write(layer, meta.slot_mapping, k, v)
+        if self.paged_int4:
+            return self._attend_int4(layer, q, k, meta).view(num_tokens, -1)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         if meta.decode_rows is not None:
             if meta.decode_rows_contiguous:
@@ -133,23 +152,64 @@ class TorchSDPAAttention:
             out[chunk.token_start : chunk.token_end] = self._attend_prefill(layer, q, k, v, chunk)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
+    def _attend_int4(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Every row over an int4 pool, by the int4 kernel ``(T, num_heads, head_dim)``: the
+        decodes read their own block's keys from the cache's staging slots, the prefill rows
+        from blocks of full-precision keys built from their chunk's rows."""
+        cache = self.kv_cache
+        op = torch.ops.kvwise.paged_decode_attention_int4.default
+        kc, vc, bs = cache.k_blocks[layer], cache.v_blocks[layer], cache.block_size
+        num_decodes = 0 if meta.decode_rows is None else meta.decode_rows.shape[0]
+        if not meta.prefills:
+            return op(q, kc, vc, cache.staged[layer], meta.row_block_table, meta.row_ctx_lens,
+                      cache.slots_of(meta.decode_open_blocks), self.scale, bs,
+                      cache.spec.group_size)  # fmt: skip
+        out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)
+        if num_decodes:
+            out[:num_decodes] = op(
+                q[:num_decodes], kc, vc, cache.staged[layer], meta.row_block_table[:num_decodes],
+                meta.row_ctx_lens[:num_decodes], cache.slots_of(meta.decode_open_blocks),
+                self.scale, bs, cache.spec.group_size,
+            )  # fmt: skip
+        open_keys, open_index = self._prefill_open_keys(layer, k, meta.prefills)
+        out[num_decodes:] = op(
+            q[num_decodes:], kc, vc, open_keys, meta.row_block_table[num_decodes:],
+            meta.row_ctx_lens[num_decodes:], open_index, self.scale, bs, cache.spec.group_size,
+        )  # fmt: skip
+        return out
+
+    def _prefill_open_keys(
+        self, layer: int, k: torch.Tensor, chunks: list[PrefillChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """int4: the full-precision keys of every block the prefill chunks write into
+        ``(blocks, block_size, kv_heads, head_dim)`` (rows written by earlier steps from their
+        staging slot, then the chunk's rows), and each prefill row's own block in it ``(rows,)``:
+        what a decode of that token would read from the cache's staging slot."""
+        cache, bs = self.kv_cache, self.kv_cache.block_size
+        parts, index, base = [], [], 0
+        for chunk in chunks:
+            start, n = chunk.start_pos, chunk.token_end - chunk.token_start
+            first, last = start // bs, (start + n - 1) // bs
+            keys = k.new_zeros((last - first + 1) * bs, *k.shape[1:], dtype=torch.float32)
+            before = start - first * bs  # rows of the first block written by earlier steps
+            if before:
+                first_id = int(chunk.block_table[0, first])
+                keys[:before] = cache.open_keys(layer, first_id, before)
+            keys[before : before + n] = k[chunk.token_start : chunk.token_end]
+            parts.append(keys)
+            index.append(torch.arange(start, start + n) // bs - first + base)
+            base += last - first + 1
+        open_keys = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return open_keys.view(-1, bs, *k.shape[1:]), torch.cat(index)
+
     def _attend_decodes(
         self, layer: int, qd: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """The decode rows ``qd`` ``(Bd, num_heads, head_dim)`` over their cached contexts."""
+        """The decode rows ``qd`` ``(Bd, num_heads, head_dim)`` over their cached contexts
+        (the torch path)."""
         cache = self.kv_cache
-        if self.paged_kernel:
-            return self._decode(
-                qd, cache.k_blocks[layer], cache.v_blocks[layer], meta.decode_block_table,
-                meta.decode_ctx_lens, self.scale,
-            )  # fmt: skip
-        if self.paged_int4:
-            return torch.ops.kvwise.paged_decode_attention_int4.default(
-                qd, cache.k_blocks[layer], cache.v_blocks[layer], cache.staged[layer],
-                meta.decode_block_table, meta.decode_ctx_lens,
-                cache.slots_of(meta.decode_open_blocks), self.scale, cache.block_size,
-                cache.spec.group_size,
-            )  # fmt: skip
         # (Bd, L, kv_heads, head_dim) each
         kc, vc = cache.gather(layer, meta.decode_block_table, meta.decode_first_block)
         if self.sealed_keys:  # each decode reads its own block's keys in full precision
@@ -169,7 +229,8 @@ class TorchSDPAAttention:
     def _attend_prefill(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk
     ) -> torch.Tensor:
-        """One prefill chunk's rows of the batch, ``(n, num_heads, head_dim)``."""
+        """One prefill chunk's rows of the batch, ``(n, num_heads, head_dim)`` (the torch
+        path)."""
         s, e = chunk.token_start, chunk.token_end
         # NOTE: the CPU flash kernel is ~1.5x faster on contiguous (1, heads, n, head_dim)
         # inputs than on strided views of the (T, heads, head_dim) rows.

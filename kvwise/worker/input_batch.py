@@ -1,8 +1,10 @@
 """SchedulerOutput → tensors for one forward pass.
 
 Rows are ordered decodes first (one row each, so they are rows ``0 .. Bd-1``), then each
-prefill chunk's rows. ``sample_rows`` holds, for every request that samples this step, the row
-whose logits it samples from (its last row).
+prefill chunk's rows; every row also gets its sequence's block table and its context length
+(``row_block_table``, ``row_ctx_lens``: the paged kernels take each row as one query).
+``sample_rows`` holds, for every request that samples this step, the row whose logits it
+samples from (its last row).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
             mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens
             decode_mask = mask[:, None, None, :]  # (Bd, 1, 1, L)
 
+    row_table, row_lens = _row_tables(ordered, decode_table, positions, block_size)
     decode_first_block = None
     if len(decodes) == 1:
         decode_first_block = first_if_consecutive(decodes[0].block_ids[: len(decode_table[0])])
@@ -97,6 +100,8 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
         decode_ctx_lens=decode_lens,
         decode_open_blocks=open_blocks,
         decode_open_index=open_index,
+        row_block_table=row_table,
+        row_ctx_lens=row_lens,
     )
     return InputBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
@@ -105,3 +110,27 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
         sample_rows=torch.tensor(sample_rows, dtype=torch.long),
         sample_requests=sample_requests,
     )
+
+
+def _row_tables(
+    ordered: list[ScheduledRequest],
+    decode_table: torch.Tensor | None,
+    positions: list[int],
+    block_size: int,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Each row's block table ``(T, max_blocks)`` (its sequence's, zero-padded) and context
+    length ``(T,)`` (its position + 1): every row, decode or prefill, as one query of the paged
+    kernels."""
+    if not ordered:
+        return None, None
+    row_lens = torch.tensor(positions, dtype=torch.long) + 1
+    if len(ordered) == (0 if decode_table is None else decode_table.shape[0]):
+        return decode_table, row_lens  # decodes only: their table is already one row each
+    needed = [-(-(s.start_pos + s.num_tokens) // block_size) for s in ordered]
+    width = max(needed)
+    tables = torch.tensor(
+        [s.block_ids[:n] + [0] * (width - n) for s, n in zip(ordered, needed, strict=True)],
+        dtype=torch.long,
+    )  # (S, width); padding points at block 0 and is never read
+    counts = torch.tensor([s.num_tokens for s in ordered])
+    return tables.repeat_interleave(counts, dim=0), row_lens

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "fused.cpp", "kv_int4.cpp")
+    for name in ("paged_attention.cpp", "fused.cpp", "kv_int4.cpp", "dense.cpp")
 ]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
