@@ -319,8 +319,11 @@ class AuthAndCount:
                         f"too many invalid requests from this caller: retry after {retry_after} s",
                         code="invalid_request_budget",
                     )
+                    # NOTE: and the connection closed, so that a body on its way is not read
                     response = JSONResponse(
-                        error.body(), status_code=429, headers={"Retry-After": str(retry_after)}
+                        error.body(),
+                        status_code=429,
+                        headers={"Retry-After": str(retry_after), "Connection": "close"},
                     )
                     await response(scope, receive, send_counted)
                     return

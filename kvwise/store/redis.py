@@ -20,6 +20,10 @@ Contract (on top of ``base.KVStore``):
   closed and the store is *down* for ``retry_after_s``: calls answer misses at once, with no
   network and no stats, so a dead or confused server costs one deadline, not one per
   request. An error reply (e.g. OOM on SET) is a fault but not an outage.
+- Coming back (half-open): once a node's window has passed, the next call to it is sent in
+  the background, as a probe, and answered as a miss at once; only when a probe succeeds is
+  the node up again. So a server that stays broken costs a caller (the engine's step loop,
+  which looks entries up while it schedules) one deadline in all, never one per window.
 - Nothing touches the network before the first call: an unreachable server at start-up is a
   fault on first use, not an exception.
 - Stats: ``evictions`` stays 0 and the ``num_entries``/``num_bytes`` gauges stay 0: Redis
@@ -117,6 +121,7 @@ class RedisStore:
         self._faults = FaultLog(self.name, self.stats)
         self._lock = threading.Lock()
         self._down_until: dict[str, float] = {}  # per node ("" for a single server)
+        self._probing: set[str] = set()  # down nodes with a probe in flight
         self._closed = False
         self.cluster = scheme.endswith("+cluster")
         options = dict(
@@ -286,8 +291,19 @@ class RedisStore:
         futures: dict[int, concurrent.futures.Future] = {}
         with self._lock:
             now = self._clock()
-            todo = [i for i, (node, _) in enumerate(calls)
-                    if not self._closed and now >= self._down_until.get(node, 0.0)]  # fmt: skip
+            todo, probes = [], []
+            for i, (node, _) in enumerate(calls):
+                if self._closed or now < self._down_until.get(node, 0.0):
+                    continue
+                if node not in self._down_until:
+                    todo.append(i)
+                elif node not in self._probing:  # its window passed: probe, off this thread
+                    self._probing.add(node)
+                    probes.append(i)
+        for i in probes:
+            threading.Thread(
+                target=self._probe, args=(op, *calls[i]), name="kvwise-redis-probe", daemon=True
+            ).start()
         for i in todo:
             try:
                 futures[i] = self._io.submit(calls[i][1])
@@ -312,6 +328,47 @@ class RedisStore:
             else:
                 out[i] = future.result()
         return out
+
+    def wait_probes(self, timeout: float = 5.0) -> bool:
+        """Wait until no probe is in flight (tests and tools: a node that was down is up
+        again once a call after its window has probed it). False if one still is."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._probing:
+                    return True
+            time.sleep(0.005)
+        return False
+
+    def _probe(self, op: str, node: str, run: Callable[[], Any]) -> None:
+        """A call to a node that was down, as a probe (its result is dropped: the caller had
+        a miss): the node is up again if it answers within the deadline."""
+        try:
+            future = self._io.submit(run)
+        except RuntimeError:  # closed
+            with self._lock:
+                self._probing.discard(node)
+            return
+        try:
+            future.result(timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a probe's failure is a fault like any call's
+            future.cancel()
+            if isinstance(exc, concurrent.futures.TimeoutError):
+                exc = f"probe: no answer within {self.timeout_s:g} s"  # type: ignore[assignment]
+            outage = not isinstance(exc, redis.exceptions.ResponseError)
+            kind = "deadline" if isinstance(exc, str) else type(exc).__name__
+            surprise = exc if isinstance(exc, BaseException) and not isinstance(
+                exc, _CLIENT_ERRORS) else None  # fmt: skip
+            self._fault(op, node, exc, outage, kind, surprise)
+            if not outage:
+                with self._lock:
+                    self._down_until.pop(node, None)
+        else:
+            with self._lock:
+                self._down_until.pop(node, None)
+        finally:
+            with self._lock:
+                self._probing.discard(node)
 
     def _call_here(self, op: str, run: Callable[[], Any]) -> Any:
         """``run()`` on this thread (it touches no network), a fault if it raises."""

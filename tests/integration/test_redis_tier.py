@@ -141,15 +141,17 @@ def test_killed_server_costs_one_fault_per_retry_window(redis_db, stores):
     assert store.stats.faults == 1
     assert store.stats.misses == 0
 
-    clock.t += 5.0  # the window is over: the next call tries again, and faults again
-    got, seconds = timed(store.put, [(key(2), value(2))])
-    assert seconds < 2
+    clock.t += 5.0  # the window is over: the next call probes (in the background: a miss
+    got, seconds = timed(store.put, [(key(2), value(2))])  # at once), and faults again
+    assert got is False and seconds < 0.1
+    assert store.wait_probes()
     assert store.stats.faults == 2
     assert store.stats.bytes_written == 100  # only the first put reached the server
 
     redis_db.restart()  # empty: no persistence
     assert store.get([key(0)]) == [None]  # still down
     clock.t += 5.0
+    assert store.contains([key(0)]) == [False] and store.wait_probes()  # the probe: up again
     store.put([(key(3), value(3))])
     assert store.get([key(3), key(0)]) == [value(3), None]
     assert store.stats.faults == 2
@@ -165,6 +167,7 @@ def test_killed_server_real_clock(redis_db, stores):
     assert store.stats.faults == 1
     redis_db.restart()
     time.sleep(0.25)
+    assert store.contains([key(0)]) == [False] and store.wait_probes()  # the probe: up again
     store.put([(key(1), value(1))])
     assert store.get([key(1)]) == [value(1)]
     assert store.stats.faults == 1
@@ -186,5 +189,7 @@ def test_hung_server_times_out(redis_db, stores):
     finally:
         redis_db.client(timeout_s=5).ping()  # returns once the pause is over
     time.sleep(0.25)
+    store.contains([key(0)])  # past the window: a probe (a miss at once) brings it back
+    assert store.wait_probes()
     assert store.get([key(0)]) == [value(0)]
     assert store.stats.faults == 1

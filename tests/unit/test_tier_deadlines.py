@@ -65,6 +65,32 @@ def test_each_call_is_a_miss_within_its_deadline_then_the_breaker_opens(server, 
     store.close()
 
 
+@pytest.mark.parametrize("mode", ["bad_handshake", "drip", "silent"])
+def test_a_server_that_stays_broken_costs_a_caller_one_deadline_in_all(server, mode):
+    """Half-open: after each window a call is sent as a background probe and the caller gets
+    its miss at once, so the engine's step loop (which looks entries up as it schedules)
+    never waits for a broken server again; once the server behaves, a probe brings it back."""
+    store = RedisStore(server.url, timeout_s=DEADLINE_S, retry_after_s=0.1)
+    server.misbehave(mode)
+    _, first = timed(store.contains, [key(0)])
+    assert first > DEADLINE_S / 2 or mode == "bad_handshake"
+    waits = []
+    for _ in range(5):  # five windows
+        time.sleep(0.15)
+        got, seconds = timed(store.contains, [key(0)])
+        assert got == [False]
+        waits.append(seconds)
+        assert store.wait_probes()
+    assert max(waits) < 0.05, waits
+    assert store.stats.faults == 6  # the first call and each probe
+    server.behave()
+    time.sleep(0.15)
+    assert store.put([(key(1), value(1))]) is False  # down still: this one probes
+    assert store.wait_probes()
+    assert store.contains([key(1)]) == [True]  # the probe's write landed and the tier is up
+    store.close()
+
+
 def test_a_slow_reply_to_a_load_is_a_miss_within_its_deadline(server):
     store = RedisStore(server.url, timeout_s=DEADLINE_S, retry_after_s=30)
     assert store.put([(key(0), value(0))])
