@@ -24,6 +24,7 @@ Either way ``raw`` is the pool as bytes, in the order the tiers store it.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,7 @@ class PagedKVCache:
         self._slots: dict[int, int] = {}  # open block id -> its staging slot
         self._free_slots = list(range(7, -1, -1))
         self._sealed: list[int] = []  # blocks sealed this step: slots freed next step
+        self._opened: list[int] = []  # blocks whose first row went to staging this step
         self._plan_key: torch.Tensor | None = None
         self._plan: _WritePlan | None = None
         self._slots_key: list[int] | None = None  # see slots_of
@@ -187,14 +189,30 @@ class PagedKVCache:
 
     def begin_step(self, released_block_ids: list[int] = ()) -> None:
         """Before a step: free the staging slots of blocks sealed in the last step and of
-        open blocks the core has freed since."""
+        open blocks the core has freed since.
+
+        NOTE: the core reports a block freed while it schedules a step (a preempted request's)
+        with the NEXT step, and may have handed it to another request in the same step, which
+        then wrote its first row: a release of a block opened in the last step may be that
+        stale one, so it is skipped once (a real one only keeps the slot until the block's
+        first row is written again, which reuses it)."""
         if not self.spec.sealed_keys:
             return
-        for block_id in (*self._sealed, *released_block_ids):
-            slot = self._slots.pop(block_id, None)
-            if slot is not None:
-                self._free_slots.append(slot)
+        stale = Counter(self._opened)
+        for block_id in released_block_ids:
+            if stale[block_id]:
+                stale[block_id] -= 1
+                continue
+            self._release_slot(block_id)
+        for block_id in self._sealed:
+            self._release_slot(block_id)
         self._sealed = []
+        self._opened = []
+
+    def _release_slot(self, block_id: int) -> None:
+        slot = self._slots.pop(block_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
 
     def _write_int4(self, layer: int, slot_mapping: torch.Tensor, k, v) -> None:
         if slot_mapping is not self._plan_key:  # the same plan serves every layer of a step
@@ -246,6 +264,7 @@ class PagedKVCache:
                 seal_direct.append(block)
             else:
                 if first == 0:
+                    self._opened.append(block)
                     slot = self._slots.get(block)
                     if slot is None:
                         slot = self._take_slot()
