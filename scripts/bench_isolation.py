@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import secrets
 import shutil
@@ -149,6 +150,11 @@ async def flood(url: str, deadline: float, num_flooders: int) -> dict:
     return counts
 
 
+def _flood_process(url: str, duration: float, num_flooders: int, nice: int) -> dict:
+    os.nice(nice)
+    return asyncio.run(flood(url, time.perf_counter() + duration, num_flooders))
+
+
 def run_once(kind: str, args, redis_url: str, tmp: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -173,15 +179,17 @@ def run_once(kind: str, args, redis_url: str, tmp: Path) -> dict:
             api_key="key-alice",
         )
 
-        async def work() -> tuple[dict, dict]:
-            model = MODEL
-            deadline = time.perf_counter() + args.duration
-            floods = flood(url, deadline, args.flooders) if kind == "hostile" else None
-            if floods is None:
-                return await _load(url, model, load_args), {}
-            return tuple(await asyncio.gather(_load(url, model, load_args), floods))
-
-        result, flooded = asyncio.run(work())
+        flooder = None
+        if kind == "hostile":  # her own process: not alice's clients' event loop
+            flooder = multiprocessing.get_context("spawn").Pool(1)
+            flooded_async = flooder.apply_async(
+                _flood_process, (url, args.duration, args.flooders, args.flooder_nice)
+            )
+        result = asyncio.run(_load(url, MODEL, load_args))
+        flooded = {}
+        if flooder is not None:
+            flooded = flooded_async.get(args.duration + 120)
+            flooder.close()
         result.update(_kvwise_after(url))
         result["flood"] = flooded
         return result
@@ -224,6 +232,13 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=48)
     p.add_argument("--flooders", type=int, default=2, help="mallory's concurrent requests")
+    p.add_argument(
+        "--flooder-nice",
+        type=int,
+        default=19,
+        help="niceness of mallory's client process: on one machine her client's CPU is the "
+        "server's, which a client on another machine's would not be",
+    )
     p.add_argument("--redis-mode", choices=("slow", "silent", "garbage"), default="slow")
     p.add_argument("--out", default=None, help="write every run as JSON here")
     p.add_argument("--kinds", default="clean,hostile", help="which runs, e.g. hostile")

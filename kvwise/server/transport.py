@@ -220,9 +220,19 @@ class InvalidRequestBudget:
     CHARGED = frozenset({400, 404, 413, 422, 431})
     MAX_CALLERS = 10_000  # buckets remembered; full ones are forgotten first
 
-    def __init__(self, capacity: float = 20.0, refill_per_s: float = 5.0, clock=time.monotonic):
+    def __init__(
+        self,
+        capacity: float = 20.0,
+        refill_per_s: float = 5.0,
+        clock=time.monotonic,
+        hold_s: float = 1.0,
+        max_held: int = 16,
+    ):
         self.capacity = capacity
         self.refill_per_s = refill_per_s
+        self.hold_s = hold_s  # a refusal waits this long before it is sent
+        self.max_held = max_held  # refusals of one caller waiting at once
+        self._held: dict[str, int] = {}
         self._clock = clock
         self._buckets: dict[str, tuple[float, float]] = {}  # caller -> (tokens, at)
         self.num_refused = 0
@@ -238,6 +248,19 @@ class InvalidRequestBudget:
             return None
         self.num_refused += 1
         return max(1, math.ceil((1 - tokens) / self.refill_per_s))
+
+    async def hold(self, caller: str) -> None:
+        """Wait ``hold_s`` before a refusal, unless ``max_held`` of the caller's already wait
+        (a caller cannot make the server hold its connections without bound)."""
+        if self._held.get(caller, 0) >= self.max_held:
+            return
+        self._held[caller] = self._held.get(caller, 0) + 1
+        try:
+            await asyncio.sleep(self.hold_s)
+        finally:
+            self._held[caller] -= 1
+            if not self._held[caller]:
+                del self._held[caller]
 
     def charge(self, caller: str, status: int, num_body_bytes: int) -> None:
         if status not in self.CHARGED:
@@ -319,12 +342,16 @@ class AuthAndCount:
                         f"too many invalid requests from this caller: retry after {retry_after} s",
                         code="invalid_request_budget",
                     )
-                    # NOTE: and the connection closed, so that a body on its way is not read
+                    # NOTE: and the connection closed, so that a body on its way is not read;
+                    # held a while first (a few at a time per caller): a client that ignores
+                    # Retry-After then sends a request per connection per hold, not hundreds
+                    # a second that the server would spend a core refusing
                     response = JSONResponse(
                         error.body(),
                         status_code=429,
                         headers={"Retry-After": str(retry_after), "Connection": "close"},
                     )
+                    await self.budget.hold(caller)
                     await response(scope, receive, send_counted)
                     return
                 try:

@@ -180,7 +180,7 @@ def test_a_caller_flooding_invalid_requests_is_refused_before_its_body_is_read()
     from tests.fakes import fake_engine
     from tests.server.fake_http import MODEL, serve
 
-    budget = InvalidRequestBudget(capacity=5, refill_per_s=1.0)
+    budget = InvalidRequestBudget(capacity=5, refill_per_s=1.0, hold_s=0.05)
     with serve(fake_engine(), api_keys=KEYS, invalid_request_budget=budget) as (server, _):
         with httpx.Client(base_url=server.base_url, timeout=30) as client:
             statuses = []
@@ -190,6 +190,7 @@ def test_a_caller_flooding_invalid_requests_is_refused_before_its_body_is_read()
             assert statuses[:5] == [400] * 5 and set(statuses[5:]) == {429}, statuses
             assert int(r.headers["retry-after"]) >= 1
             assert r.json()["error"]["code"] == "invalid_request_budget"
+            assert r.headers["connection"] == "close"
             good = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
             assert client.post("/v1/completions", headers=ALICE, json=good).status_code == 200
             # a huge bad body costs more of the budget than a small one
