@@ -9,6 +9,9 @@
 //
 // A sequence's own (last) block is not sealed yet: its keys come from the staging slot
 // `open_slots[b]` of `staged` (slots, block_size, KVH, D) float32, as attention.py reads them.
+// Rows that share a block table (a prefill chunk's rows, each a query over its position + 1
+// keys) are grouped so that each block is unpacked once for all of them; a row's operations,
+// and so its bits, are the same alone or in a group, decoded or prefilled.
 // The scale and minimum are folded into the query and the weights instead of dequantizing
 // every element: q . k = sum_d (q_d * scale_d) * code_d + sum_d q_d * min_d, and
 // sum_t p_t v_t = sum_t (p_t * scale_t) * code_t + sum_t p_t * min_t per group. Same maths as
@@ -30,41 +33,110 @@ inline float half_at(const uint8_t* p, int64_t i) {
   return static_cast<float>(reinterpret_cast<const at::Half*>(p)[i]);
 }
 
+// sum_d q[d] * mins[d] (a query with a block's per-channel minimums), in one fixed order:
+// 8 lanes of fused multiply-adds, then the lanes summed
+inline float dot_mins(const float* q, const float* mins, int64_t D) {
+  int64_t d = 0;
+  float m = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
-// A sealed block's scores for G query heads, 8 tokens at a time, the G accumulators in
-// registers: s[g][t] = (qm[g] + sum_d qs[g][d] * codes[d][t]) * scale.
-template <int G>
-void block_scores(float* s, int64_t stride, const float* codes, const float* qs,
-                  const float* qm, int64_t D, int64_t bs, float scale) {
+  __m256 acc = _mm256_setzero_ps();
+  for (; d + 8 <= D; d += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(mins + d), acc);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (int i = 0; i < 8; ++i) m += lanes[i];
+#endif
+  for (; d < D; ++d) m = std::fma(q[d], mins[d], m);
+  return m;
+}
+
+// the largest of n floats (exact in any order)
+inline float max_of(const float* s, int64_t n) {
+  float mx = s[0];
+  int64_t i = 1;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {
+    __m256 v = _mm256_loadu_ps(s);
+    for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + i));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    for (float x : lanes) mx = std::max(mx, x);
+  }
+#endif
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
+  return mx;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// A sealed block's scores for Q query vectors (a row's query heads, of one row or several), 8
+// tokens at a time, the Q accumulators in registers, each codes load shared by all of them:
+// s[q][t] = (qm[q] + sum_d qs[d][q] * codes[d][t]) * scale (qs transposed: qs[d * Q + q]). A
+// score is the same chain of operations for any Q: a row's bits do not depend on the rows it
+// is computed with.
+template <int Q>
+void block_scores(float* const* s, const float* codes, const float* qs, const float* qm,
+                  int64_t D, int64_t bs, float scale) {
   for (int64_t t8 = 0; t8 < bs; t8 += 8) {
-    __m256 a[G];
-    for (int g = 0; g < G; ++g) a[g] = _mm256_set1_ps(qm[g]);
+    __m256 a[Q];
+    for (int q = 0; q < Q; ++q) a[q] = _mm256_set1_ps(qm[q]);
     for (int64_t d = 0; d < D; ++d) {
       const __m256 c = _mm256_loadu_ps(codes + d * bs + t8);
-      for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_set1_ps(qs[g * D + d]), c, a[g]);
+      const float* qd = qs + d * Q;
+      for (int q = 0; q < Q; ++q) a[q] = _mm256_fmadd_ps(_mm256_set1_ps(qd[q]), c, a[q]);
     }
-    for (int g = 0; g < G; ++g)
-      _mm256_storeu_ps(s + g * stride + t8, _mm256_mul_ps(a[g], _mm256_set1_ps(scale)));
+    for (int q = 0; q < Q; ++q) _mm256_storeu_ps(s[q] + t8, _mm256_mul_ps(a[q], _mm256_set1_ps(scale)));
   }
 }
 
-// One block's weighted values for one query head and one group of 8 * NV channels, the
-// accumulators in registers: a[d] += sum_t (p[t] * scale[t]) * codes[t][d].
-template <int NV>
-void block_values(float* a, float* am, const float* p, const float* codes, int64_t D,
-                  const float* vsm, int64_t groups, int64_t gr, int64_t rows) {
-  __m256 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = _mm256_loadu_ps(a + 8 * v);
-  float m = *am;
-  for (int64_t t = 0; t < rows; ++t) {
-    const float ps = p[t] * vsm[(t * groups + gr) * 2];
-    m += p[t] * vsm[(t * groups + gr) * 2 + 1];
-    const __m256 w = _mm256_set1_ps(ps);
-    const float* c = codes + t * D + gr * 8 * NV;
-    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(c + 8 * v), acc[v]);
+// block_scores for n (1 .. Q) query vectors
+template <int Q>
+void block_scores_n(int64_t n, float* const* s, const float* codes, const float* qs,
+                    const float* qm, int64_t D, int64_t bs, float scale) {
+  if constexpr (Q > 0) {
+    if (n == Q) return block_scores<Q>(s, codes, qs, qm, D, bs, scale);
+    block_scores_n<Q - 1>(n, s, codes, qs, qm, D, bs, scale);
   }
-  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(a + 8 * v, acc[v]);
-  *am = m;
+}
+
+// One block's weighted values for R query vectors (heads of one row or several) and one group
+// of 8 * NV channels, the accumulators in registers and each codes load shared:
+// a[r][d] += sum_t (p[r][t] * scale[t]) * codes[t][d], am[r] += sum_t p[r][t] * min[t]; the
+// same chain for any R.
+template <int NV, int R>
+void block_values(float* const* a, float* const* am, const float* const* p, const float* codes,
+                  int64_t D, const float* vsm, int64_t groups, int64_t gr, int64_t rows) {
+  __m256 acc[R][NV];
+  float m[R];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_loadu_ps(a[r] + 8 * v);
+    m[r] = *am[r];
+  }
+  for (int64_t t = 0; t < rows; ++t) {
+    const float vscale = vsm[(t * groups + gr) * 2], vmin = vsm[(t * groups + gr) * 2 + 1];
+    const float* c = codes + t * D + gr * 8 * NV;
+    __m256 cv[NV];
+    for (int v = 0; v < NV; ++v) cv[v] = _mm256_loadu_ps(c + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      const float ps = p[r][t] * vscale;
+      m[r] = std::fma(p[r][t], vmin, m[r]);
+      const __m256 w = _mm256_set1_ps(ps);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(w, cv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(a[r] + 8 * v, acc[r][v]);
+    *am[r] = m[r];
+  }
+}
+
+template <int NV, int R>
+void block_values_rows(int64_t n, float* const* a, float* const* am, const float* const* p,
+                       const float* codes, int64_t D, const float* vsm, int64_t groups,
+                       int64_t gr, int64_t rows) {
+  if constexpr (R > 0) {
+    if (n == R) return block_values<NV, R>(a, am, p, codes, D, vsm, groups, gr, rows);
+    block_values_rows<NV, R - 1>(n, a, am, p, codes, D, vsm, groups, gr, rows);
+  }
 }
 #endif
 
@@ -113,105 +185,142 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
   at::Tensor out = at::empty({B, H, D}, q.options());
   float* op = out.data_ptr<float>();
 
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, codes(D * bs), qs(G * D), qm(G), acc(G * D), accm(G * groups);
+  // Rows that share a block table (a prefill chunk's) go in groups: each sealed block's codes
+  // and scales are unpacked once for the group, then every row of it runs the very operations a
+  // row alone runs (a row's bits never depend on its group). Tasks: (group, kv head), the groups
+  // taken alternately from both ends, so that contiguous shares of them weigh alike.
+  constexpr int64_t kGroupRows = 8;
+  std::vector<int64_t> group_start{0};
+  for (int64_t b = 1; b < B; ++b) {
+    const bool same = std::equal(tables + b * max_blocks, tables + (b + 1) * max_blocks,
+                                 tables + (b - 1) * max_blocks);
+    if (!same || b - group_start.back() == kGroupRows) group_start.push_back(b);
+  }
+  group_start.push_back(B);
+  const int64_t num_groups = static_cast<int64_t>(group_start.size()) - 1;
+  std::vector<int64_t> order(num_groups);
+  for (int64_t i = 0; i < num_groups; ++i) order[i] = i % 2 ? num_groups - 1 - i / 2 : i / 2;
+
+  at::parallel_for(0, num_groups * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, accm, codes(D * bs), qs(12 * D), qm(12);
     std::vector<float> ksm(2 * D), vsm(2 * bs * groups);
+    std::vector<int64_t> score_at, tile_rows;
+    float* tile_scores[12];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, h = task % KVH, n = lens[b];
-      const int64_t nblk = (n + bs - 1) / bs, own = (n - 1) / bs;
-      const float* qh = qp + (b * H + h * G) * D;  // the G query heads of this KV head
-      scores.assign(G * n, 0.f);
-      for (int64_t j = 0; j < nblk; ++j) {
-        const int64_t rows = std::min(bs, n - j * bs);
-        const int64_t blk = tables[b * max_blocks + j];
+      const int64_t gi = order[task / KVH], h = task % KVH;
+      const int64_t b0 = group_start[gi], b1 = group_start[gi + 1];
+      const int64_t* table = tables + b0 * max_blocks;
+      int64_t n_max = 0, total = 0;
+      score_at.resize(b1 - b0);
+      for (int64_t b = b0; b < b1; ++b) {
+        score_at[b - b0] = total;
+        total += G * lens[b];
+        n_max = std::max(n_max, lens[b]);
+      }
+      scores.assign(total, 0.f);
+      const int64_t nblk_max = (n_max + bs - 1) / bs;
+      for (int64_t j = 0; j < nblk_max; ++j) {
+        const int64_t blk = table[j];
         TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode_attention_int4: block id");
-        if (j == own) {  // full precision, from staging
-          const float* krows = st + slots[b] * bs * KVH * D;
-          for (int64_t t = 0; t < rows; ++t) {
-            const float* k = krows + (t * KVH + h) * D;
-            for (int64_t g = 0; g < G; ++g) {
-              float s = 0.f;
-              for (int64_t d = 0; d < D; ++d) s += qh[g * D + d] * k[d];
-              scores[g * n + j * bs + t] = s * scale;
+        tile_rows.clear();
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t n = lens[b], own = (n - 1) / bs;
+          if (j * bs >= n) continue;  // past this row's context
+          const int64_t rows = std::min(bs, n - j * bs);
+          const float* qh = qp + (b * H + h * G) * D;  // the G query heads of this KV head
+          float* row_scores = scores.data() + score_at[b - b0];
+          if (j == own) {  // full precision, from staging
+            const float* krows = st + slots[b] * bs * KVH * D;
+            for (int64_t t = 0; t < rows; ++t) {
+              const float* k = krows + (t * KVH + h) * D;
+              for (int64_t g = 0; g < G; ++g) {
+                float s = 0.f;
+                for (int64_t d = 0; d < D; ++d) s += qh[g * D + d] * k[d];
+                row_scores[g * n + j * bs + t] = s * scale;
+              }
             }
+            continue;
           }
-          continue;
+          tile_rows.push_back(b);  // sealed: scored below, with the group's other rows
         }
-        const uint8_t* kc = kb + blk * half + h * D * (bs / 2);  // (D, bs / 2)
-        const uint8_t* ks = kb + blk * half + codes_bytes + h * D * 4;  // (D, 2) float16
-        for (int64_t d = 0; d < D; ++d) {
-          for (int64_t i = 0; i < bs / 2; ++i) {
-            const uint8_t c = kc[d * (bs / 2) + i];
-            codes[d * bs + 2 * i] = static_cast<float>(c & 15);
-            codes[d * bs + 2 * i + 1] = static_cast<float>(c >> 4);
-          }
-        }
-        for (int64_t i = 0; i < 2 * D; ++i) ksm[i] = half_at(ks, i);
-        for (int64_t g = 0; g < G; ++g) {
-          float m = 0.f;
+        if (tile_rows.empty()) continue;
+        {  // the block's codes and scales, once for the group
+          const uint8_t* kc = kb + blk * half + h * D * (bs / 2);  // (D, bs / 2)
+          const uint8_t* ks = kb + blk * half + codes_bytes + h * D * 4;  // (D, 2) float16
           for (int64_t d = 0; d < D; ++d) {
-            qs[g * D + d] = qh[g * D + d] * ksm[2 * d];
-            m += qh[g * D + d] * ksm[2 * d + 1];
-          }
-          qm[g] = m;
-        }
-#if defined(__AVX2__) && defined(__FMA__)
-        if (bs % 8 == 0 && G <= 4) {  // a sealed block is always full
-          float* s = scores.data() + j * bs;
-          if (G == 1) block_scores<1>(s, n, codes.data(), qs.data(), qm.data(), D, bs, scale);
-          if (G == 2) block_scores<2>(s, n, codes.data(), qs.data(), qm.data(), D, bs, scale);
-          if (G == 3) block_scores<3>(s, n, codes.data(), qs.data(), qm.data(), D, bs, scale);
-          if (G == 4) block_scores<4>(s, n, codes.data(), qs.data(), qm.data(), D, bs, scale);
-          continue;
-        }
-#endif
-        for (int64_t g = 0; g < G; ++g) {
-          float* s = scores.data() + g * n + j * bs;
-          float blockwise[256];
-          const int64_t w = std::min<int64_t>(bs, 256);
-          for (int64_t t0 = 0; t0 < rows; t0 += w) {
-            const int64_t len = std::min(w, rows - t0);
-            std::fill(blockwise, blockwise + len, qm[g]);
-            for (int64_t d = 0; d < D; ++d) {
-              const float a = qs[g * D + d];
-              const float* c = codes.data() + d * bs + t0;
-              for (int64_t t = 0; t < len; ++t) blockwise[t] += a * c[t];
+            for (int64_t i = 0; i < bs / 2; ++i) {
+              const uint8_t c = kc[d * (bs / 2) + i];
+              codes[d * bs + 2 * i] = static_cast<float>(c & 15);
+              codes[d * bs + 2 * i + 1] = static_cast<float>(c >> 4);
             }
-            for (int64_t t = 0; t < len; ++t) s[t0 + t] = blockwise[t] * scale;
+          }
+          for (int64_t d = 0; d < D; ++d) {  // per channel: scale, then minimum
+            ksm[d] = half_at(ks, 2 * d);
+            ksm[D + d] = half_at(ks, 2 * d + 1);
+          }
+        }
+        // the rows' query heads, 12 at a time (each folded with the block's scales)
+        constexpr int64_t kTile = 12;
+        const int64_t num_q = static_cast<int64_t>(tile_rows.size()) * G;
+        for (int64_t q0 = 0; q0 < num_q; q0 += kTile) {
+          const int64_t count = std::min(kTile, num_q - q0);
+          for (int64_t i = 0; i < count; ++i) {
+            const int64_t b = tile_rows[(q0 + i) / G], g = (q0 + i) % G, n = lens[b];
+            const float* qg = qp + (b * H + h * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) qs[d * count + i] = qg[d] * ksm[d];
+            qm[i] = dot_mins(qg, ksm.data() + D, D);
+            tile_scores[i] = scores.data() + score_at[b - b0] + g * n + j * bs;
+          }
+#if defined(__AVX2__) && defined(__FMA__)
+          if (bs % 8 == 0) {  // a sealed block is always full
+            block_scores_n<kTile>(count, tile_scores, codes.data(), qs.data(), qm.data(), D, bs,
+                                  scale);
+            continue;
+          }
+#endif
+          for (int64_t i = 0; i < count; ++i) {
+            for (int64_t t = 0; t < bs; ++t) {
+              float a = qm[i];
+              for (int64_t d = 0; d < D; ++d) a = std::fma(qs[d * count + i], codes[d * bs + t], a);
+              tile_scores[i][t] = a * scale;
+            }
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {  // softmax over the context
-        float* s = scores.data() + g * n;
-        const float mx = *std::max_element(s, s + n);
-        float sum = 0.f;
-        int64_t t = 0;
+      for (int64_t b = b0; b < b1; ++b) {  // softmax over each row's context
+        const int64_t n = lens[b];
+        for (int64_t g = 0; g < G; ++g) {
+          float* s = scores.data() + score_at[b - b0] + g * n;
+          const float mx = max_of(s, n);
+          float sum = 0.f;
+          int64_t t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-        __m256 vsum = _mm256_setzero_ps();
-        for (; t + 8 <= n; t += 8) {
-          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(mx)));
-          _mm256_storeu_ps(s + t, e);
-          vsum = _mm256_add_ps(vsum, e);
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vsum);
-        for (float x : lanes) sum += x;
+          __m256 vsum = _mm256_setzero_ps();
+          for (; t + 8 <= n; t += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(s + t, e);
+            vsum = _mm256_add_ps(vsum, e);
+          }
+          float lanes[8];
+          _mm256_storeu_ps(lanes, vsum);
+          for (float x : lanes) sum += x;
 #endif
-        for (; t < n; ++t) {
-          s[t] = std::exp(s[t] - mx);
-          sum += s[t];
+          for (; t < n; ++t) {
+            s[t] = std::exp(s[t] - mx);
+            sum += s[t];
+          }
+          const float inv = 1.f / sum;
+          for (int64_t t = 0; t < n; ++t) s[t] *= inv;
         }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(accm.begin(), accm.end(), 0.f);
-      for (int64_t j = 0; j < nblk; ++j) {
-        const int64_t rows = std::min(bs, n - j * bs);
-        const int64_t blk = tables[b * max_blocks + j];
+      acc.assign((b1 - b0) * G * D, 0.f);
+      accm.assign((b1 - b0) * G * groups, 0.f);
+      for (int64_t j = 0; j < nblk_max; ++j) {
+        const int64_t blk = table[j];
         const uint8_t* vc = vb + blk * half;
         const uint8_t* vs = vb + blk * half + codes_bytes;
-        for (int64_t t = 0; t < rows; ++t) {  // unpack the block's codes and scales once
+        const int64_t unpack_rows = std::min(bs, n_max - j * bs);
+        for (int64_t t = 0; t < unpack_rows; ++t) {  // the block's codes and scales, once
           const uint8_t* c = vc + (t * KVH + h) * (D / 2);
           float* row = codes.data() + t * D;
           for (int64_t i = 0; i < D / 2; ++i) {
@@ -221,39 +330,71 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
           const uint8_t* sm = vs + (t * KVH + h) * groups * 4;  // (groups, 2) float16
           for (int64_t i = 0; i < 2 * groups; ++i) vsm[t * 2 * groups + i] = half_at(sm, i);
         }
+        // the rows that cover this block, those with all of its tokens first (in tiles)
+        tile_rows.clear();
+        for (int64_t b = b0; b < b1; ++b)
+          if (lens[b] >= (j + 1) * bs) tile_rows.push_back(b);
+        const int64_t num_full = static_cast<int64_t>(tile_rows.size());
+        for (int64_t b = b0; b < b1; ++b)
+          if (lens[b] > j * bs && lens[b] < (j + 1) * bs) tile_rows.push_back(b);
 #if defined(__AVX2__) && defined(__FMA__)
         if (group == 16 || group == 32 || group == 64) {
-          for (int64_t g = 0; g < G; ++g) {
-            const float* pg = scores.data() + g * n + j * bs;
+          // query vectors (row, head): the full rows' together, a partial row's on their own
+          const int64_t per_tile = group == 16 ? 6 : group == 32 ? 3 : 1;
+          const int64_t num_full_q = num_full * G, num_q = static_cast<int64_t>(tile_rows.size()) * G;
+          for (int64_t q0 = 0; q0 < num_q;) {
+            const int64_t row_end = q0 < num_full_q ? num_full_q : (q0 / G + 1) * G;
+            const int64_t count = std::min(per_tile, row_end - q0);
+            const int64_t rows = q0 < num_full_q ? bs : lens[tile_rows[q0 / G]] - j * bs;
             for (int64_t gr = 0; gr < groups; ++gr) {
-              float* a = acc.data() + g * D + gr * group;
-              float* am = accm.data() + g * groups + gr;
-              if (group == 16) block_values<2>(a, am, pg, codes.data(), D, vsm.data(), groups, gr, rows);
-              if (group == 32) block_values<4>(a, am, pg, codes.data(), D, vsm.data(), groups, gr, rows);
-              if (group == 64) block_values<8>(a, am, pg, codes.data(), D, vsm.data(), groups, gr, rows);
+              float* a[6];
+              float* am[6];
+              const float* pr[6];
+              for (int64_t i = 0; i < count; ++i) {
+                const int64_t b = tile_rows[(q0 + i) / G], g = (q0 + i) % G, n = lens[b];
+                a[i] = acc.data() + ((b - b0) * G + g) * D + gr * group;
+                am[i] = accm.data() + ((b - b0) * G + g) * groups + gr;
+                pr[i] = scores.data() + score_at[b - b0] + g * n + j * bs;
+              }
+              if (group == 16) block_values_rows<2, 6>(count, a, am, pr, codes.data(), D, vsm.data(), groups, gr, rows);
+              if (group == 32) block_values_rows<4, 3>(count, a, am, pr, codes.data(), D, vsm.data(), groups, gr, rows);
+              if (group == 64) block_values_rows<8, 1>(count, a, am, pr, codes.data(), D, vsm.data(), groups, gr, rows);
             }
+            q0 += count;
           }
           continue;
         }
 #endif
-        for (int64_t g = 0; g < G; ++g) {
-          float* a = acc.data() + g * D;
-          for (int64_t t = 0; t < rows; ++t) {
-            const float p = scores[g * n + j * bs + t];
-            const float* row = codes.data() + t * D;
-            for (int64_t gr = 0; gr < groups; ++gr) {
-              const float ps = p * vsm[(t * groups + gr) * 2];
-              accm[g * groups + gr] += p * vsm[(t * groups + gr) * 2 + 1];
-              const float* cc = row + gr * group;
-              float* aa = a + gr * group;
-              for (int64_t d = 0; d < group; ++d) aa[d] += ps * cc[d];
+        for (const int64_t b : tile_rows) {
+          const int64_t n = lens[b];
+          const int64_t rows = std::min(bs, n - j * bs);
+          const float* row_scores = scores.data() + score_at[b - b0];
+          float* row_acc = acc.data() + (b - b0) * G * D;
+          float* row_accm = accm.data() + (b - b0) * G * groups;
+          for (int64_t g = 0; g < G; ++g) {
+            float* a = row_acc + g * D;
+            for (int64_t t = 0; t < rows; ++t) {
+              const float p = row_scores[g * n + j * bs + t];
+              const float* row = codes.data() + t * D;
+              for (int64_t gr = 0; gr < groups; ++gr) {
+                const float ps = p * vsm[(t * groups + gr) * 2];
+                row_accm[g * groups + gr] = std::fma(p, vsm[(t * groups + gr) * 2 + 1],
+                                                     row_accm[g * groups + gr]);
+                const float* cc = row + gr * group;
+                float* aa = a + gr * group;
+                for (int64_t d = 0; d < group; ++d) aa[d] = std::fma(ps, cc[d], aa[d]);
+              }
             }
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + (b * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] + accm[g * groups + d / group];
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* row_acc = acc.data() + (b - b0) * G * D;
+        const float* row_accm = accm.data() + (b - b0) * G * groups;
+        for (int64_t g = 0; g < G; ++g) {
+          float* o = op + (b * H + h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = row_acc[g * D + d] + row_accm[g * groups + d / group];
+        }
       }
     }
   });
