@@ -1,7 +1,8 @@
 """Nobody stalls anybody, measured: ``kvwise bench load``'s clients (tenant alice) against a
 ``kvwise serve`` on loopback, clean and hostile, interleaved.
 
-- clean: the server's Redis tier is a real ``redis-server`` on a loopback port; nobody else.
+- clean: the server's Redis tier is a real ``redis-server`` on a loopback port, emptied
+  before each run (every run starts as cold as the hostile one); nobody else.
 - hostile: the Redis tier points at a misbehaving server (``--redis-mode``: ``slow`` answers
   one byte every 50 ms, ``silent`` accepts and never answers, ``garbage`` answers the
   handshake with bytes that are no Redis reply), and tenant mallory floods the server with
@@ -39,6 +40,7 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 
 from kvwise.bench.common import wait_ready
 from kvwise.bench.load import _kvwise_after, _load
@@ -253,6 +255,8 @@ def main() -> int:
             kinds = [k for k in ("clean", "hostile") if k in args.kinds.split(",")]
             for kind in kinds if i % 2 == 0 else kinds[::-1]:
                 url = good_url if kind == "clean" else f"redis://127.0.0.1:{bad.port}/0"
+                if kind == "clean":  # NOTE: cold, as the broken one is: no run starts warm
+                    redis.Redis.from_url(good_url).flushall()
                 r = run_once(kind, args, url, tmp)
                 runs[kind].append(r)
                 after = r["after"]
