@@ -114,6 +114,28 @@ def test_paged_attention_gives_a_row_the_same_bits_alone_and_in_any_batch(dtype,
         assert torch.equal(mixed, full[order]), num_threads
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize(("start", "count"), [(0, 70), (500, 37), (31, 2), (1000, 300)])
+def test_a_prefill_chunks_rows_get_the_bits_each_would_get_alone(dtype, start, count, threads):
+    """A prefill chunk's rows share a block table (the kernels compute them in groups, a K/V row
+    loaded once for several queries): each row's output is still the one it gets alone, as the
+    decode of that token, at any thread count."""
+    gen = torch.Generator().manual_seed(start + count)
+    block_size = 32 if dtype == "int4" else 16
+    cache = _pool(dtype, block_size, gen)
+    num_blocks = -(-(start + count) // block_size)
+    table = torch.randperm(cache.num_blocks, generator=gen)[:num_blocks].unsqueeze(0)
+    tables = table.expand(count, num_blocks).contiguous()
+    lens = torch.arange(start + 1, start + count + 1)
+    q = torch.randn(count, HEADS, DIM, generator=gen) * 3
+    for num_threads in (1, 2):
+        torch.set_num_threads(num_threads)
+        rows = _attend(cache, q, tables, lens)
+        for i in range(count):
+            alone = _attend(cache, q[i : i + 1], tables[i : i + 1], lens[i : i + 1])
+            assert torch.equal(alone[0], rows[i]), (num_threads, i)
+
+
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 49152), (37, 13)])
 def test_f32mm_is_row_invariant_and_as_close_as_torch_mm(shape, threads):
     """The float path's matmul: every output one fma chain down k (a row's bits the same at any

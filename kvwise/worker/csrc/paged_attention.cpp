@@ -260,8 +260,10 @@ inline float to_float(E x) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// ---- the query heads of one GQA group together: each K/V row is loaded (and converted) once
-// for all of them instead of once per head.
+// ---- several query vectors together (the heads of one GQA group, of one row or of rows
+// attending to the same keys): each K/V row is loaded (and converted) once for all of them.
+// Every (vector, key) score and every (vector, channel) weighted sum is the same chain of
+// operations however the vectors are grouped.
 
 template <typename E>
 inline __m256 load_row(const void* row, int64_t d) {
@@ -283,10 +285,10 @@ inline __m256 load_row(const void* row, int64_t d) {
   }
 }
 
-// s[g * n + i] = scale * (rs[i]) * dot(q_g, row_i) for GC heads (q_g = q + g * D), n rows.
-// R rows at a time: R * GC accumulators.
+// s[g * n + i] = scale * (rs[i]) * dot(qv[g], row_i) for GC query vectors, n rows, R rows at a
+// time: R * GC accumulators.
 template <typename E, int GC, int R>
-inline void group_scores(float* s, int64_t n, const float* q, const void* const* rows,
+inline void group_scores(float* s, int64_t n, const float* const* qv, const void* const* rows,
                          const float* rs, int64_t D, float scale) {
   int64_t i = 0;
   for (; i + R <= n; i += R) {
@@ -297,7 +299,7 @@ inline void group_scores(float* s, int64_t n, const float* q, const void* const*
       for (int r = 0; r < R; ++r) {
         const __m256 k = load_row<E>(rows[i + r], d);
         for (int g = 0; g < GC; ++g)
-          acc[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k, acc[r][g]);
+          acc[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(qv[g] + d), k, acc[r][g]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -311,17 +313,17 @@ inline void group_scores(float* s, int64_t n, const float* q, const void* const*
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 k = load_row<E>(rows[i], d);
       for (int g = 0; g < GC; ++g)
-        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k, acc[g]);
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qv[g] + d), k, acc[g]);
     }
     const float f = kIsQ8<E> ? scale * rs[i] : scale;
     for (int g = 0; g < GC; ++g) s[g * n + i] = hsum(acc[g]) * f;
   }
 }
 
-// out[g * stride + d] = sum_i w[g * n + i] * (rs[i]) * row_i[d] for GC heads, 32 channels at a
+// out[g][d] = sum_i w[g * n + i] * (rs[i]) * row_i[d] for GC query vectors, 32 channels at a
 // time (4 GC accumulators); D a multiple of 32.
 template <typename E, int GC>
-inline void group_values(float* out, int64_t stride, const void* const* rows, const float* rs,
+inline void group_values(float* const* out, const void* const* rows, const float* rs,
                          const float* w, int64_t n, int64_t D) {
   for (int64_t d0 = 0; d0 < D; d0 += 32) {
     __m256 acc[GC][4];
@@ -337,28 +339,29 @@ inline void group_values(float* out, int64_t stride, const void* const* rows, co
       }
     }
     for (int g = 0; g < GC; ++g)
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + g * stride + d0 + 8 * j, acc[g][j]);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out[g] + d0 + 8 * j, acc[g][j]);
   }
 }
 
 template <typename E, int GC>
-inline void group_chunk_scores(float* s, int64_t n, const float* q, const void* const* rows,
-                               const float* rs, int64_t D, float scale) {
+inline void group_chunk_scores(float* s, int64_t n, const float* const* qv,
+                               const void* const* rows, const float* rs, int64_t D,
+                               float scale) {
   if constexpr (GC >= 4) {
-    group_scores<E, GC, 2>(s, n, q, rows, rs, D, scale);
+    group_scores<E, GC, 2>(s, n, qv, rows, rs, D, scale);
   } else {
-    group_scores<E, GC, 4>(s, n, q, rows, rs, D, scale);
+    group_scores<E, GC, 4>(s, n, qv, rows, rs, D, scale);
   }
 }
 
-// scores and weighted values of all G heads of a group, a few of them at a time
+// scores and weighted values of nv query vectors, a few of them at a time
 template <typename E>
-void all_group_scores(float* s, int64_t n, const float* q, const void* const* rows,
-                      const float* rs, int64_t G, int64_t D, float scale) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+void all_group_scores(float* s, int64_t n, const float* const* qv, int64_t nv,
+                      const void* const* rows, const float* rs, int64_t D, float scale) {
+  for (int64_t g0 = 0; g0 < nv; g0 += 4) {
     float* sg = s + g0 * n;
-    const float* qg = q + g0 * D;
-    switch (std::min<int64_t>(4, G - g0)) {
+    const float* const* qg = qv + g0;
+    switch (std::min<int64_t>(4, nv - g0)) {
       case 1: group_chunk_scores<E, 1>(sg, n, qg, rows, rs, D, scale); break;
       case 2: group_chunk_scores<E, 2>(sg, n, qg, rows, rs, D, scale); break;
       case 3: group_chunk_scores<E, 3>(sg, n, qg, rows, rs, D, scale); break;
@@ -368,15 +371,15 @@ void all_group_scores(float* s, int64_t n, const float* q, const void* const* ro
 }
 
 template <typename E>
-void all_group_values(float* out, int64_t stride, const void* const* rows, const float* rs,
-                      const float* w, int64_t n, int64_t G, int64_t D) {
-  for (int64_t g0 = 0; g0 < G; g0 += 3) {
-    float* og = out + g0 * stride;
+void all_group_values(float* const* out, const void* const* rows, const float* rs,
+                      const float* w, int64_t n, int64_t nv, int64_t D) {
+  for (int64_t g0 = 0; g0 < nv; g0 += 3) {
+    float* const* og = out + g0;
     const float* wg = w + g0 * n;
-    switch (std::min<int64_t>(3, G - g0)) {
-      case 1: group_values<E, 1>(og, stride, rows, rs, wg, n, D); break;
-      case 2: group_values<E, 2>(og, stride, rows, rs, wg, n, D); break;
-      default: group_values<E, 3>(og, stride, rows, rs, wg, n, D); break;
+    switch (std::min<int64_t>(3, nv - g0)) {
+      case 1: group_values<E, 1>(og, rows, rs, wg, n, D); break;
+      case 2: group_values<E, 2>(og, rows, rs, wg, n, D); break;
+      default: group_values<E, 3>(og, rows, rs, wg, n, D); break;
     }
   }
 }
@@ -418,16 +421,17 @@ inline void prefetch_span(const Pool& P, const int64_t* table, int64_t start, in
   }
 }
 
-// The softmax partial of keys [start, stop) of one row for the G query heads `qh` of KV head h:
-// res[g * (D + 2)] = the largest score, + 1 = the sum of exp(score - largest), + 2 .. + D + 1
-// = the values weighted by those exps. One compiled body (noinline) for every caller, so a
-// span's bits never depend on where it was computed.
+// The softmax partial of keys [start, stop) for nv query vectors qv of KV head h (its query
+// heads, of one row or of several rows that all see these keys): res[v][0] = the largest
+// score, [1] = the sum of exp(score - largest), [2 .. D + 1] = the values weighted by those
+// exps. One compiled body (noinline) for every caller, and each vector's result the same
+// whatever the others: a span's bits never depend on where or with whom it was computed.
 template <typename E>
-__attribute__((noinline)) void span_partial(const Pool& P, const float* qh,
+__attribute__((noinline)) void span_partial(const Pool& P, const float* const* qv, int64_t nv,
                                             const int64_t* table, int64_t start, int64_t stop,
-                                            int64_t h, float* res, Scratch& S) {
-  const int64_t n = stop - start, D = P.D, G = P.G;
-  S.scores.resize(G * n);
+                                            int64_t h, float* const* res, Scratch& S) {
+  const int64_t n = stop - start, D = P.D;
+  S.scores.resize(nv * n);
   S.rows.resize(2 * n);
   if constexpr (kIsQ8<E>) S.row_scales.resize(2 * n);
   // walk the span block by block (no division per key)
@@ -445,21 +449,26 @@ __attribute__((noinline)) void span_partial(const Pool& P, const float* qh,
   }
   const float* rs = kIsQ8<E> ? S.row_scales.data() : nullptr;
 #if defined(__AVX2__) && defined(__FMA__)
-  if (D % 32 == 0) {  // the group kernels: each row read once for the G heads
-    all_group_scores<E>(S.scores.data(), n, qh, S.rows.data(), rs, G, D, P.scale);
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = S.scores.data() + g * n;
-      float m = sg[0];
-      for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
-      res[g * (D + 2)] = m;
-      res[g * (D + 2) + 1] = exp_sum(sg, n, m);
+  if (D % 32 == 0) {  // the group kernels: each row read once for all the vectors
+    all_group_scores<E>(S.scores.data(), n, qv, nv, S.rows.data(), rs, D, P.scale);
+    float* outs[64];
+    for (int64_t v0 = 0; v0 < nv; v0 += 64) {
+      const int64_t count = std::min<int64_t>(64, nv - v0);
+      for (int64_t v = 0; v < count; ++v) {
+        float* sg = S.scores.data() + (v0 + v) * n;
+        float m = sg[0];
+        for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
+        res[v0 + v][0] = m;
+        res[v0 + v][1] = exp_sum(sg, n, m);
+        outs[v] = res[v0 + v] + 2;
+      }
+      all_group_values<E>(outs, S.rows.data() + n, kIsQ8<E> ? rs + n : nullptr,
+                          S.scores.data() + v0 * n, n, count, D);
     }
-    all_group_values<E>(res + 2, D + 2, S.rows.data() + n, kIsQ8<E> ? rs + n : nullptr,
-                        S.scores.data(), n, G, D);
     return;
   }
 #endif
-  // any head size: float32 rows (16-bit ones converted first), one head after the other
+  // any head size: float32 rows (16-bit ones converted first), one vector after the other
   const float* const* krows;
   const float* const* vrows;
   if constexpr (std::is_same_v<E, float> || kIsQ8<E>) {
@@ -477,17 +486,17 @@ __attribute__((noinline)) void span_partial(const Pool& P, const float* qh,
     krows = S.float_rows.data();
     vrows = krows + n;
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = S.scores.data() + g * n;
-    const float* qg = qh + g * D;
+  for (int64_t v = 0; v < nv; ++v) {
+    float* sg = S.scores.data() + v * n;
     if constexpr (kIsQ8<E>) {
-      dots_q8(sg, qg, reinterpret_cast<const int8_t* const*>(S.rows.data()), rs, n, D, P.scale);
+      dots_q8(sg, qv[v], reinterpret_cast<const int8_t* const*>(S.rows.data()), rs, n, D,
+              P.scale);
     } else {
-      dots(sg, qg, krows, n, D, P.scale);
+      dots(sg, qv[v], krows, n, D, P.scale);
     }
     float m = sg[0];
     for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
-    float* r = res + g * (D + 2);
+    float* r = res[v];
     r[0] = m;
     r[1] = exp_sum(sg, n, m);
     if constexpr (kIsQ8<E>) {
@@ -520,15 +529,22 @@ __attribute__((noinline)) void finish_state(float* out, const float* state, int6
 }
 
 // The attention itself: q (T, H, D) float32; tables (T, max_blocks), lens (T,) int64.
+//
+// Rows that share a block table (a prefill chunk's: the same sequence at other positions) go in
+// groups of up to kGroupRows: for each span, the rows that see all of it are computed together
+// (each K/V row loaded once for all their query heads), a row whose context ends inside it on
+// its own. A group is a unit of work, or, when there are too few rows to busy the threads, its
+// spans are shared between tasks and their partials folded in a second pass.
 template <typename E>
 at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
                   const at::Tensor& block_tables, const at::Tensor& ctx_lens) {
+  constexpr int64_t kGroupRows = 8;
   const int64_t T = q.size(0), H = q.size(1), D = P.D, G = P.G, KVH = P.KVH;
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
-  std::vector<int64_t> num_spans(T);
   int64_t total = 0, max_len = 0;
+  std::vector<int64_t> group_start{0}, group_spans;  // a group's most spans
   for (int64_t b = 0; b < T; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * P.block_size,
                 "paged_decode_attention: context length outside the block table");
@@ -536,46 +552,65 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
     for (int64_t j = 0; j < (lens[b] + P.block_size - 1) / P.block_size; ++j)
       TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks,
                   "paged_decode_attention: block id out of range");
-    num_spans[b] = (lens[b] + kSpan - 1) / kSpan;
-    total += num_spans[b];
+    if (b > 0 && (b - group_start.back() == kGroupRows ||
+                  !std::equal(table, table + max_blocks, table - max_blocks)))
+      group_start.push_back(b);
+    total += (lens[b] + kSpan - 1) / kSpan;
     max_len = std::max(max_len, lens[b]);
   }
-  // Sharing out (no effect on the bits): about 4 tasks a thread of at most `chunk` spans each;
-  // a row with more spans than that is split, its spans' partials kept for a second pass.
+  group_start.push_back(T);
+  const int64_t num_groups = static_cast<int64_t>(group_start.size()) - 1;
+  for (int64_t gi = 0; gi < num_groups; ++gi) {
+    int64_t most = 0;
+    for (int64_t b = group_start[gi]; b < group_start[gi + 1]; ++b) most = std::max(most, lens[b]);
+    group_spans.push_back((most + kSpan - 1) / kSpan);
+  }
+  // Sharing out (no effect on the bits): about 4 tasks a thread of about `chunk` spans' work
+  // each; a group with more spans than that is split, its rows' spans' partials kept for a
+  // second pass.
   const int64_t threads = at::get_num_threads();
   const int64_t chunk = std::max<int64_t>(1, (total + 4 * threads - 1) / (4 * threads));
   struct Unit {
-    int64_t row, first, last;  // spans [first, last) of the row
+    int64_t group, first, last;  // spans [first, last) of the group's rows
   };
   std::vector<Unit> units;
   std::vector<int64_t> split_at(T, -1);  // a split row's first span in `partial`
-  int64_t split_spans = 0;
   std::vector<int64_t> split_rows;
-  for (int64_t b = 0; b < T; ++b) {
-    if (num_spans[b] <= chunk) {
-      units.push_back({b, 0, num_spans[b]});
+  int64_t split_spans = 0;
+  std::vector<int64_t> unit_work;
+  for (int64_t gi = 0; gi < num_groups; ++gi) {
+    const int64_t b0 = group_start[gi], b1 = group_start[gi + 1];
+    if (group_spans[gi] <= chunk) {
+      int64_t work = 0;
+      for (int64_t b = b0; b < b1; ++b) work += (lens[b] + kSpan - 1) / kSpan;
+      units.push_back({gi, 0, group_spans[gi]});
+      unit_work.push_back(work);
       continue;
     }
-    split_at[b] = split_spans;
-    split_spans += num_spans[b];
-    split_rows.push_back(b);
-    for (int64_t s = 0; s < num_spans[b]; s += chunk)
-      units.push_back({b, s, std::min(num_spans[b], s + chunk)});
+    for (int64_t b = b0; b < b1; ++b) {
+      split_at[b] = split_spans;
+      split_spans += (lens[b] + kSpan - 1) / kSpan;
+      split_rows.push_back(b);
+    }
+    for (int64_t s = 0; s < group_spans[gi]; s += chunk) {
+      units.push_back({gi, s, std::min(group_spans[gi], s + chunk)});
+      unit_work.push_back((units.back().last - s) * (b1 - b0));
+    }
   }
-  // tasks: runs of units holding about `chunk` spans each
+  // tasks: runs of units holding about `chunk` spans' work each
   std::vector<int64_t> task_start{0};
-  for (int64_t u = 0, spans = 0; u < static_cast<int64_t>(units.size()); ++u) {
-    spans += units[u].last - units[u].first;
-    if (spans >= chunk) {
+  for (int64_t u = 0, work = 0; u < static_cast<int64_t>(units.size()); ++u) {
+    work += unit_work[u];
+    if (work >= chunk) {
       task_start.push_back(u + 1);
-      spans = 0;
+      work = 0;
     }
   }
   if (task_start.back() != static_cast<int64_t>(units.size())) task_start.push_back(units.size());
   const int64_t num_tasks = static_cast<int64_t>(task_start.size()) - 1;
 
   at::Tensor out = at::empty({T, H, D}, q.options());
-  const int64_t part_size = G * (D + 2);  // one span, one kv head
+  const int64_t part_size = G * (D + 2);  // one span, one kv head, one row
   at::Tensor partial = at::empty({std::max<int64_t>(1, split_spans * KVH * part_size)},
                                  q.options());
   const float* qp = q.data_ptr<float>();
@@ -584,29 +619,74 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
 
   auto work = [&](int64_t begin, int64_t end) {
     Scratch S;
-    std::vector<float> span_part(KVH * part_size), state(H * (D + 2));
+    std::vector<float> span_part(kGroupRows * KVH * part_size);
+    std::vector<float> state(kGroupRows * H * (D + 2));
+    std::vector<const float*> qv;
+    std::vector<float*> res;
+    std::vector<int64_t> seen;  // the group's rows that see all of a span
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t u = task_start[t]; u < task_start[t + 1]; ++u) {
         const Unit& unit = units[u];
-        const int64_t b = unit.row, len = lens[b];
-        const int64_t* table = tables + b * max_blocks;
-        const float* qb = qp + b * H * D;
-        const bool whole = split_at[b] < 0;
+        const int64_t b0 = group_start[unit.group], b1 = group_start[unit.group + 1];
+        const int64_t* table = tables + b0 * max_blocks;
+        const bool whole = split_at[b0] < 0;
+        // where row b's partial for span s and kv head h goes
+        auto part_of = [&](int64_t b, int64_t s, int64_t h) {
+          return whole ? span_part.data() + ((b - b0) * KVH + h) * part_size
+                       : pp + ((split_at[b] + s) * KVH + h) * part_size;
+        };
         if (whole)
-          for (int64_t head = 0; head < H; ++head) start_state(state.data() + head * (D + 2), D);
+          for (int64_t i = 0; i < (b1 - b0) * H; ++i) start_state(state.data() + i * (D + 2), D);
+        int64_t group_len = 0;
+        for (int64_t b = b0; b < b1; ++b) group_len = std::max(group_len, lens[b]);
+        // a span's K/V rows are asked for a span ahead of their use
+        prefetch_span<E>(P, table, unit.first * kSpan, std::min(group_len, unit.first * kSpan + kSpan));
         for (int64_t s = unit.first; s < unit.last; ++s) {
-          const int64_t start = s * kSpan, stop = std::min(len, start + kSpan);
-          prefetch_span<E>(P, table, start, stop);
-          float* dst = whole ? span_part.data() : pp + (split_at[b] + s) * KVH * part_size;
-          for (int64_t h = 0; h < KVH; ++h)
-            span_partial<E>(P, qb + h * G * D, table, start, stop, h, dst + h * part_size, S);
+          const int64_t start = s * kSpan;
+          if (s + 1 < unit.last)
+            prefetch_span<E>(P, table, start + kSpan, std::min(group_len, start + 2 * kSpan));
+          seen.clear();
+          for (int64_t b = b0; b < b1; ++b)
+            if (lens[b] >= start + kSpan) seen.push_back(b);
+          for (int64_t h = 0; h < KVH; ++h) {
+            if (!seen.empty()) {  // the rows that see the whole span, together
+              qv.clear();
+              res.clear();
+              for (const int64_t b : seen) {
+                float* dst = part_of(b, s, h);
+                for (int64_t g = 0; g < G; ++g) {
+                  qv.push_back(qp + (b * H + h * G + g) * D);
+                  res.push_back(dst + g * (D + 2));
+                }
+              }
+              span_partial<E>(P, qv.data(), qv.size(), table, start, start + kSpan, h,
+                              res.data(), S);
+            }
+            for (int64_t b = b0; b < b1; ++b) {  // a row whose context ends inside the span
+              if (lens[b] <= start || lens[b] >= start + kSpan) continue;
+              float* dst = part_of(b, s, h);
+              qv.clear();
+              res.clear();
+              for (int64_t g = 0; g < G; ++g) {
+                qv.push_back(qp + (b * H + h * G + g) * D);
+                res.push_back(dst + g * (D + 2));
+              }
+              span_partial<E>(P, qv.data(), G, table, start, lens[b], h, res.data(), S);
+            }
+          }
           if (whole)
-            for (int64_t head = 0; head < H; ++head)
-              fold_span(state.data() + head * (D + 2), dst + head * (D + 2), D);
+            for (int64_t b = b0; b < b1; ++b) {
+              if (lens[b] <= start) continue;
+              for (int64_t head = 0; head < H; ++head)
+                fold_span(state.data() + ((b - b0) * H + head) * (D + 2),
+                          part_of(b, s, head / G) + (head % G) * (D + 2), D);
+            }
         }
         if (whole)
-          for (int64_t head = 0; head < H; ++head)
-            finish_state(op + (b * H + head) * D, state.data() + head * (D + 2), D);
+          for (int64_t b = b0; b < b1; ++b)
+            for (int64_t head = 0; head < H; ++head)
+              finish_state(op + (b * H + head) * D,
+                           state.data() + ((b - b0) * H + head) * (D + 2), D);
       }
     }
   };
@@ -628,7 +708,7 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
         const int64_t b = split_rows[i / H], head = i % H;
         start_state(state.data(), D);
         const float* first = pp + split_at[b] * KVH * part_size + head * (D + 2);
-        for (int64_t s = 0; s < num_spans[b]; ++s)
+        for (int64_t s = 0; s < (lens[b] + kSpan - 1) / kSpan; ++s)
           fold_span(state.data(), first + s * KVH * part_size, D);
         finish_state(op + (b * H + head) * D, state.data(), D);
       }
