@@ -508,14 +508,43 @@ __attribute__((noinline)) void span_partial(const Pool& P, const float* const* q
   }
 }
 
-// A query head's softmax so far (max, sum, D weighted values; start: -inf, 0, zeros) with the
-// next span's partial folded in. Spans are always folded in span order by this one function.
-__attribute__((noinline)) void fold_span(float* state, const float* part, int64_t D) {
-  const float m = std::max(state[0], part[0]);
-  const float a = std::exp(state[0] - m), w = std::exp(part[0] - m);
-  state[0] = m;
-  state[1] = std::fma(state[1], a, part[1] * w);
-  for (int64_t d = 0; d < D; ++d) state[2 + d] = std::fma(state[2 + d], a, part[2 + d] * w);
+// A row's softmax so far, per query head (max, sum, D weighted values; start: -inf, 0, zeros),
+// with the next span's partials (the same layout, H heads of D + 2) folded in. Spans are always
+// folded in span order by this one function; the rescaling exps run 8 heads at a time.
+__attribute__((noinline)) void fold_span(float* state, const float* part, int64_t H, int64_t D) {
+  const int64_t stride = D + 2;
+  for (int64_t h0 = 0; h0 < H; h0 += 8) {
+    const int64_t lanes = std::min<int64_t>(8, H - h0);
+    alignas(32) float m[8] = {}, a[8] = {}, w[8] = {};
+    for (int64_t i = 0; i < lanes; ++i) {
+      m[i] = std::max(state[(h0 + i) * stride], part[(h0 + i) * stride]);
+      a[i] = state[(h0 + i) * stride] - m[i];
+      w[i] = part[(h0 + i) * stride] - m[i];
+    }
+#if defined(__AVX2__) && defined(__FMA__)
+    _mm256_store_ps(a, exp256(_mm256_load_ps(a)));  // exp(-inf) clamps to ~1e-38: times 0
+    _mm256_store_ps(w, exp256(_mm256_load_ps(w)));
+#else
+    for (int i = 0; i < 8; ++i) {
+      a[i] = std::exp(a[i]);
+      w[i] = std::exp(w[i]);
+    }
+#endif
+    for (int64_t i = 0; i < lanes; ++i) {
+      float* st = state + (h0 + i) * stride;
+      const float* pt = part + (h0 + i) * stride;
+      st[0] = m[i];
+      st[1] = std::fma(st[1], a[i], pt[1] * w[i]);
+      int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 av = _mm256_set1_ps(a[i]), wv = _mm256_set1_ps(w[i]);
+      for (; d + 8 <= D; d += 8)
+        _mm256_storeu_ps(st + 2 + d, _mm256_fmadd_ps(_mm256_loadu_ps(st + 2 + d), av,
+                                                     _mm256_mul_ps(_mm256_loadu_ps(pt + 2 + d), wv)));
+#endif
+      for (; d < D; ++d) st[2 + d] = std::fma(st[2 + d], a[i], pt[2 + d] * w[i]);
+    }
+  }
 }
 
 inline void start_state(float* state, int64_t D) {
@@ -674,13 +703,10 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
               span_partial<E>(P, qv.data(), G, table, start, lens[b], h, res.data(), S);
             }
           }
-          if (whole)
-            for (int64_t b = b0; b < b1; ++b) {
-              if (lens[b] <= start) continue;
-              for (int64_t head = 0; head < H; ++head)
-                fold_span(state.data() + ((b - b0) * H + head) * (D + 2),
-                          part_of(b, s, head / G) + (head % G) * (D + 2), D);
-            }
+          if (whole)  // a row's H heads' partials lie together: (kv head, its heads)
+            for (int64_t b = b0; b < b1; ++b)
+              if (lens[b] > start)
+                fold_span(state.data() + (b - b0) * H * (D + 2), part_of(b, s, 0), H, D);
         }
         if (whole)
           for (int64_t b = b0; b < b1; ++b)
@@ -701,16 +727,17 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
   // the split rows: their spans' partials folded in span order, as a whole row's are
   if (!split_rows.empty()) {
     const int64_t num_split = static_cast<int64_t>(split_rows.size());
-    at::parallel_for(0, num_split * H, std::max<int64_t>(1, 4096 / (chunk * D)),
+    at::parallel_for(0, num_split, std::max<int64_t>(1, 512 / (chunk * H)),
                      [&](int64_t begin, int64_t end) {
-      std::vector<float> state(D + 2);
+      std::vector<float> state(H * (D + 2));
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = split_rows[i / H], head = i % H;
-        start_state(state.data(), D);
-        const float* first = pp + split_at[b] * KVH * part_size + head * (D + 2);
+        const int64_t b = split_rows[i];
+        for (int64_t head = 0; head < H; ++head) start_state(state.data() + head * (D + 2), D);
+        const float* first = pp + split_at[b] * KVH * part_size;
         for (int64_t s = 0; s < (lens[b] + kSpan - 1) / kSpan; ++s)
-          fold_span(state.data(), first + s * KVH * part_size, D);
-        finish_state(op + (b * H + head) * D, state.data(), D);
+          fold_span(state.data(), first + s * KVH * part_size, H, D);
+        for (int64_t head = 0; head < H; ++head)
+          finish_state(op + (b * H + head) * D, state.data() + head * (D + 2), D);
       }
     });
   }
