@@ -295,3 +295,36 @@ def attend_open_blocks(
         )  # fmt: skip
         kt[:, lo:hi] = sealed
     return out.squeeze(0).transpose(0, 1)
+
+
+def attend_int4_sequence(
+    q: torch.Tensor,  # (T, num_heads, head_dim): one sequence's queries, positions 0 .. T - 1
+    k: torch.Tensor,  # (T, kv_heads, head_dim), full precision
+    v: torch.Tensor,  # (T, kv_heads, head_dim), full precision
+    block_size: int,
+    group_size: int = 0,
+) -> torch.Tensor:
+    """What the engine's attention computes for these rows prefilled as one chunk over an int4
+    pool (keys sealed per block, values per token): the same write and the same kernel, so
+    ``kvwise eval`` measures the engine's own numbers, not those of another rounding order
+    (int4 codes turn any rounding difference upstream into a code flip). ``(T, H * D)``."""
+    from kvwise.core.kv_spec import KVSpec  # the worker's own types; no cycle at import
+
+    num_tokens, kv_heads, head_dim = k.shape
+    num_blocks = -(-num_tokens // block_size)
+    spec = KVSpec(1, kv_heads, head_dim, block_size, "int4", group_size=group_size)
+    cache = PagedKVCache(spec, num_blocks, torch.float32)
+    table = torch.arange(num_blocks).unsqueeze(0)  # (1, num_blocks)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens),
+        decode_rows=None,
+        decode_block_table=None,
+        decode_mask=None,
+        decode_ctx_len=0,
+        decode_rows_contiguous=True,
+        prefills=[PrefillChunk(0, num_tokens, 0, table, first_block=0)],
+        row_block_table=table.expand(num_tokens, num_blocks).contiguous(),
+        row_ctx_lens=torch.arange(1, num_tokens + 1),
+    )
+    cache.begin_step()
+    return TorchSDPAAttention(cache, q.shape[1], head_dim).forward(0, q, k, v, meta)

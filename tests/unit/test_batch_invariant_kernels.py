@@ -155,3 +155,31 @@ def test_f32mm_is_row_invariant_and_as_close_as_torch_mm(shape, threads):
                 got = ops.f32mm(x[start : start + rows], w)
                 assert torch.equal(got, full[start : start + rows]), (num_threads, rows, start)
     assert torch.equal(ops.f32mm(x[:, ::1].t().contiguous().t(), w), full)  # strided x
+
+
+def test_attend_int4_sequence_is_the_engines_step_for_a_cold_prompt():
+    """What ``kvwise eval`` can call to measure int4 KV: the bits the engine's attention gives a
+    prompt prefilled in one chunk (built through the scheduler's types), and within float32
+    rounding of the torch reference over the same sealed keys."""
+    from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
+    from kvwise.types import SamplingParams
+    from kvwise.worker.attention import TorchSDPAAttention, attend_int4_sequence, attend_open_blocks
+    from kvwise.worker.input_batch import build_input_batch
+    from kvwise.worker.kv_quant import round_trip
+
+    gen = torch.Generator().manual_seed(7)
+    n, block_size = 77, 32
+    q = torch.randn(n, HEADS, DIM, generator=gen)
+    k = torch.randn(n, KV_HEADS, DIM, generator=gen) + torch.linspace(-3, 3, DIM)
+    v = torch.randn(n, KV_HEADS, DIM, generator=gen)
+    got = attend_int4_sequence(q, k, v, block_size)
+    cache = PagedKVCache(KVSpec(1, KV_HEADS, DIM, block_size, "int4"), 3, torch.float32)
+    sched = SchedulerOutput(scheduled=[ScheduledRequest(
+        "r", list(range(n)), 0, [0, 1, 2], True, SamplingParams(), 0)])  # fmt: skip
+    cache.begin_step()
+    meta = build_input_batch(sched, block_size).attn_meta
+    assert torch.equal(got, TorchSDPAAttention(cache, HEADS, DIM).forward(0, q, k, v, meta))
+    stored_k = round_trip(k, "int4", keys=True, key_block=block_size)
+    qp = q.transpose(0, 1).contiguous().unsqueeze(0)
+    want = attend_open_blocks(qp, stored_k, round_trip(v, "int4"), k, 0, block_size, DIM**-0.5)
+    torch.testing.assert_close(got, want.reshape(n, -1), rtol=1e-5, atol=1e-5)
