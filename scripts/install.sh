@@ -30,7 +30,7 @@ apt_install() {
       && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1"; } >/dev/null 2>&1 \
     && command -v "$2" >/dev/null 2>&1 && echo "installed $1"
 }
-# kvwise's C++ kernels (kvwise/worker/csrc) compile with the system C++ compiler
+# kvwise's C++ kernels (kvwise/kernels/csrc) compile with the system C++ compiler
 apt_install g++ g++ || echo "WARNING: no C++ compiler (g++): kvwise runs its slower" \
   "plain-torch kernels" >&2
 # the integration tests (tests/integration) start a real redis-server
@@ -44,5 +44,5 @@ if [[ "${wanted// /}" == *,test,* ]]; then
     "(apt-get, as root or with sudo); tests/browser will be skipped" >&2
 fi
 # build the kernels now (about 15 s once; cached by torch afterwards)
-.venv/bin/python -c "from kvwise.worker import kernels; print('kvwise kernels:', 'built' if kernels.available() else 'unavailable, plain torch')"
+.venv/bin/python -c "from kvwise import kernels; print('kvwise kernels:', 'built' if kernels.available() else 'unavailable, plain torch')"
 .venv/bin/python -c "import torch, kvwise; from kvwise.models.default import default_model_path; print('kvwise ready: torch', torch.__version__, '| default model', default_model_path().name)"

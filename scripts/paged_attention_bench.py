@@ -12,8 +12,8 @@ import time
 
 import torch
 
+from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
-from kvwise.worker import kernels
 from kvwise.worker.kv_cache import PagedKVCache
 
 

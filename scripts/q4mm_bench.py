@@ -14,8 +14,8 @@ import time
 
 import torch
 
+from kvwise import kernels
 from kvwise.models.quant import Int4Weight, Int8Weight, Q8Weight
-from kvwise.worker import kernels
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 HEAD = (49152, 576)

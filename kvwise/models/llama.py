@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvwise import kernels
 from kvwise.models.arch import ModelArchConfig
 from kvwise.models.layers import apply_rope, rms_norm, rope_table
 from kvwise.models.quant import Int4Weight, Q8Weight, QuantWeight
-from kvwise.worker import kernels
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -255,7 +255,7 @@ class LlamaDecoderLayer(nn.Module):
         attn: AttentionFn,
     ) -> torch.Tensor:
         """``_forward_quantized`` with the steps between the matmuls fused into one op each
-        (``worker/csrc/fused.cpp``): the same arithmetic in ~8 ops a layer instead of ~35."""
+        (``kernels/csrc/fused.cpp``): the same arithmetic in ~8 ops a layer instead of ~35."""
         quant, ops = self.quant, _FUSED
         x = ops.rms_norm_bf16(residual, self.input_norm, self.eps)  # (T, hidden) bf16
         qkv = quant["qkv_proj"].mm(x)  # (T, q + 2kv) bf16

@@ -4,7 +4,7 @@ Three formats, each a weight `[out, in]` applied as `x @ W.T`:
 
 - ``Int4Weight``: 4-bit codes in blocks of 32 input channels, each block with a float16 scale
   `d` and minimum `m`, `w = q * d + m` (GGUF's Q4_1), run by kvwise's int4 x int8 kernel
-  (``torch.ops.kvwise.q4mm``, ``worker/csrc/fused.cpp``): the activations are quantized to
+  (``torch.ops.kvwise.q4mm``, ``kernels/csrc/fused.cpp``): the activations are quantized to
   int8 per block of 32 (`x ~ dx * qx`) and the block sums are exact integer dot products, as in
   llama.cpp. Each row's result is the same whatever the other rows of the batch.
 - ``Int8Weight``: int8 codes with one bfloat16 scale per output channel, `w = q * scale`, run
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvwise.worker import kernels
+from kvwise import kernels
 
 QK = 32  # weights per GGUF Q4_0 / Q4_1 / Q8_0 block, and per int4 block here
 
@@ -42,7 +42,7 @@ class Int4Weight:
         codes: `(out, in)` integer codes in 0..15.
         scales, mins: `(out, in // 32)` float, `w = q * scale + min` (held as float16).
 
-    Packed as ``worker/csrc/fused.cpp`` reads it: `(out / 8, in / 32, 160)` bytes (the output
+    Packed as ``kernels/csrc/fused.cpp`` reads it: `(out / 8, in / 32, 160)` bytes (the output
     padded to a multiple of 8 with zero columns).
     """
 
@@ -139,7 +139,7 @@ class Q8Weight:
     (GGUF's Q8_0; the embedding and LM head). Run by ``torch.ops.kvwise.q8mm`` with the
     activations quantized as for ``Int4Weight``; `rows` gives exact float32 rows.
 
-    Packed as ``worker/csrc/fused.cpp`` reads it: `(out / 8, in / 32, 272)` bytes.
+    Packed as ``kernels/csrc/fused.cpp`` reads it: `(out / 8, in / 32, 272)` bytes.
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:

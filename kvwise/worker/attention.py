@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvwise.worker import kernels
+from kvwise import kernels
 from kvwise.worker.kv_cache import PagedKVCache
 
 

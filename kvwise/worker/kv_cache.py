@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
-from kvwise.worker import kernels, kv_quant
+from kvwise.worker import kv_quant
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kvwise import kernels
 from kvwise.types import SamplingParams
-from kvwise.worker import kernels
 
 _SEED_STRIDE = 1_000_003
 _SEED_RANGE = 2**63  # manual_seed takes a signed 64-bit value

@@ -17,9 +17,9 @@ import os
 
 import pytest
 
+from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec, default_block_size
 from kvwise.types import SamplingParams
-from kvwise.worker import kernels
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
-from kvwise.worker import kernels
 from kvwise.worker.kv_cache import PagedKVCache
 
 if not kernels.available():

@@ -1,4 +1,4 @@
-"""kvwise's C++ kernels (worker/csrc) against plain-torch references.
+"""kvwise's C++ kernels (kernels/csrc) against plain-torch references.
 
 The paged decode kernel must equal SDPA over the gathered blocks for any block table, any mix
 of context lengths, GQA groups and head sizes (the vectorised 64/128 paths and the scalar
@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
 from kvwise.models.layers import apply_rope, rms_norm, rope_table
 from kvwise.models.quant import Int4Weight, Q8Weight
-from kvwise.worker import kernels
 from kvwise.worker.kv_cache import PagedKVCache
 
 if not kernels.available():

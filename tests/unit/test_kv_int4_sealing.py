@@ -105,7 +105,7 @@ def test_staging_grows_past_its_first_slots():
 def test_the_kernels_write_and_attend_as_the_torch_path():
     """The C++ int4 write gives the torch path's bytes; its decode attention the same outputs
     to float32 rounding."""
-    from kvwise.worker import kernels
+    from kvwise import kernels
 
     if not kernels.available():
         pytest.skip("kvwise kernels not built")
@@ -132,7 +132,7 @@ def test_the_kernels_write_and_attend_as_the_torch_path():
 def test_the_decode_kernel_at_real_shapes(block_size, kv_heads, heads, group):
     """The vectorized paths (blocks of 8k tokens, groups of 16/32/64, up to 4 query heads a KV
     head) and the plain one (5 query heads a KV head) against the torch path."""
-    from kvwise.worker import kernels
+    from kvwise import kernels
 
     if not kernels.available():
         pytest.skip("kvwise kernels not built")

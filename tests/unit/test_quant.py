@@ -89,7 +89,7 @@ def test_q8_0_blocks_come_back_exactly_and_their_rows_are_exact():
 def test_int4_without_the_kernels_computes_the_same_product(monkeypatch):
     """The plain-torch fallback (no compiler, or KVWISE_KERNELS=0) rounds the activations as
     the kernel does: the two agree to float32 rounding."""
-    from kvwise.worker import kernels
+    from kvwise import kernels
 
     torch.manual_seed(0)
     weight = Int4Weight.quantize(torch.randn(48, 96))
