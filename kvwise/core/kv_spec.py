@@ -45,6 +45,12 @@ DEFAULT_BLOCK_SIZE = 16
 INT4_BLOCK_SIZE = 32  # int4's default block: its key scales are per block (see docs/BENCHMARKS.md)
 
 
+def kv_formats() -> tuple[str, ...]:
+    """The KV formats the pool can hold, in the order flags list them (the one list every
+    choice and check reads)."""
+    return STORAGE_DTYPES
+
+
 def default_block_size(dtype: str) -> int:
     """The block size when none is given: 32 tokens for int4 (whose keys are scaled per block
     and channel: +0.9% perplexity at 2,048 tokens, 6.4x float32's tokens), else 16."""
