@@ -13,7 +13,7 @@ from kvwise.core.scheduler import Scheduler
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.engine.output_processor import OutputProcessor
 from kvwise.engine.prompts import Tokenizer
-from kvwise.engine.store_factory import build_store
+from kvwise.store.factory import build_store
 from kvwise.utils import format_bytes
 
 logger = logging.getLogger("kvwise")

@@ -10,7 +10,7 @@ import pytest
 
 from kvwise.config import StoreConfig
 from kvwise.core.kv_spec import KVSpec
-from kvwise.engine.store_factory import build_store
+from kvwise.store.factory import build_store
 from kvwise.store import registry
 from kvwise.store.base import KVStore, TierStats
 from kvwise.store.disk import DiskStore

@@ -10,7 +10,7 @@ import pytest
 
 from kvwise.config import StoreConfig
 from kvwise.core.kv_spec import KVSpec
-from kvwise.engine.store_factory import build_store, check_secret_strength
+from kvwise.store.factory import build_store, check_secret_strength
 from kvwise.store import serde
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, block_size=4)
