@@ -1,11 +1,13 @@
 """Real services for the integration tests: a ``redis-server`` binary started per session.
 
-The tests skip (with a message) when ``redis-server`` is not installed; ``scripts/install.sh``
-installs it with ``KVWISE_EXTRAS=test``.
+The tests skip (with a message) when ``redis-server`` is not installed, and FAIL under
+``CI=true`` (``tests/services.py``); ``scripts/install.sh`` installs it with
+``KVWISE_EXTRAS=test``. ``KVWISE_REDIS_SERVER`` names another binary.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -16,7 +18,11 @@ from pathlib import Path
 import pytest
 import redis
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+from tests.services import service_missing
+
+REDIS_SERVER = (
+    os.environ.get("KVWISE_REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
+)
 
 
 def free_port() -> int:
@@ -101,8 +107,8 @@ class RedisServer:
 
 def _require_binary() -> None:
     if not Path(REDIS_SERVER).exists():
-        pytest.skip(
-            "redis-server not installed (apt-get install redis-server, or "
+        service_missing(
+            f"redis-server not installed at {REDIS_SERVER} (apt-get install redis-server, or "
             "KVWISE_EXTRAS=test scripts/install.sh)"
         )
 
@@ -196,6 +202,6 @@ def redis_cluster(tmp_path) -> Iterator[RedisCluster]:
         cluster.start()
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         cluster.stop()
-        pytest.skip(f"no local Redis Cluster: {exc}")
+        service_missing(f"no local Redis Cluster: {exc}")
     yield cluster
     cluster.stop()
