@@ -129,10 +129,10 @@ def _engines(
     args, loaded, tiers: list[str], redis_url: str | None, disk_root: str, max_len: int,
     kv_dtype: str | None = None,
 ):  # fmt: skip
+    from kvwise.cli.engine_args import engine_kwargs
     from kvwise.config import EngineConfig
     from kvwise.engine.builder import build_engine
     from kvwise.engine.llm_engine import LLMEngine
-    from kvwise.engine_args import engine_kwargs
 
     kw = engine_kwargs(args)
     if kv_dtype:
@@ -418,9 +418,9 @@ def _plot(path: str, lengths, med, tiers, break_even) -> None:
 
 def _compare_chunks(args, loaded, lengths: list[int], disk_root: str) -> dict:
     """Disk-tier TTFT (cold page cache) for each entry size, at each length."""
+    from kvwise.cli.engine_args import engine_kwargs
     from kvwise.config import EngineConfig
     from kvwise.engine.builder import build_engine
-    from kvwise.engine_args import engine_kwargs
 
     sizes = [int(x) for x in args.chunk_blocks.split(",")]
     kw = engine_kwargs(args)

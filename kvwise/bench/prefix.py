@@ -47,7 +47,7 @@ class _Timed:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvwise.engine_args import engine_kwargs
+    from kvwise.cli.engine_args import engine_kwargs
 
     kw = engine_kwargs(args)
     kw["prefill_chunk_size"] = max(kw["prefill_chunk_size"], args.prefix_len + 64)

@@ -330,7 +330,7 @@ def main(args: argparse.Namespace) -> int:
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    from kvwise.engine_args import engine_kwargs
+    from kvwise.cli.engine_args import engine_kwargs
 
     result = Bench(args, engine_kwargs(args)).run()
     if args.out:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvwise.claims import EXAMPLES, Claim, report
 from kvwise.cli import main
+from kvwise.perf.claims import EXAMPLES, Claim, report
 
 
 def test_the_articles_claim_one_is_about_4k_tokens_under_a_fixed_load():
@@ -76,7 +76,7 @@ def test_the_examples_and_the_command(capsys):
 
 
 def test_the_implied_bandwidth_of_a_load():
-    from kvwise.claims import implied_bandwidth
+    from kvwise.perf.claims import implied_bandwidth
 
     claim = Claim(112_000, recompute_s=57.0, load_s=2.1)
     llama70b_fp16 = 80 * 8 * 128 * 2 * 2  # layers x KV heads x head dim x (K, V) x bytes

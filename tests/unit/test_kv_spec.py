@@ -4,7 +4,7 @@ sizing report use comes from it."""
 import pytest
 
 from kvwise.core.kv_spec import KVSpec
-from kvwise.sizing import KVShape
+from kvwise.perf.sizing import KVShape
 from kvwise.store import serde
 
 SMOLLM2 = KVSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)

@@ -17,7 +17,7 @@ def test_core_store_and_assembled_engine_import_no_torch():
         "import kvwise.core.scheduler, kvwise.core.block_pool, kvwise.core.kv_cache_manager\n"
         "import kvwise.core.hashing, kvwise.core.kv_spec, kvwise.core.kv_tiers\n"
         "import kvwise.worker.fake_runner, kvwise.config, kvwise.types, kvwise.errors\n"
-        "import kvwise.sizing\n"
+        "import kvwise.perf.sizing\n"
         "import kvwise.store.tiered, kvwise.store.host, kvwise.store.disk, kvwise.store.redis\n"
         "import kvwise.store.costmodel, kvwise.store.serde, kvwise.store.planner\n"
         "import kvwise.store.reader, kvwise.store.writer, kvwise.store.registry\n"

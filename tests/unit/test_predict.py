@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvwise.cli import main
-from kvwise.roofline import (
+from kvwise.perf.roofline import (
     HARDWARE,
     MODELS,
     Hardware,
@@ -21,7 +21,7 @@ from kvwise.roofline import (
     parse_tier,
     save_machine,
 )
-from kvwise.roofline_fit import fit_steps, fit_tier, least_squares
+from kvwise.perf.roofline_fit import fit_steps, fit_tier, least_squares
 
 LLAMA70 = MODELS["llama-3-70b"]
 SMOL = MODELS["smollm2-135m"]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvwise.cli import main
-from kvwise.sizing import KVShape, report, shape_from_model
+from kvwise.perf.sizing import KVShape, report, shape_from_model
 
 
 def test_seed_article_example():

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvwise.engine_args import add_engine_args, engine_kwargs  # noqa: F401 (re-exported)
+from kvwise.cli.engine_args import add_engine_args, engine_kwargs  # noqa: F401 (re-exported)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -138,7 +138,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_size(args: argparse.Namespace) -> int:
-    from kvwise.sizing import KVShape, report, shape_from_model
+    from kvwise.perf.sizing import KVShape, report, shape_from_model
     from kvwise.utils import parse_bytes
 
     flags = (args.layers, args.heads, args.head_dim)
@@ -258,13 +258,13 @@ def cmd_secret(args: argparse.Namespace) -> int:
 
 
 def cmd_claims(args: argparse.Namespace) -> int:
-    from kvwise.claims import main
+    from kvwise.perf.claims import main
 
     return main(args)
 
 
 def cmd_breakeven(args: argparse.Namespace) -> int:
-    from kvwise.predict import main
+    from kvwise.perf.predict import main
 
     return main(args)
 
@@ -531,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "claims", help="the break-even a published KV-cache speedup implies, under each model"
     )
-    from kvwise.claims import add_args as add_claims_args
+    from kvwise.perf.claims import add_args as add_claims_args
 
     add_claims_args(p)
     p.set_defaults(func=cmd_claims)
@@ -541,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict TTFT vs prefix length and each tier's break-even on hardware presets "
         "(a roofline), or on this machine once calibrated",
     )
-    from kvwise.predict import add_args as add_predict_args
+    from kvwise.perf.predict import add_args as add_predict_args
 
     add_predict_args(p)
     p.set_defaults(func=cmd_breakeven)

@@ -1,7 +1,7 @@
-"""``kvwise breakeven --predict`` and ``--calibrate``: the command over ``kvwise/roofline.py``'s
+"""``kvwise breakeven --predict`` and ``--calibrate``: the command over ``kvwise/perf/roofline.py``'s
 model — the break-even per tier, a table of TTFT by prefix length, a PNG, and the check of a
 prediction against ``kvwise bench breakeven``'s measured curves. Pure Python (matplotlib for
-the plot; ``--calibrate`` runs ``kvwise/bench/calibrate.py``)."""
+the plot; ``--calibrate`` runs ``kvwise/perf/calibrate.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from kvwise.core.kv_spec import KV_DTYPE_BYTES
-from kvwise.roofline import (
+from kvwise.perf.roofline import (
     GB,
     HARDWARE,
     MODELS,
@@ -198,14 +198,14 @@ def main(args: argparse.Namespace) -> int:
     if args.calibrate:
         machine = Path(args.machine) if args.machine else default_machine_file()
         if args.refit:
-            from kvwise.bench.calibrate import print_fit
-            from kvwise.roofline_fit import refit_machine
+            from kvwise.perf.calibrate import print_fit
+            from kvwise.perf.roofline_fit import refit_machine
 
             hw, check = refit_machine(args.refit, machine)
             print_fit(hw, check)
             print(f"calibration: {machine} (refitted from {args.refit})")
             return 0
-        from kvwise.bench.calibrate import calibrate
+        from kvwise.perf.calibrate import calibrate
 
         calibrate(args, machine)
         return 0

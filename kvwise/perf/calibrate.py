@@ -1,6 +1,6 @@
 """``kvwise breakeven --calibrate``: measure this machine for ``--hardware this-machine``.
 
-Every parameter of the roofline (``kvwise/roofline.py``) is measured here, none chosen to match
+Every parameter of the roofline (``kvwise/perf/roofline.py``) is measured here, none chosen to match
 ``kvwise bench breakeven``'s curves, and at other lengths than the ones they are checked at
 (256, 1,024 and 4,096 tokens):
 
@@ -73,8 +73,8 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
 
     from kvwise.bench.common import measure_read_bandwidth
     from kvwise.models.loader import load_model
-    from kvwise.roofline import Hardware, ModelShape, Roofline, save_machine
-    from kvwise.roofline_fit import fit_steps, step_check
+    from kvwise.perf.roofline import Hardware, ModelShape, Roofline, save_machine
+    from kvwise.perf.roofline_fit import fit_steps, step_check
 
     if args.reps < 1:
         raise ValueError("reps: must be at least 1")
@@ -117,7 +117,7 @@ def _measure_engines(args, loaded, tiers: list[str], model) -> tuple[dict, dict]
     tier; Redis started on loopback), measure them, close them. Returns what was measured and
     the engine's facts the fit needs."""
     from kvwise.bench import breakeven as be
-    from kvwise.engine_args import add_engine_args
+    from kvwise.cli.engine_args import add_engine_args
 
     redis_server = None
     if "redis" in tiers:
@@ -255,8 +255,8 @@ def _tier_load(engine, prompt: list[int], n: int, loader: _TimedLoader) -> tuple
 def _tier_fit(name: str, result: dict):
     """A tier as a request sees it: the loader's time (reads, checks, copies) fitted as
     latency + bytes / bandwidth, plus the load path's own overhead (median)."""
-    from kvwise.roofline import Tier
-    from kvwise.roofline_fit import fit_tier
+    from kvwise.perf.roofline import Tier
+    from kvwise.perf.roofline_fit import fit_tier
 
     fit = fit_tier(name, result["tier_reads"][name], "")
     extra = max(0.0, statistics.median(result["load_overheads"][name]))

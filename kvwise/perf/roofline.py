@@ -1,5 +1,5 @@
 """A roofline model of TTFT against prefix length, recompute vs a load from each tier, for
-hardware one does not own (``kvwise breakeven --predict``, ``kvwise/predict.py``). Pure Python.
+hardware one does not own (``kvwise breakeven --predict``, ``kvwise/perf/predict.py``). Pure Python.
 
 A prefix of ``n`` tokens followed by one computed token, as ``kvwise bench breakeven`` measures:
 
@@ -21,8 +21,8 @@ first sign change of a log-spaced scan); None when loading never wins up to ``ma
 
 Hardware presets carry their datasheet sources; where a figure is an assumption (the fraction
 of peak a prefill reaches, a network's round trip) the preset says so. ``this-machine`` is not
-a preset: ``kvwise breakeven --calibrate`` measures it (``kvwise/bench/calibrate.py``) and
-fits this model to the measurements (``kvwise/roofline_fit.py``) into a calibration file.
+a preset: ``kvwise breakeven --calibrate`` measures it (``kvwise/perf/calibrate.py``) and
+fits this model to the measurements (``kvwise/perf/roofline_fit.py``) into a calibration file.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def model_shape(name_or_path: str | None) -> ModelShape:
     if not Path(name_or_path).exists():
         raise ValueError(f"model: unknown preset or missing path {name_or_path!r}; presets: "
                          f"{', '.join(['default', *MODELS])}")  # fmt: skip
-    from kvwise.sizing import arch_from_model
+    from kvwise.perf.sizing import arch_from_model
 
     arch, name = arch_from_model(name_or_path)
     return ModelShape.from_arch(arch, name, source=str(name_or_path))
