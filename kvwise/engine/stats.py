@@ -1,20 +1,31 @@
 """Typed engine statistics: what ``llm.stats()``, ``/metrics`` and the benchmarks read, by
-attribute. Built fresh (and immutable) on every call, so a snapshot can cross threads."""
+attribute. Built fresh (and immutable) on every call, so a snapshot can cross threads. Each
+exposed field names its metric (``core.stat_fields``); ``kv`` and ``store`` are stats of their
+own, with their own fields' metrics."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvwise.core.kv_cache_manager import KVCacheStats
-from kvwise.store.tiered import StoreStats
+from kvwise.core.stat_fields import GAUGE, metric
+from kvwise.store.stats import StoreStats
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_preemptions: int  # requests preempted for lack of KV blocks (total)
-    num_load_rollbacks: int  # loads from the tiers that came up short (total)
+    num_running: int = metric("kvwise_requests_running", "requests running", GAUGE)
+    num_waiting: int = metric("kvwise_requests_waiting", "requests in the waiting queue", GAUGE)
+    num_preemptions: int = metric(  # total
+        "kvwise_preemptions", "requests preempted for lack of KV blocks"
+    )
+    num_load_rollbacks: int = metric(  # total
+        "kvwise_kv_load_rollbacks", "loads from the tiers that came up short (recomputed)"
+    )
     kv: KVCacheStats  # the device pool and the prefix cache
     store: StoreStats | None = None  # the tiers below the pool; None without tiers
-    kv_integrity_checks: int = 0  # idle-time pool audits passed (the async engine's)
+    kv_integrity_checks: int = metric(  # the async engine's
+        "kvwise_kv_integrity_checks",
+        "KV pool integrity checks passed while idle (a failure stops the engine)",
+        default=0,
+    )

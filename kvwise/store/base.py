@@ -25,12 +25,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from kvwise.store.stats import TierStats
 
 logger = logging.getLogger("kvwise.store")
 
@@ -39,50 +39,6 @@ T = TypeVar("T")
 # how long a call of a tier that declares no ``deadline_s`` (RAM, a local disk) may take before
 # the loader and the writer stop waiting for it
 DEFAULT_DEADLINE_S = 5.0
-
-
-def _metric(name: str, help_text: str, kind: str = "counter", default: float = 0):
-    """A stats field and the Prometheus series it is exposed as (counters get ``_total``
-    appended on exposition, so ``name`` has none)."""
-    return field(default=default, metadata={"metric": name, "help": help_text, "kind": kind})
-
-
-@dataclass
-class TierStats:
-    """Counters of one tier (monotonic, except the two gauges at the end). Each field's
-    ``metadata`` names its metric: ``metric``, ``help`` and ``kind`` ("counter" | "gauge")."""
-
-    hits: int = _metric("kvwise_kv_tier_hits", "KV entries found in the tier")
-    misses: int = _metric(  # faults excluded
-        "kvwise_kv_tier_misses", "KV entries looked for and not found in the tier"
-    )
-    bytes_read: int = _metric("kvwise_kv_tier_read_bytes", "bytes read from the tier")
-    bytes_written: int = _metric("kvwise_kv_tier_written_bytes", "bytes written to the tier")
-    load_seconds: float = _metric(  # wall time inside get
-        "kvwise_kv_tier_load_seconds", "seconds spent reading from the tier", default=0.0
-    )
-    loads: int = _metric(  # get calls that read something
-        "kvwise_kv_tier_loads", "reads from the tier that returned entries"
-    )
-    evictions: int = _metric(
-        "kvwise_kv_tier_evictions", "entries the tier dropped (budget or expiry)"
-    )
-    faults: int = _metric(
-        "kvwise_kv_tier_faults", "I/O errors, timeouts and corrupt entries (as misses)"
-    )
-    loaded_tokens: int = _metric(  # counted by the store: a chunk by its first group's tier
-        "kvwise_kv_tier_loaded_tokens", "prompt tokens loaded from the tier into the pool"
-    )
-    keeps_refused: int = _metric(  # counted by host and disk (index.KeepLog)
-        "kvwise_kv_tier_keeps_refused",
-        "entries stored in plain LRU order though asked to be kept: the tenant was at its cap",
-    )
-    num_entries: int = _metric("kvwise_kv_tier_entries", "KV entries held by the tier", "gauge")
-    num_bytes: int = _metric("kvwise_kv_tier_bytes", "bytes held by the tier", "gauge")
-
-    def snapshot(self) -> TierStats:
-        """A copy, unaffected by later updates."""
-        return dataclasses.replace(self)
 
 
 @runtime_checkable

@@ -26,32 +26,17 @@ import functools
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvwise.core.kv_tiers import ChunkWrite, LoadPlan, PlannedChunk
 from kvwise.store import serde
-from kvwise.store.base import KVStore, TierStats
+from kvwise.store.base import KVStore
 from kvwise.store.costmodel import CostCurves, CostModel, LoadDecision, cost_curves
 from kvwise.store.planner import ChunkPlanner
 from kvwise.store.reader import Dest, GroupRead, Reader
+from kvwise.store.stats import StoreStats
 from kvwise.store.writer import Promote, WriteChunk, Writer
 
 __all__ = ["GroupRead", "StoreStats", "TieredStore"]
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """The store's counters at one moment, and a snapshot of each tier's (in tier order)."""
-
-    load_decisions: int  # stored continuations the cost model chose to load
-    recompute_decisions: int  # ... chose to recompute (all or part of)
-    lookup_misses: int  # prompts (past their device hit) that no tier continued
-    loaded_tokens: int  # prompt tokens loaded from the tiers (verified)
-    chunks_written: int
-    writes_dropped: int  # writes and promotions dropped: queue over its byte cap, or closed
-    pending_write_bytes: int  # gauge: bytes queued, not yet written
-    tiers: dict[str, TierStats]
-    recomputed_tokens: int = 0  # stored prefix tokens the cost model chose to recompute
 
 
 class TieredStore:
