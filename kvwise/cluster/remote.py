@@ -1,5 +1,6 @@
 """The ingress side of a deployment: an engine that lives in other processes, behind the same
-interface as ``AsyncEngine``, so the OpenAI app (``server/app.create_app``) serves it unchanged.
+interface as ``AsyncEngine`` (``engine/client.EngineClient``), so the OpenAI app
+(``server/app.create_app``) serves it unchanged.
 
 ``RemoteEngine`` turns a prompt into token ids and its tenant-rooted block-hash chain here (the
 replicas' tokenizer, block size and hash roots), and hands both to a transport — in the Ray
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 from kvwise import errors
 from kvwise.core.hashing import BlockHash, BlockHasher
 from kvwise.core.kv_cache_manager import KVCacheStats
-from kvwise.engine.async_engine import RequestStream
+from kvwise.engine.client import RequestStream
 from kvwise.engine.prompts import Prompt, Tokenizer, tokenize_prompt
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import EngineDeadError, KVWiseError, ReplicaFailedError
@@ -135,12 +136,10 @@ class RemoteStream(RequestStream):
     """``RequestStream`` over a replica's item stream: closing it cancels the call there."""
 
     def __init__(self, request_id: str, replica: str, items: AsyncIterator[Any], cancel) -> None:
-        self.request_id = request_id
+        super().__init__(request_id)
         self.replica = replica
         self._items = items
         self._cancel = cancel
-        self.finished = False
-        self.last: RequestOutput | None = None
 
     async def _next_item(self) -> RequestOutput | BaseException:
         try:
@@ -170,7 +169,7 @@ class _Stats:
 
 
 class RemoteEngine:
-    """``AsyncEngine``'s interface (add_request, park, stats, max_model_len, is_running) over
+    """An ``EngineClient`` (add_request, park, stats, max_model_len, is_running, ...) over
     replicas reached through ``transport``.
 
     Args:

@@ -1,10 +1,12 @@
 """One engine, many asyncio callers: the step loop on its own thread, outputs through queues.
+`AsyncEngine` is the in-process `engine/client.EngineClient`, the interface the server uses.
 
 Contract:
 
 - Every `LLMEngine` call (add_request, step, abort, stats, check_integrity) runs on the engine
-  thread, except ``tokenize`` / ``tokenized`` (they touch no engine state). Other threads never touch the engine: they post commands (`submit`) that the thread
-  runs between two steps, in the order they were posted.
+  thread, except ``tokenize`` / ``tokenized`` (they touch no engine state). Other threads
+  never touch the engine: they post commands (`submit`) that the thread runs between two
+  steps, in the order they were posted.
 - What a request brings is handled off the engine thread, before it is posted: the chat
   template is rendered and the prompt tokenized on a small pool of tokenizer threads
   (``LLMEngine.tokenize`` only reads the tokenizer), with its cost bounded before any work
@@ -41,6 +43,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvwise.engine.client import RequestStream
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.engine.prompts import Prompt
 from kvwise.engine.stats import EngineStats
@@ -54,7 +57,7 @@ logger = logging.getLogger("kvwise")
 _T = TypeVar("_T")
 
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "QueueFullError", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "QueueFullError"]
 
 
 @dataclass
@@ -63,50 +66,24 @@ class _Sink:
     queue: asyncio.Queue  # RequestOutput | BaseException items
 
 
-class RequestStream:
-    """The outputs of one admitted request, as an async iterator.
-
-    Iteration ends after the output with ``finished=True``. ``close()`` aborts the request if it
-    has not finished; call it in a ``finally`` (``AsyncEngine.generate`` does).
-    """
+class _QueueStream(RequestStream):
+    """A request's outputs as the engine thread delivers them to its asyncio queue."""
 
     def __init__(self, owner: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
-        self.request_id = request_id
+        super().__init__(request_id)
         self._owner = owner
         self._queue = queue
-        self.finished = False
-        self.last: RequestOutput | None = None
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._next_item()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.last = item
-        if item.finished:
-            self.finished = True
-        return item
 
     async def _next_item(self) -> RequestOutput | BaseException:
         return await self._queue.get()
-
-    def close(self) -> None:
-        """Abort the request unless it finished (idempotent, never blocks)."""
-        if not self.finished:
-            self.finished = True
-            self._abort()
 
     def _abort(self) -> None:
         self._owner.abort(self.request_id)
 
 
 class AsyncEngine:
-    """Runs one `LLMEngine` on a background thread and serves it to asyncio code.
+    """Runs one `LLMEngine` on a background thread and serves it to asyncio code (an
+    `EngineClient`).
 
     Args:
         engine: the engine; from now on only the engine thread may call it.
@@ -287,7 +264,7 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may have run already; abort after it is a no-op
             raise
-        return RequestStream(self, request_id, queue)
+        return _QueueStream(self, request_id, queue)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, **kwargs: Any

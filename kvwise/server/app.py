@@ -44,6 +44,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from kvwise.engine.async_engine import AsyncEngine
+from kvwise.engine.client import EngineClient
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.server.dashboard import AdminGate, Dashboard, check_admin_key
 from kvwise.server.metrics import ServerMetrics
@@ -56,13 +57,13 @@ from kvwise.server.protocol import (
     ModelList,
     ParkResponse,
 )
+from kvwise.server.responses import install_error_handlers
 from kvwise.server.routes import DEFAULT_COMPLETION_MAX_TOKENS, OpenAIRoutes
 from kvwise.server.transport import (
     AuthAndCount,
     BodyLimit,
     HostCheck,
     InvalidRequestBudget,
-    install_error_handlers,
     parse_allowed_hosts,
 )
 
@@ -87,7 +88,7 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
 def create_app(
-    engine: AsyncEngine | LLMEngine,
+    engine: EngineClient | LLMEngine,
     api_keys: dict[str, str] | None = None,
     model_name: str = "kvwise",
     *,
@@ -100,8 +101,9 @@ def create_app(
     """Build the app over one engine.
 
     Args:
-        engine: an `AsyncEngine` (the caller owns it: the app starts it but never shuts it
-            down) or an `LLMEngine` (wrapped; shut down with the app).
+        engine: an `EngineClient` (`AsyncEngine`, `RemoteEngine`; the caller owns it: the app
+            starts it but never shuts it down) or an `LLMEngine` (wrapped in an `AsyncEngine`;
+            shut down with the app).
         api_keys: key → tenant; None or empty: no auth, every request is tenant ``default``.
         model_name: the one name served; a request naming another model gets 404.
         max_request_bytes: a larger request body gets 413 before it is parsed.
@@ -117,29 +119,17 @@ def create_app(
     allowed = None if allowed_hosts is None else parse_allowed_hosts(allowed_hosts)
     keys = dict(api_keys or {})
     admin_key = check_admin_key(admin_key, keys)
-    owns_engine = isinstance(engine, LLMEngine)
-    async_engine = AsyncEngine(engine) if isinstance(engine, LLMEngine) else engine
-    metrics = ServerMetrics(async_engine)
-    dashboard = Dashboard(async_engine, metrics, model_name)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
-        sampler = asyncio.create_task(dashboard.history.run())
-        try:
-            yield
-        finally:
-            sampler.cancel()
-            if owns_engine:
-                await asyncio.to_thread(async_engine.shutdown)
-
+    owned = AsyncEngine(engine) if isinstance(engine, LLMEngine) else None
+    client: EngineClient = owned if owned is not None else engine
+    metrics = ServerMetrics(client)
+    dashboard = Dashboard(client, metrics, model_name)
     app = FastAPI(
         title="kvwise",
         version="0.1.0",
         description="OpenAI-compatible completions and chat over the kvwise engine.",
-        lifespan=lifespan,
+        lifespan=_lifespan(client, dashboard, owned),
     )
-    app.state.engine = async_engine
+    app.state.engine = client
     app.state.metrics = metrics
     app.state.dashboard = dashboard
     app.state.model_name = model_name
@@ -149,9 +139,27 @@ def create_app(
     app.add_middleware(AuthAndCount, keys=keys, metrics=metrics, budget=invalid_request_budget)
     if allowed is not None:
         app.add_middleware(HostCheck, allowed=allowed)  # outermost: before anything runs
-    _add_routes(app, OpenAIRoutes(async_engine, metrics, model_name, default_completion_max_tokens))
+    _add_routes(app, OpenAIRoutes(client, metrics, model_name, default_completion_max_tokens))
     dashboard.add_routes(app)
     return app
+
+
+def _lifespan(engine: EngineClient, dashboard: Dashboard, owned: AsyncEngine | None):
+    """Start the engine and the dashboard's sampler with the app; shut down ``owned`` (the
+    engine the app wrapped itself) when the app stops."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        sampler = asyncio.create_task(dashboard.history.run())
+        try:
+            yield
+        finally:
+            sampler.cancel()
+            if owned is not None:
+                await asyncio.to_thread(owned.shutdown)
+
+    return lifespan
 
 
 def _add_routes(app: FastAPI, routes: OpenAIRoutes) -> None:

@@ -38,7 +38,7 @@ from urllib.parse import parse_qsl, urlencode
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from kvwise.engine.async_engine import AsyncEngine
+from kvwise.engine.client import EngineClient
 from kvwise.engine.stats import EngineStats
 from kvwise.server.metrics import RequestTotals, ServerMetrics
 from kvwise.server.protocol import APIError
@@ -204,7 +204,7 @@ class Dashboard:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         metrics: ServerMetrics,
         model_name: str,
         interval_s: float = 2.0,

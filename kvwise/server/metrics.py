@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvwise.engine.async_engine import AsyncEngine
+from kvwise.engine.client import EngineClient
 from kvwise.store.base import TierStats
 from kvwise.store.tiered import StoreStats
 from kvwise.types import RequestOutput
@@ -37,7 +37,7 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 class _EngineCollector:
     """Gauges and counters read from the engine's typed stats at scrape time."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self):
@@ -172,7 +172,7 @@ def _by_label(counter: Counter, label: str) -> dict[str, int]:
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
             "kvwise_http_requests",

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvwise.engine.async_engine import AsyncEngine, RequestStream
+from kvwise.engine.client import EngineClient, RequestStream
 from kvwise.errors import InvalidRequest, KVWiseError
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.protocol import (
@@ -38,7 +38,7 @@ from kvwise.server.protocol import (
     Usage,
     check_unicode,
 )
-from kvwise.server.transport import SSEResponse, collect_or_disconnect
+from kvwise.server.responses import SSEResponse, collect_or_disconnect
 from kvwise.types import RequestOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -49,7 +49,7 @@ class OpenAIRoutes:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         metrics: ServerMetrics,
         model_name: str,
         default_completion_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,

@@ -44,7 +44,7 @@ import uvicorn
 from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from kvwise.engine.async_engine import AsyncEngine
+from kvwise.engine.client import EngineClient
 from kvwise.server.protocol import APIError
 
 logger = logging.getLogger("kvwise.server")
@@ -213,7 +213,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
-        engine: AsyncEngine,
+        engine: EngineClient,
         drain_margin_s: float = 0.5,
         *,
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,

@@ -1,33 +1,24 @@
-"""HTTP plumbing under the routes: the Host header checked against the allowed hosts (421
-otherwise, before anything else), API keys → tenants (checked before the body is read),
-requests counted by route and status, OpenAI error bodies for every failure, server-sent-event
-responses that abort their request however they end, and disconnect detection for answers that
-are not streamed."""
+"""HTTP plumbing that runs before a route: ASGI middleware and the values it is built from.
+The Host header checked against the allowed hosts (421 otherwise, before anything else:
+``HostCheck``), API keys → tenants (401 before the body is read) with each caller's budget of
+invalid requests (429 before the body is read) and the request counter by route and status
+(``AuthAndCount``), and the body size limit (413: ``BodyLimit``). How answers leave (error
+bodies, server-sent events, disconnect watching) is ``responses.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import ipaddress
-import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Iterable
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvwise.engine.async_engine import RequestStream
-from kvwise.errors import KVWiseError
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.protocol import APIError
-from kvwise.types import RequestOutput
-
-logger = logging.getLogger("kvwise.server")
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
 def parse_api_keys(pairs: Iterable[str] | None = None, env: str | None = None) -> dict[str, str]:
@@ -161,53 +152,6 @@ class HostCheck:
         await JSONResponse(error.body(), status_code=421)(scope, receive, send)
 
 
-async def collect_or_disconnect(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """Wait for the last output, or return None as soon as the client disconnects."""
-
-    async def consume() -> RequestOutput | None:
-        async for _ in stream:
-            pass
-        return stream.last
-
-    task = asyncio.ensure_future(consume())
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, watcher):
-            if not t.done():
-                t.cancel()
-    if not task.done() or task.cancelled():
-        return None
-    return task.result()  # an engine error propagates: its type carries its status
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class SSEResponse(StreamingResponse):
-    """A server-sent-events response that runs ``on_close`` however it ends (done, client
-    gone, cancelled), so an abandoned request is aborted even if its stream never started."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(
-            content,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
 class InvalidRequestBudget:
     """How many invalid requests a caller may send: a token bucket per caller (the tenant with
     API keys, else the client's address), charged by every 4xx answer it earned (400, 404,
@@ -317,53 +261,59 @@ class AuthAndCount:
             await send(message)
 
         try:
-            if path.startswith("/v1/"):
-                tenant = self.tenant_of(scope)
-                if tenant is None:
-                    error = APIError(
-                        401,
-                        "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                        code="invalid_api_key",
-                    )
-                    response = JSONResponse(
-                        error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
-                    )
-                    await response(scope, receive, send_counted)
-                    return
-                scope.setdefault("state", {})["tenant"] = tenant
-                if self.budget is None:
-                    await self.app(scope, receive, send_counted)
-                    return
-                caller = tenant if self.keys else f"client {(scope.get('client') or ('',))[0]}"
-                retry_after = self.budget.retry_after_s(caller)
-                if retry_after is not None:
-                    error = APIError(
-                        429,
-                        f"too many invalid requests from this caller: retry after {retry_after} s",
-                        code="invalid_request_budget",
-                    )
-                    # NOTE: and the connection closed, so that a body on its way is not read;
-                    # held a while first (a few at a time per caller): a client that ignores
-                    # Retry-After then sends a request per connection per hold, not hundreds
-                    # a second that the server would spend a core refusing
-                    response = JSONResponse(
-                        error.body(),
-                        status_code=429,
-                        headers={"Retry-After": str(retry_after), "Connection": "close"},
-                    )
-                    await self.budget.hold(caller)
-                    await response(scope, receive, send_counted)
-                    return
-                try:
-                    await self.app(scope, receive, send_counted)
-                finally:
-                    headers = dict(scope.get("headers") or [])
-                    length = headers.get(b"content-length", b"0")
-                    self.budget.charge(caller, status, int(length) if length.isdigit() else 0)
+            if not path.startswith("/v1/"):
+                await self.app(scope, receive, send_counted)
                 return
-            await self.app(scope, receive, send_counted)
+            tenant = self.tenant_of(scope)
+            if tenant is None:
+                error = APIError(
+                    401,
+                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+                response = JSONResponse(
+                    error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                )
+                await response(scope, receive, send_counted)
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
+            if self.budget is None:
+                await self.app(scope, receive, send_counted)
+                return
+            caller = tenant if self.keys else f"client {(scope.get('client') or ('',))[0]}"
+            try:
+                await self._budgeted(self.budget, caller, scope, receive, send_counted)
+            finally:
+                headers = dict(scope.get("headers") or [])
+                length = headers.get(b"content-length", b"0")
+                self.budget.charge(caller, status, int(length) if length.isdigit() else 0)
         finally:
             self.metrics.requests.labels(_route_label(path), str(status)).inc()
+
+    async def _budgeted(
+        self, budget: InvalidRequestBudget, caller: str, scope, receive, send
+    ) -> None:
+        """The app, unless ``caller``'s budget is spent: then a 429, before the body is read."""
+        retry_after = budget.retry_after_s(caller)
+        if retry_after is None:
+            await self.app(scope, receive, send)
+            return
+        error = APIError(
+            429,
+            f"too many invalid requests from this caller: retry after {retry_after} s",
+            code="invalid_request_budget",
+        )
+        # NOTE: and the connection closed, so that a body on its way is not read; held a
+        # while first (a few at a time per caller): a client that ignores Retry-After then
+        # sends a request per connection per hold, not hundreds a second that the server
+        # would spend a core refusing
+        response = JSONResponse(
+            error.body(),
+            status_code=429,
+            headers={"Retry-After": str(retry_after), "Connection": "close"},
+        )
+        await budget.hold(caller)
+        await response(scope, receive, send)
 
 
 class BodyLimit:
@@ -421,52 +371,3 @@ def _route_label(path: str) -> str:
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
     return "other"
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(KVWiseError)
-    async def engine_error(request: Request, exc: KVWiseError) -> JSONResponse:
-        return await api_error(request, APIError.from_error(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_error(exc.errors()).body(), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error = APIError(exc.status_code, str(exc.detail), code=None)
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        error = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
-        return JSONResponse(error.body(), status_code=500)
-
-
-def _validation_error(errors: list[dict]) -> APIError:
-    """pydantic's first error → 400 with ``param`` such as ``messages[0].role``."""
-    if not errors:
-        return APIError(400, "invalid request")
-    first = errors[0]
-    loc = [part for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"invalid JSON body: {first.get('msg')}", code="invalid_json")
-    param = ""
-    for part in loc:
-        if isinstance(part, int):
-            param += f"[{part}]"
-        elif part in _TYPE_TAGS or any(c in str(part) for c in "[-,"):
-            continue  # a union member's tag (``str``, ``list[int]``), not a field
-        else:
-            param += f".{part}" if param else str(part)
-    if not param:
-        message = "request body: expected a JSON object" + (
-            "" if first.get("type") == "missing" else f" ({first.get('msg')})"
-        )
-        return APIError(400, message, code="invalid_body")
-    return APIError(400, f"{param}: {first.get('msg')}", param=param, code="invalid_value")

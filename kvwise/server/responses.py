@@ -1,0 +1,121 @@
+"""How the app's answers leave: OpenAI error bodies for every failure (``install_error_handlers``:
+an engine error by its type's status and code, pydantic's first error naming the field),
+server-sent-event responses that run their close hook however they end (``SSEResponse``: the
+route aborts its request there), and, for answers that are not streamed, the wait for the
+final output that gives up as soon as the client disconnects (``collect_or_disconnect``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvwise.engine.client import RequestStream
+from kvwise.errors import KVWiseError
+from kvwise.server.protocol import APIError
+from kvwise.types import RequestOutput
+
+logger = logging.getLogger("kvwise.server")
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+async def collect_or_disconnect(stream: RequestStream, request: Request) -> RequestOutput | None:
+    """Wait for the last output, or return None as soon as the client disconnects."""
+
+    async def consume() -> RequestOutput | None:
+        async for _ in stream:
+            pass
+        return stream.last
+
+    task = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+    if not task.done() or task.cancelled():
+        return None
+    return task.result()  # an engine error propagates: its type carries its status
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-events response that runs ``on_close`` however it ends (done, client
+    gone, cancelled), so an abandoned request is aborted even if its stream never started."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(KVWiseError)
+    async def engine_error(request: Request, exc: KVWiseError) -> JSONResponse:
+        return await api_error(request, APIError.from_error(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_error(exc.errors()).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(exc.status_code, str(exc.detail), code=None)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        error = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+        return JSONResponse(error.body(), status_code=500)
+
+
+def _validation_error(errors: list[dict]) -> APIError:
+    """pydantic's first error → 400 with ``param`` such as ``messages[0].role``."""
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"invalid JSON body: {first.get('msg')}", code="invalid_json")
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _TYPE_TAGS or any(c in str(part) for c in "[-,"):
+            continue  # a union member's tag (``str``, ``list[int]``), not a field
+        else:
+            param += f".{part}" if param else str(part)
+    if not param:
+        message = "request body: expected a JSON object" + (
+            "" if first.get("type") == "missing" else f" ({first.get('msg')})"
+        )
+        return APIError(400, message, code="invalid_body")
+    return APIError(400, f"{param}: {first.get('msg')}", param=param, code="invalid_value")
