@@ -124,7 +124,13 @@ def test_the_cost_model_starts_an_unknown_tier_from_the_default_prior():
         block_bytes_per_token=4096.0,
         num_prompt_tokens=600,
     )
-    assert num_chunks in (0, 1, 2) and load_s >= 0 and recompute_s > 0
+    # priced by the default prior (read = λ + μ·entries + s/GB·GB, then the copy into the
+    # pool): reading both 1 MiB entries beats recomputing their 512 tokens, so both load
+    lam, mu, per_gb = DEFAULT_TIER_PRIOR
+    copy_s = cost.predict_load("scratch", 0, 0, 512 * 4096)
+    assert num_chunks == 2
+    assert load_s == pytest.approx(lam + mu * 2 + per_gb * (2 << 20) / 1e9 + copy_s)
+    assert recompute_s == pytest.approx(cost.t_recompute(0, 512)) and recompute_s > load_s
     cost.observe_load("scratch", 2, 2 << 20, 0.01)
     assert cost.tier_fit("scratch").num_updates == 1
 

@@ -51,7 +51,7 @@ def test_completion_default_max_tokens_is_16_and_token_prompt(client):
     assert r.json()["usage"]["prompt_tokens"] == 3
 
 
-def test_chat_non_streaming_and_streaming_agree(client):
+def test_chat_non_streaming_and_streaming_agree(client, tiny_server):
     body = {**CHAT, "temperature": 0, "max_tokens": 6, "ignore_eos": True}
     whole = client.post("/v1/chat/completions", json=body).json()
     assert whole["object"] == "chat.completion"
@@ -71,8 +71,13 @@ def test_chat_non_streaming_and_streaming_agree(client):
     assert text == whole["choices"][0]["message"]["content"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
-    # the whole prompt was just computed: its full blocks come from the cache
-    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    # the whole prompt was just computed: its full blocks come from the cache (all but the
+    # last token's block, which is computed again to sample from)
+    block_size = tiny_server.engine.engine.kv_manager.block_size
+    num_prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    assert num_prompt_tokens > block_size  # so that there is a block to hit
+    cached = chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (num_prompt_tokens - 1) // block_size * block_size
 
 
 def test_completion_streaming_without_usage(client):
