@@ -64,9 +64,6 @@ class KVEventLog:
             return
         self._add(BlockRemoved(list(hashes), medium))
 
-    def cleared(self, medium: str = DEVICE) -> None:
-        self._add(AllBlocksCleared(medium))
-
     def drain(self) -> list[KVEvent]:
         events = list(self._events)
         self._events.clear()

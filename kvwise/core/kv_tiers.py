@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvwise.core.hashing import BlockHash
 
@@ -61,8 +61,11 @@ class ChunkWrite:
         return self.block_hashes[-1]
 
 
+@runtime_checkable
 class KVTierPlanner(Protocol):
-    """The scheduler's view of the tiers. Calls come from the engine thread only."""
+    """The scheduler's view of the tiers. Calls come from the engine thread only. This is
+    where the methods' contract is written: the store (``store/planner.py``'s
+    ``ChunkPlanner``, bound into ``TieredStore``) implements it."""
 
     def plan_load(
         self,

@@ -79,7 +79,7 @@ class Scheduler:
 
         Raises:
             InvalidRequest: the id is in use; ContextLengthExceeded: the prompt could never
-                run; QueueFull: the bounded waiting queue is full.
+                run; QueueFullError: the bounded waiting queue is full.
         """
         if request.request_id in self.requests:
             raise InvalidRequest("request_id", f"{request.request_id!r} is already in use")

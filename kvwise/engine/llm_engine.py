@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from kvwise.core.kv_cache_manager import KVCacheManager
-from kvwise.core.kv_events import BlockRemoved, BlockStored
+from kvwise.core.kv_events import KVEvent
 from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.core.request import Request
 from kvwise.core.scheduler import Scheduler
@@ -75,7 +75,7 @@ class LLMEngine:
     ) -> str:
         """Queue a prompt; ``options`` says how it uses the cache (tenant, salt, retention,
         session). Raises ``InvalidRequest`` (a ValueError naming the field) on bad input and
-        ``QueueFull`` when the bounded waiting queue is full."""
+        ``QueueFullError`` when the bounded waiting queue is full."""
         params = params or SamplingParams()
         options = options or RequestOptions()
         if not isinstance(params, SamplingParams):
@@ -113,18 +113,13 @@ class LLMEngine:
         """``(queued, running)`` tokens (``Scheduler.load_tokens``): a router's load figure."""
         return self.scheduler.load_tokens()
 
-    def take_kv_events(self) -> list:
+    def take_kv_events(self) -> list[KVEvent]:
         """The KV events (``core/kv_events.py``) since the last call: the device pool's
         (medium ``"device"``), then the host and disk tiers' (medium: the tier's name, by
         stored chunk); empty unless ``enable_kv_events`` is set."""
         events = self.kv_manager.take_kv_events()
         if self.store is not None:
-            block_size = self.kv_manager.block_size
-            for kind, tier, hashes in self.store.take_tier_events():
-                if kind == "stored":
-                    events.append(BlockStored(hashes, None, block_size, tier))
-                else:
-                    events.append(BlockRemoved(hashes, tier))
+            events += self.store.take_tier_events()
         return events
 
     def has_unfinished(self) -> bool:

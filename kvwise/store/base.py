@@ -19,8 +19,14 @@
   at least that; disk and host: evicted after every entry without one, until it expires).
 - Thread safety: a tier may be called from the engine thread and the background writer at
   once; implementations lock what they share.
-- A tier that can read an entry straight into the caller's buffers (no intermediate copy)
-  also implements ``ReadsInPlace``; the tiered store checks with ``isinstance``.
+- Optional abilities are small protocols of their own, declared here and checked with
+  ``isinstance`` (never by probing an attribute's name): ``ReadsInPlace`` (``get_into``:
+  straight into the caller's buffers), ``HasDeadline`` (``deadline_s``), ``HasLoadPrior``
+  (``load_prior``: the cost model's start), ``SharedTier`` (``shared``: other engines use
+  it, so keys need the shared secret), ``KeepsLocalSecret`` (``local_secret()``: a secret
+  kept beside the entries) and ``ReportsEvictions`` (``on_evict``: a tier that evicts on its
+  own says what; the ``EvictionReports`` mixin implements it). A tier without one is served
+  the default the protocol names.
 """
 
 from __future__ import annotations
@@ -108,9 +114,54 @@ class ReadsInPlace(KVStore, Protocol):
         ...
 
 
-class EvictionReports:
-    """Mixin of a tier that evicts on its own (host, disk): each victim's key goes to
-    ``on_evict``, set by whoever tracks what the tier holds (None: nobody does)."""
+# ---- optional abilities (see the module docstring) ----------------------------------------
+
+
+@runtime_checkable
+class HasDeadline(Protocol):
+    """A tier whose calls can block on something outside this machine (Redis): each returns
+    within ``deadline_s`` seconds (None or 0: ``DEFAULT_DEADLINE_S`` applies)."""
+
+    deadline_s: float | None
+
+
+@runtime_checkable
+class HasLoadPrior(Protocol):
+    """A tier that states where the cost model's fit of its read time starts (without one:
+    ``costmodel.DEFAULT_TIER_PRIOR``, a slow tier until measured)."""
+
+    load_prior: tuple[float, float, float]  # λ s, μ s per entry, s per GB
+
+
+@runtime_checkable
+class SharedTier(Protocol):
+    """A tier other engines read and write too (Redis) when ``shared``: entry keys must then
+    be HMACs under a secret they all share (``store.factory.store_secret``)."""
+
+    shared: bool
+
+
+@runtime_checkable
+class KeepsLocalSecret(Protocol):
+    """A tier that keeps a store secret of its own beside its entries (disk), used when none
+    is configured and no tier is shared."""
+
+    def local_secret(self) -> bytes:
+        """The secret (made on first use). Raises OSError when it can be neither read nor
+        made."""
+        ...
+
+
+@runtime_checkable
+class ReportsEvictions(Protocol):
+    """A tier that evicts on its own (host, disk): each victim's key goes to ``on_evict``,
+    set by whoever tracks what the tier holds (``store.tier_events``; None: nobody does)."""
+
+    on_evict: Callable[[bytes], None] | None
+
+
+class EvictionReports(ReportsEvictions):
+    """Mixin implementing ``ReportsEvictions``: a tier calls ``_evicted(key)`` per victim."""
 
     on_evict: Callable[[bytes], None] | None = None
 
@@ -122,7 +173,7 @@ class EvictionReports:
 def call_deadline(tier: KVStore) -> float:
     """Seconds one call of ``tier`` may take: its own ``deadline_s`` (which it enforces),
     else ``DEFAULT_DEADLINE_S``."""
-    return getattr(tier, "deadline_s", None) or DEFAULT_DEADLINE_S
+    return (isinstance(tier, HasDeadline) and tier.deadline_s) or DEFAULT_DEADLINE_S
 
 
 # NOTE: one tier's faults are counted by several FaultLogs (its own, the store's guards), on

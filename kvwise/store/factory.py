@@ -18,10 +18,12 @@ import hashlib
 import logging
 import os
 import string
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvwise.config import StoreConfig
 from kvwise.core.kv_spec import KVSpec
+from kvwise.store.base import HasLoadPrior, KeepsLocalSecret, KVStore, SharedTier
 from kvwise.store.costmodel import CostModel
 from kvwise.store.disk_files import SECRET_NAME
 from kvwise.store.registry import build_tiers
@@ -77,10 +79,7 @@ def build_store(
         chunk_blocks=config.kv_chunk_blocks,
         min_tokens=config.kv_store_min_tokens,
         policy=config.kv_load_policy,
-        cost_model=CostModel(
-            prefill_chunk_size,
-            {t.name: t.load_prior for t in tiers if getattr(t, "load_prior", None)},
-        ),
+        cost_model=CostModel(prefill_chunk_size, load_priors(tiers)),
     )
     logger.info(
         "KV tiers: %s; chunks of %d blocks in %d layer groups; sequences under %d tokens "
@@ -93,7 +92,13 @@ def build_store(
     return store
 
 
-def store_secret(config: StoreConfig, tiers) -> bytes:
+def load_priors(tiers: Sequence[KVStore]) -> dict[str, tuple[float, float, float]]:
+    """Where the cost model's read-time fit of each tier starts: the priors the tiers state
+    (``HasLoadPrior``); the others start from ``costmodel.DEFAULT_TIER_PRIOR``."""
+    return {t.name: t.load_prior for t in tiers if isinstance(t, HasLoadPrior) and t.load_prior}
+
+
+def store_secret(config: StoreConfig, tiers: Sequence[KVStore]) -> bytes:
     """The secret entry keys are HMACs under: ``kv_store_secret`` (or ``$KVWISE_KV_SECRET``);
     else, with no shared tier, the disk tier's own (or a fresh one per process: host RAM only).
 
@@ -104,7 +109,7 @@ def store_secret(config: StoreConfig, tiers) -> bytes:
     if configured:
         check_secret_strength(*configured)
         return hashlib.sha256(b"kvwise.store-secret.v1" + configured[0].encode()).digest()
-    if any(getattr(tier, "shared", False) for tier in tiers):
+    if any(isinstance(tier, SharedTier) and tier.shared for tier in tiers):
         if not config.kv_redis_allow_no_secret:
             raise ValueError(
                 "kv_store_secret: a shared Redis tier needs a store secret (the same for every "
@@ -115,10 +120,9 @@ def store_secret(config: StoreConfig, tiers) -> bytes:
         logger.warning("KV tiers: Redis is shared without a store secret: its keys are predictable")
         return b""
     for tier in tiers:
-        local_secret = getattr(tier, "local_secret", None)
-        if local_secret is not None:
+        if isinstance(tier, KeepsLocalSecret):
             try:
-                return local_secret()
+                return tier.local_secret()
             except OSError as e:
                 raise ValueError(
                     f"kv_disk_path: cannot read or make the disk tier's store secret: {e}"

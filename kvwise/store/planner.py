@@ -102,7 +102,8 @@ class _Stored:
 
 
 class ChunkPlanner:
-    """Load and write plans over ``tiers`` (top first); see the module docstring.
+    """Load and write plans over ``tiers`` (top first): ``core.kv_tiers.KVTierPlanner``, see
+    the module docstring.
 
     Args:
         chunk_blocks: blocks per stored chunk.
@@ -153,7 +154,7 @@ class ChunkPlanner:
         max_blocks: int,
         num_prompt_tokens: int,
     ) -> LoadPlan | None:
-        """``KVTierPlanner.plan_load``: the stored continuation of a device hit worth loading."""
+        """``KVTierPlanner.plan_load``."""
         start = num_device_blocks
         if start >= max_blocks or not self.tiers or self.policy == "never":
             return None
@@ -226,8 +227,8 @@ class ChunkPlanner:
         return m
 
     def roll_back(self, plan: LoadPlan, num_loaded_blocks: int) -> None:
-        """``KVTierPlanner.roll_back``: forget every entry of ``plan`` not delivered whole
-        (the first ``num_loaded_blocks`` blocks of the plan were)."""
+        """``KVTierPlanner.roll_back``: every entry of ``plan`` not delivered whole is
+        forgotten."""
         num_blocks = 0
         for chunk in plan.chunks:
             num_blocks += chunk.num_blocks
@@ -239,9 +240,7 @@ class ChunkPlanner:
     def plan_writes(
         self, block_hashes: Sequence[bytes], num_full_blocks: int, cuts: Sequence[int] = ()
     ) -> list[ChunkWrite]:
-        """``KVTierPlanner.plan_writes``: the entries of a finished (or preempted) sequence
-        that the tiers do not hold yet, cut at multiples of ``chunk_blocks``, at
-        ``num_full_blocks`` and at ``cuts``."""
+        """``KVTierPlanner.plan_writes``; what it returns is remembered as stored."""
         n = num_full_blocks
         if not self.tiers or n * self.fmt.block_size < self.min_tokens:
             return []

@@ -23,8 +23,9 @@ Contract:
 - Each tier's share of a call is timed into the cost model (``CostModel.observe_load``).
 - Whatever a tier raises is a fault of that tier and a miss (``base.guarded``).
 - Writes into ``dest``'s buffers happen only while ``dest.writing()`` is held (when ``dest``
-  has it: the loader's gate, ``engine/kv_loader.py``), and ``read_group`` returns (or raises)
-  only once every part of it is done: after that, nothing it started writes into them.
+  is a ``GatedDest``: the loader's gate, ``engine/kv_loader.py``), and ``read_group``
+  returns (or raises) only once every part of it is done: after that, nothing it started
+  writes into them.
 
 NOTE: a tier that reads into memory (host, Redis) reads outside ``dest.writing()``: only
 opening the entry into ``dest``'s buffers (AES-GCM, memory speed) is inside it, so a slow
@@ -39,8 +40,9 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from kvwise.core.kv_tiers import PlannedChunk
 from kvwise.store import serde
@@ -51,9 +53,22 @@ from kvwise.store.planner import KnownChunks
 _READ_PARTS = 4  # a tier's share of one read runs (and is checked) in this many parallel parts
 
 # dest(i, entry_blocks): the payload buffers for planned chunk i's entry of that many blocks
-# (None: the entry is too short to hold the chunk, or they are no longer wanted); it may also
-# have ``writing()``, a context manager held while they are written (the module docstring)
+# (None: the entry is too short to hold the chunk, or they are no longer wanted)
 Dest = Callable[[int, int], list | None]
+
+
+@runtime_checkable
+class GatedDest(Protocol):
+    """A ``Dest`` whose buffers may be written only while ``writing()`` is held (the loader's
+    gate, ``engine/kv_loader.py``; the module docstring)."""
+
+    def __call__(self, i: int, entry_blocks: int) -> list | None: ...
+
+    def writing(self) -> AbstractContextManager[bool]:
+        """Held while writing into the buffers; says whether they are still wanted."""
+        ...
+
+
 # promote(tier_index, key, entry): put an entry read from that tier into the tiers above it
 PromoteFn = Callable[[int, bytes, bytes], object]
 
@@ -149,7 +164,7 @@ class Reader:
         """Get and open the entries ``keys[i]`` for ``i`` in ``part`` (one batch)."""
         tier, faults = self.tiers[tier_index], self._faults[tier_index]
         misses = [None] * len(part)
-        writing = getattr(dest, "writing", None) or contextlib.nullcontext
+        writing = dest.writing if isinstance(dest, GatedDest) else contextlib.nullcontext
         if dest is not None and isinstance(tier, ReadsInPlace):
 
             def buffers_for(i: int):

@@ -10,7 +10,8 @@ A thin facade over three parts, each with its own contract:
 - ``writer.Writer``: ``write`` and promotions on one background thread, a cap on the bytes
   queued (a write past it is dropped and counted), ``flush``.
 
-It implements ``core.kv_tiers.KVTierPlanner`` for the scheduler. A load happens in two
+It implements ``core.kv_tiers.KVTierPlanner`` for the scheduler (``plan_load``, ``roll_back``
+and ``plan_writes`` are ``planner.ChunkPlanner``'s, bound in). A load happens in two
 halves: at admission ``plan_load`` decides how much to load; while the step runs, the engine's
 loader reads the plan group by group (``read_group``) and copies each group into the device
 pool as it arrives, so the model's first layers run while later layers are still being read.
@@ -22,18 +23,19 @@ any tier is a miss.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 from collections import deque
 from collections.abc import Sequence
 
-from kvwise.core.kv_tiers import ChunkWrite, LoadPlan, PlannedChunk
+from kvwise.core.kv_events import KVEvent
+from kvwise.core.kv_tiers import ChunkWrite, PlannedChunk
 from kvwise.store import serde
 from kvwise.store.base import KVStore
 from kvwise.store.costmodel import CostCurves, CostModel, LoadDecision, cost_curves
 from kvwise.store.planner import ChunkPlanner
 from kvwise.store.reader import Dest, GroupRead, Reader
 from kvwise.store.stats import StoreStats
+from kvwise.store.tier_events import TierEvents
 from kvwise.store.writer import Promote, WriteChunk, Writer
 
 __all__ = ["GroupRead", "StoreStats", "TieredStore"]
@@ -73,8 +75,13 @@ class TieredStore:
             self.tiers, fmt, max_pending_bytes, background, on_lost=self._forget_chunk
         )
         self._reader = Reader(self.tiers, fmt, self._planner.known, self.cost, self._promote)
-        self._events: list[tuple[str, str, list[bytes]]] | None = None  # record_events
-        self._events_lock = threading.Lock()
+        # NOTE: KVTierPlanner (engine thread) is the planner's: its methods are bound here,
+        # so their signatures and contract are written once (core/kv_tiers.py) and a plan
+        # costs no extra call
+        self.plan_load = self._planner.plan_load
+        self.roll_back = self._planner.roll_back
+        self.plan_writes = self._planner.plan_writes
+        self._events: TierEvents | None = None  # record_events
         self._loaded_tokens = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -103,39 +110,6 @@ class TieredStore:
     def decisions(self) -> deque[LoadDecision]:
         """The last 1000 load decisions, oldest first."""
         return self._planner.decisions
-
-    # ---- KVTierPlanner (engine thread) --------------------------------------------------
-
-    def plan_load(
-        self,
-        request_id: str,
-        block_hashes: Sequence[bytes],
-        num_device_blocks: int,
-        max_blocks: int,
-        num_prompt_tokens: int,
-    ) -> LoadPlan | None:
-        """How much of the stored continuation of a device prefix hit to load (no reads yet).
-
-        Args:
-            block_hashes: the prompt's full-block chain hashes (at least ``max_blocks``).
-            num_device_blocks: leading blocks already in the device pool.
-            max_blocks: most blocks a hit may cover (the last prompt token is computed).
-        """
-        return self._planner.plan_load(
-            request_id, block_hashes, num_device_blocks, max_blocks, num_prompt_tokens
-        )
-
-    def roll_back(self, plan: LoadPlan, num_loaded_blocks: int) -> None:
-        """A plan delivered only its first ``num_loaded_blocks`` blocks: forget that the
-        chunks after those are stored, so the recomputed blocks are written again."""
-        self._planner.roll_back(plan, num_loaded_blocks)
-
-    def plan_writes(
-        self, block_hashes: Sequence[bytes], num_full_blocks: int, cuts: Sequence[int] = ()
-    ) -> list[ChunkWrite]:
-        """Entries of a finished (or preempted) sequence that the tiers do not hold yet, cut at
-        multiples of ``chunk_blocks``, at ``num_full_blocks`` and at ``cuts``."""
-        return self._planner.plan_writes(block_hashes, num_full_blocks, cuts)
 
     # ---- loads (the engine's loader thread, while the step runs) ------------------------
 
@@ -181,43 +155,16 @@ class TieredStore:
     # ---- what each tier holds, as events (for cache-aware routers) ---------------------------
 
     def record_events(self) -> None:
-        """From now on, record the blocks each tier that evicts on its own (host, disk) gains
-        and loses, by chunk: ``take_tier_events``. Chunks promoted from a lower tier and a
-        shared tier (Redis, whose entries expire unseen) are not tracked."""
-        if self._events is not None:
-            return
-        self._events = []
-        self._held: dict[tuple[str, bytes], tuple[bytes, ...]] = {}  # (tier, entry key) -> chunk
-        self._chunks: set[tuple[str, tuple[bytes, ...]]] = set()  # chunks each tier holds whole
-        self._writer.on_stored = self._tier_stored
-        for tier in self.tiers:
-            if hasattr(tier, "on_evict"):
-                tier.on_evict = functools.partial(self._tier_evicted, tier.name)
-
-    def take_tier_events(self) -> list[tuple[str, str, list[bytes]]]:
-        """``("stored" | "removed", tier name, block hashes)`` since the last call."""
+        """From now on, record the chunks each tier that evicts on its own (host, disk) gains
+        and loses (``tier_events.TierEvents``): ``take_tier_events``. Idempotent."""
         if self._events is None:
-            return []
-        with self._events_lock:
-            events, self._events = self._events, []
-        return events
+            self._events = TierEvents(self.tiers, self.block_size)
+            self._writer.on_stored = self._events.stored
 
-    def _tier_stored(self, tier: str, keys: list[bytes], hashes: list[bytes]) -> None:
-        if not any(t.name == tier and hasattr(t, "on_evict") for t in self.tiers):
-            return
-        chunk = tuple(hashes)
-        with self._events_lock:
-            for key in keys:
-                self._held[(tier, key)] = chunk
-            self._chunks.add((tier, chunk))
-            self._events.append(("stored", tier, list(chunk)))
-
-    def _tier_evicted(self, tier: str, key: bytes) -> None:
-        with self._events_lock:
-            chunk = self._held.pop((tier, key), None)
-            if chunk is not None and (tier, chunk) in self._chunks:  # its first group to go
-                self._chunks.discard((tier, chunk))
-                self._events.append(("removed", tier, list(chunk)))
+    def take_tier_events(self) -> list[KVEvent]:
+        """``BlockStored`` / ``BlockRemoved`` (medium: the tier's name) since the last call;
+        empty unless ``record_events`` was called."""
+        return self._events.take() if self._events is not None else []
 
     def _forget_chunk(self, chunk: ChunkWrite) -> None:
         self._planner.known.forget(chunk.key)

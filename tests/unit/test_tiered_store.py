@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from kvwise.core.kv_events import BlockRemoved, BlockStored
 from kvwise.store import serde
 from kvwise.store.costmodel import CostModel, OnlineFit
 from kvwise.store.host import HostStore
@@ -396,10 +397,12 @@ def test_tiered_store_implements_the_scheduler_protocol():
 
     from kvwise.core.kv_tiers import KVTierPlanner
 
+    store = make_store(HostStore(1 << 20))
+    assert isinstance(store, KVTierPlanner)
     for name in ("plan_load", "roll_back", "plan_writes"):
         want = inspect.signature(getattr(KVTierPlanner, name)).parameters
-        got = inspect.signature(getattr(TieredStore, name)).parameters
-        assert list(got) == list(want), name
+        got = inspect.signature(getattr(store, name)).parameters  # bound: no self
+        assert list(got) == list(want)[1:], name
 
 
 def test_roll_back_makes_the_undelivered_chunks_writable_again():
@@ -492,15 +495,13 @@ def test_tier_events_report_the_chunks_each_tier_gains_and_loses():
     h = chain(12)
     write_all(store, h)  # 3 chunks into room for 2: the oldest ones go
     events = store.take_tier_events()
-    stored = [e for e in events if e[0] == "stored"]
-    assert [(kind, tier) for kind, tier, _ in stored] == [("stored", "host")] * 2
-    assert [hashes for _, _, hashes in stored] == [h[4:8], h[8:12]]
+    assert events == [BlockStored(h[4:8], None, 4, "host"), BlockStored(h[8:12], None, 4, "host")]
     # h[:4] (= chain(4)) was written before recording: not stored now, and its eviction to
     # make room is not reported either
-    assert [e for e in events if e[0] == "removed"] == []
     write_all(store, chain(20))  # two more chunks: h's two are evicted
     later = store.take_tier_events()
-    gone = [hashes for kind, _, hashes in later if kind == "removed"]
+    assert all(e.medium == "host" for e in later)
+    gone = [e.block_hashes for e in later if isinstance(e, BlockRemoved)]
     assert h[4:8] in gone and h[8:12] in gone
     assert len(gone) == len({tuple(g) for g in gone})  # a chunk is removed once, not per group
     assert store.take_tier_events() == []
