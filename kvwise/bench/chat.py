@@ -31,18 +31,6 @@ from kvwise.bench.load import _serve_process
 _CHARS_PER_TOKEN = 4.1
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--conversations", type=int, default=4, help="concurrent conversations")
-    p.add_argument("--turns", type=int, default=6, help="turns per conversation")
-    p.add_argument("--turn-tokens", type=int, default=550, help="new user tokens per turn")
-    p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
-    p.add_argument("--rounds", type=int, default=1, help="alternating rounds per server")
-    p.add_argument("--llama-cpp", default=None, help="directory of llama-server")
-    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
-    p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-
-
 def _slices(count: int, size_chars: int) -> list[str]:
     """``count`` consecutive slices of the reference text, cut at whitespace."""
     from pydoc_data.topics import topics

@@ -32,10 +32,10 @@ import statistics
 import time
 from pathlib import Path
 
+from kvwise.bench.args import CLUSTER_MODES as MODES
 from kvwise.bench.chat import _CHARS_PER_TOKEN, _slices
 from kvwise.bench.common import wait_ready
 
-MODES = ("one big replica", "cache-aware", "power-of-two", "round-robin")
 FOLLOW_UPS = (
     "Summarise that in one sentence.",
     "What is the most surprising detail above?",
@@ -43,28 +43,6 @@ FOLLOW_UPS = (
     "Which part would a beginner misread?",
     "Name a related feature.",
 )
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
-    p.add_argument("--tenants", type=int, default=4)
-    p.add_argument("--conversations", type=int, default=8, help="per tenant")
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--min-doc-tokens", type=int, default=900)
-    p.add_argument("--max-doc-tokens", type=int, default=1700)
-    p.add_argument("--system-tokens", type=int, default=300, help="the public system prompt")
-    p.add_argument("--max-tokens", type=int, default=12, help="tokens per answer")
-    p.add_argument("--concurrency", type=int, default=8, help="conversations at once")
-    p.add_argument("--think-s", type=float, default=2.0,
-                   help="mean pause between a reply and the next turn (exponential; 0: none)")  # fmt: skip
-    p.add_argument("--rounds", type=int, default=1, help="rounds; the modes alternate in each")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
-    p.add_argument("--kv-cache-memory", default="768MiB", help="KV pool per replica")
-    p.add_argument("--redis-url", default=None, help="a Redis every replica shares (off)")
-    p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--plot", default=None, help="PNG of the TTFT distributions")
-    p.add_argument("--seed", type=int, default=0)
 
 
 def _workload(args) -> tuple[str, list[str]]:

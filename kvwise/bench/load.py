@@ -54,30 +54,6 @@ QUESTIONS = [
 ]
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
-    p.add_argument("--duration", type=float, default=120.0, help="seconds of load per server")
-    p.add_argument("--max-requests", type=int, default=5000, help="cap on requests per server")
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer")
-    p.add_argument("--llama-cpp", default=None, help="directory of llama-server")
-    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
-    p.add_argument("--slot-ctx", type=int, default=1024, help="llama-server context per slot")
-    p.add_argument(
-        "--slots",
-        default=None,
-        help="llama-server slot counts to run, comma-separated (default: one per client)",
-    )
-    p.add_argument("--max-waiting", type=int, default=48, help="kvwise queue bound (429 past it)")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument(
-        "--url",
-        default=None,
-        help="load a server already running at this URL (e.g. http://127.0.0.1:8000) instead "
-        "of starting kvwise and llama.cpp",
-    )
-    p.add_argument("--api-key", default=None, help="with --url: the Bearer key to send")
-
-
 async def _client(
     http,
     url: str,

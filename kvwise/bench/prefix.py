@@ -24,12 +24,6 @@ from kvwise.engine.builder import build_engine, load_for
 from kvwise.types import SamplingParams
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--reps", type=int, default=5, help="repetitions per figure (median)")
-    p.add_argument("--prefix-len", type=int, default=2048, help="cached prefix length")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-
-
 class _Timed:
     """Wrap a method and add up the seconds spent in it."""
 

@@ -44,22 +44,6 @@ from kvwise.types import SamplingParams
 FIGURES = ("decode", "batch", "batch_decode")
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--reps", type=int, default=5, help="repetitions per figure (median)")
-    p.add_argument("--decode-tokens", type=int, default=128, help="tokens in the decode test")
-    p.add_argument("--batch", type=int, default=16, help="concurrent requests")
-    p.add_argument("--prefill-lens", default="512,2048", help="prompt lengths for prefill")
-    p.add_argument("--no-peer", action="store_true", help="skip transformers")
-    p.add_argument(
-        "--compare-quantization",
-        default="none",
-        help="a second kvwise column in this weight format ('' to skip; default: float32)",
-    )
-    p.add_argument("--llama-cpp", default=None, help="directory of llama-bench / llama-server")
-    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-
-
 def _column(weight_format: str) -> str:
     return f"kvwise {'float32' if weight_format == 'none' else weight_format}"
 

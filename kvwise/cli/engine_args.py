@@ -1,15 +1,28 @@
 """Command-line flags that build an engine, shared by every command that runs one
-(``generate``, ``chat``, ``serve``, the benchmarks): ``add_engine_args(parser)`` declares
-them, ``engine_kwargs(args)`` turns them into ``EngineConfig.from_kwargs`` keywords."""
+(``generate``, ``chat``, ``serve``, the benchmarks that build one: ``engine_flags`` in the
+command table): ``add_engine_args(parser)`` declares them, ``engine_kwargs(args)`` turns them
+into ``EngineConfig.from_kwargs`` keywords and ``engine_config(kwargs)`` into the config, with
+what can fail fast checked before a model loads. The choices are the config's own lists
+(``kvwise.config``, ``kvwise.core.kv_spec.kv_formats``). No torch."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
+    _add_model_args(g)
+    _add_scheduling_args(g)
+    _add_tier_args(p)
+
+
+def _add_model_args(g) -> None:
+    from kvwise.config import QUANTIZATIONS, SUPPORTED_DTYPES
+    from kvwise.core.kv_spec import kv_formats
+
     g.add_argument(
         "--model",
         default=None,
@@ -19,13 +32,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16"],
+        choices=SUPPORTED_DTYPES,
         help="compute dtype of weights and activations",
     )
     g.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "int8", "int4"],
+        choices=QUANTIZATIONS,
         help="auto: a quantized GGUF runs on int4/int8 kernels, an HF checkpoint in --dtype; "
         "none: every weight dequantized to --dtype (the reference); int8 / int4: quantize "
         "the weights at load",
@@ -33,7 +46,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16", "int8", "int4"],
+        choices=("auto", *kv_formats()),
         help="how the KV pool and tiers store K/V (auto: the compute dtype; int8: a scale per "
         "token and head; int4: keys per channel over each 32-token block, values per token)",
     )
@@ -43,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="int4 KV: channels per scale group (default 32)",
     )
+
+
+def _add_scheduling_args(g) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument(
         "--block-size", type=int, default=None, help="tokens per KV block (16; 32 for int4 KV)"
@@ -81,7 +97,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="public prefixes are shared only in chunks of this many tokens",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    _add_tier_args(p)
 
 
 # --flag dest -> StoreConfig field: passed to the engine only when given, so that StoreConfig's
@@ -133,6 +148,12 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
         "KV from them instead of recomputing it",
     )
     _add_secret_args(g)
+    _add_tier_place_args(g, default)
+    _add_entry_args(g, default)
+
+
+def _add_tier_place_args(g, default: dict) -> None:
+    """Where each tier keeps its entries, and how much of them."""
     g.add_argument(
         "--kv-host-memory",
         default=None,
@@ -177,6 +198,12 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
         "past it is a fault, served as a miss, and Redis is skipped for 5 s "
         f"(default: {default['kv_redis_timeout']})",
     )
+
+
+def _add_entry_args(g, default: dict) -> None:
+    """What is written to the tiers, in what entries, and when a stored prefix is loaded."""
+    from kvwise.config import LOAD_POLICIES
+
     g.add_argument(
         "--kv-chunk-blocks",
         type=int,
@@ -203,7 +230,7 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-load-policy",
         default=None,
-        choices=["auto", "always", "never"],
+        choices=LOAD_POLICIES,
         help="auto: load a stored prefix only where the cost model says it beats recomputing "
         f"it; always / never: for benchmarks (default: {default['kv_load_policy']})",
     )
@@ -239,3 +266,28 @@ def _read_text(path: str) -> str:
             return f.read()
     except OSError as e:
         raise ValueError(f"public_system_prompt_file: cannot read '{path}': {e.strerror}") from e
+
+
+def engine_config(kwargs: dict):
+    """The engine's config, with what can fail fast checked before the model loads: the
+    model path, the store secret's strength and the disk tier's directory (ValueError naming
+    the option)."""
+    from kvwise.config import EngineConfig
+    from kvwise.store.factory import check_secret_strength, check_store_config
+
+    if kwargs.get("kv_store_secret"):  # before StoreConfig's own, shorter, minimum
+        check_secret_strength(kwargs["kv_store_secret"])
+    config = EngineConfig.from_kwargs(**kwargs)
+    model = config.model.model
+    if model is not None:
+        path = Path(model).expanduser()
+        try:
+            if path.is_dir():
+                os.listdir(path)
+            else:
+                with open(path, "rb"):
+                    pass
+        except OSError as e:
+            raise ValueError(f"model: cannot read '{model}': {e.strerror}") from None
+    check_store_config(config.store)
+    return config
