@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvwise.config import EngineConfig
+from kvwise.core.runner import ModelRunner
 from kvwise.engine.assemble import assemble_engine
 from kvwise.engine.chat_template import check_messages, check_rendered_length
 from kvwise.engine.llm_engine import LLMEngine
@@ -136,7 +137,7 @@ def fake_engine(
     block_size: int = 4,
     num_layers: int = 2,
     *,
-    wrap_runner: Callable[[FakeModelRunner], object] | None = None,
+    wrap_runner: Callable[[FakeModelRunner], ModelRunner] | None = None,
     **config,
 ) -> LLMEngine:
     """An engine over the fake runner: ``fake_engine(kv_host_memory="1MiB", ...)``. No tier is

@@ -1,7 +1,8 @@
-"""Assemble an engine around a model runner and a tokenizer: the KV cache manager, the
-scheduler, the tiered store and the output processor (detokenizer), from an ``EngineConfig``. No torch here: tests assemble a whole
-engine around the ``FakeModelRunner`` and a byte tokenizer with this; ``builder.build_engine``
-loads a real model and calls it."""
+"""Assemble an engine around a model runner (any ``core.runner.ModelRunner``) and a tokenizer:
+the KV cache manager, the scheduler, the tiered store and the output processor (detokenizer),
+from an ``EngineConfig``. No torch here: tests assemble a whole engine around the
+``FakeModelRunner`` and a byte tokenizer with this; ``builder.build_engine`` loads a real model
+and calls it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 
 from kvwise.config import EngineConfig
 from kvwise.core.kv_cache_manager import KVCacheManager
+from kvwise.core.runner import ModelRunner
 from kvwise.core.scheduler import Scheduler
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.engine.output_processor import OutputProcessor
@@ -21,7 +23,7 @@ logger = logging.getLogger("kvwise")
 
 def assemble_engine(
     config: EngineConfig,
-    runner,
+    runner: ModelRunner,
     tokenizer: Tokenizer,
     *,
     model_fingerprint: str,

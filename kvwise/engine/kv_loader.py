@@ -39,7 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvwise.core.outputs import KVLoad
+from kvwise.core.runner import ModelRunner
 from kvwise.store.base import call_deadline
+from kvwise.store.tiered import TieredStore
 
 logger = logging.getLogger("kvwise")
 
@@ -95,7 +97,7 @@ class _DeviceGate:
 
 
 class _Dest:
-    """``reader.Dest`` for one layer group: where each chunk's payload lands, straight in its
+    """``reader.GatedDest`` for one layer group: where each chunk's payload lands, straight in its
     device blocks, while the gate is open."""
 
     def __init__(self, loader: KVLoader, group: int) -> None:
@@ -114,7 +116,7 @@ class _Dest:
         return loader.runner.payload_views(block_ids, skip, entry_blocks, self._layers)
 
 
-def wait_deadline(store, loads: list[KVLoad]) -> float:
+def wait_deadline(store: TieredStore, loads: list[KVLoad]) -> float:
     """How long the model waits for one layer group of ``loads`` at most: the group's reads
     from each tier the plan names, each within that tier's deadline (``_READ_AHEAD`` groups
     share the reader's threads, so a read may wait for another's), and its copies."""
@@ -127,7 +129,7 @@ class KVLoader:
     """Loads one step's ``loads`` (see the module docstring): ``wait_layer`` for the model,
     ``finish`` after the step."""
 
-    def __init__(self, store, runner, loads: list[KVLoad]) -> None:
+    def __init__(self, store: TieredStore, runner: ModelRunner, loads: list[KVLoad]) -> None:
         self.store = store
         self.runner = runner
         self.loads = loads

@@ -16,6 +16,7 @@ from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.kv_events import KVEvent
 from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.core.request import Request
+from kvwise.core.runner import ModelRunner
 from kvwise.core.scheduler import Scheduler
 from kvwise.engine.kv_loader import KVLoader
 from kvwise.engine.output_processor import OutputProcessor
@@ -31,7 +32,7 @@ class LLMEngine:
     def __init__(
         self,
         *,
-        runner,
+        runner: ModelRunner,
         tokenizer: Tokenizer,
         kv_manager: KVCacheManager,
         scheduler: Scheduler,
@@ -39,8 +40,8 @@ class LLMEngine:
         store: TieredStore | None = None,
         max_model_len: int,
     ) -> None:
-        """Join the parts. ``runner`` follows the contract in ``worker/model_runner.py``;
-        ``outputs`` turns the scheduler's token ids into text and ``RequestOutput``s."""
+        """Join the parts. ``runner`` follows the contract in ``core/runner.py``; ``outputs``
+        turns the scheduler's token ids into text and ``RequestOutput``s."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.kv_manager = kv_manager
