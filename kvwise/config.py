@@ -8,11 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvwise.core.kv_spec import STORAGE_DTYPES, default_block_size
-from kvwise.utils import parse_bytes, parse_duration
+from kvwise.core.kv_spec import default_block_size, kv_formats
+from kvwise.core.scheduler_config import SchedulerConfig
+from kvwise.utils import check_positive_int, check_positive_or_none, parse_bytes, parse_duration
+
+__all__ = [
+    "CacheConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "SchedulerConfig",  # defined in the core, beside the scheduler that reads it
+    "StoreConfig",
+    "check_secret_strength",
+]
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -43,8 +54,8 @@ class ModelConfig:
             raise ValueError(
                 f"quantization: expected one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
-        _positive_or_none("max_model_len", self.max_model_len)
-        _positive_or_none("num_threads", self.num_threads)
+        check_positive_or_none("max_model_len", self.max_model_len)
+        check_positive_or_none("num_threads", self.num_threads)
 
 
 @dataclass(frozen=True)
@@ -63,14 +74,14 @@ class CacheConfig:
     max_retained_fraction_per_tenant: float = 0.5  # share of the pool one tenant may keep
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("auto", *STORAGE_DTYPES):
+        formats = kv_formats()
+        if self.kv_cache_dtype not in ("auto", *formats):
             raise ValueError(
-                f"kv_cache_dtype: expected 'auto' or one of {STORAGE_DTYPES}, "
-                f"got {self.kv_cache_dtype!r}"
+                f"kv_cache_dtype: expected 'auto' or one of {formats}, got {self.kv_cache_dtype!r}"
             )
         if self.block_size is None:
             object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
-        _positive_int("block_size", self.block_size)
+        check_positive_int("block_size", self.block_size)
         if self.kv_int4_group_size and self.kv_cache_dtype != "int4":
             raise ValueError("kv_int4_group_size: only for kv_cache_dtype='int4'")
         if self.kv_cache_memory is not None:
@@ -83,7 +94,7 @@ class CacheConfig:
             object.__setattr__(self, name, value)
             if not all(isinstance(p, str) and p for p in value):
                 raise ValueError(f"{name}: each must be a non-empty string")
-        _positive_int("public_prefix_min_tokens", self.public_prefix_min_tokens)
+        check_positive_int("public_prefix_min_tokens", self.public_prefix_min_tokens)
         if self.public_prefix_min_tokens < self.block_size:
             raise ValueError(
                 f"public_prefix_min_tokens: must be at least block_size ({self.block_size}), "
@@ -108,6 +119,31 @@ class CacheConfig:
 
 
 LOAD_POLICIES = ("auto", "always", "never")
+
+# the store secret rule (check_secret_strength); the CLI and the store factory apply it too
+MIN_SECRET_CHARS = 32
+MIN_HEX_SECRET_CHARS = 64  # 32 bytes
+MIN_SECRET_DISTINCT_CHARS = 10
+
+
+def check_secret_strength(secret: str, source: str = "kv_store_secret") -> None:
+    """ValueError (naming ``source``, never echoing the secret) unless ``secret`` has at least
+    32 characters, at least 10 of them different, and at least 64 if all are hex digits.
+
+    One sealed entry lets anyone who can read a tier test guesses offline, so a secret must be
+    out of reach of a search: ``kvwise secret`` prints one (``secrets.token_hex(32)``), as
+    does ``openssl rand -hex 32``. The rule cannot measure entropy; it refuses the short and
+    the obviously repetitive.
+    """
+    is_hex = all(c in string.hexdigits for c in secret)
+    minimum = MIN_HEX_SECRET_CHARS if is_hex else MIN_SECRET_CHARS
+    if len(secret) < minimum or len(set(secret)) < MIN_SECRET_DISTINCT_CHARS:
+        raise ValueError(
+            f"{source}: too weak to resist an offline search: a store secret needs at least "
+            f"{MIN_SECRET_CHARS} characters, {MIN_SECRET_DISTINCT_CHARS} of them different, "
+            f"and {MIN_HEX_SECRET_CHARS} if it is all hex digits (32 bytes); make one with "
+            "'kvwise secret' or 'openssl rand -hex 32'"
+        )
 
 
 def default_kv_disk_path() -> str:
@@ -139,11 +175,10 @@ class StoreConfig:
     kv_redis_allow_no_secret: bool = False  # share Redis with predictable keys (warned)
 
     def __post_init__(self) -> None:
-        if self.kv_store_secret is not None and (
-            not isinstance(self.kv_store_secret, str) or len(self.kv_store_secret) < 16
-        ):
-            # NOTE: never echo the secret
-            raise ValueError("kv_store_secret: expected a string of at least 16 characters")
+        if self.kv_store_secret is not None:
+            if not isinstance(self.kv_store_secret, str):
+                raise ValueError("kv_store_secret: expected a string")  # NOTE: never echo it
+            check_secret_strength(self.kv_store_secret)
         host = self.kv_host_memory
         host = 0 if host in (None, "off", 0) else parse_bytes(host, "kv_host_memory")
         object.__setattr__(self, "kv_host_memory", host)
@@ -172,9 +207,9 @@ class StoreConfig:
         object.__setattr__(
             self, "kv_redis_timeout", parse_duration(self.kv_redis_timeout, "kv_redis_timeout")
         )
-        _positive_int("kv_chunk_blocks", self.kv_chunk_blocks)
-        _positive_int("kv_layer_groups", self.kv_layer_groups)
-        _positive_int("kv_store_min_tokens", self.kv_store_min_tokens)
+        check_positive_int("kv_chunk_blocks", self.kv_chunk_blocks)
+        check_positive_int("kv_layer_groups", self.kv_layer_groups)
+        check_positive_int("kv_store_min_tokens", self.kv_store_min_tokens)
         fraction = self.kv_max_kept_fraction_per_tenant
         if (
             isinstance(fraction, bool)
@@ -188,20 +223,6 @@ class StoreConfig:
             raise ValueError(
                 f"kv_load_policy: expected one of {LOAD_POLICIES}, got {self.kv_load_policy!r}"
             )
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64  # cap on running requests
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    prefill_chunk_size: int | None = 512  # most prompt tokens of one request in one step
-    max_waiting: int | None = None  # None: unbounded waiting queue
-
-    def __post_init__(self) -> None:
-        _positive_int("max_num_seqs", self.max_num_seqs)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive_or_none("prefill_chunk_size", self.prefill_chunk_size)
-        _positive_or_none("max_waiting", self.max_waiting)
 
 
 @dataclass(frozen=True)
@@ -252,13 +273,3 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-
-
-def _positive_or_none(name: str, value: object) -> None:
-    if value is not None:
-        _positive_int(name, value)

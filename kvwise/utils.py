@@ -1,4 +1,5 @@
-"""Small helpers shared by the layers: byte sizes and durations given as strings."""
+"""Small helpers shared by the layers: byte sizes and durations given as strings, checks of
+positive counts (config fields)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,15 @@ def parse_duration(value: int | float | str, field: str) -> float:
     if not seconds > 0:
         raise InvalidRequest(field, f"must be positive, got {value!r}")
     return seconds
+
+
+def check_positive_int(field: str, value: object) -> None:
+    """ValueError naming ``field`` unless ``value`` is a positive int (a bool is none)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{field}: expected a positive integer, got {value!r}")
+
+
+def check_positive_or_none(field: str, value: object) -> None:
+    """``check_positive_int``, with None allowed."""
+    if value is not None:
+        check_positive_int(field, value)

@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvwise.config import SchedulerConfig
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.kv_tiers import KVTierPlanner, LoadPlan
 from kvwise.core.outputs import (
@@ -34,6 +33,7 @@ from kvwise.core.outputs import (
     SchedulerOutput,
 )
 from kvwise.core.request import Request, RequestStatus
+from kvwise.core.scheduler_config import SchedulerConfig
 from kvwise.errors import ContextLengthExceeded, InvalidRequest, QueueFullError
 from kvwise.types import FinishReason
 

@@ -4,12 +4,10 @@ and model.
 
 ``check_store_config`` refuses, before anything is built (the CLI calls it before the model
 loads), a weak store secret and a disk tier path it cannot use, with a ``ValueError`` naming
-the option. The secret rule (``check_secret_strength``): at least 32 characters, at least 10
-of them different, and at least 64 when it is all hex digits (32 bytes once decoded). One sealed
-entry lets anyone who can read the tier test guesses offline, so a secret must be out of reach
-of a search: ``kvwise secret`` prints one (``secrets.token_hex(32)``), as does
-``openssl rand -hex 32``. The rule cannot measure entropy; it refuses the short and the
-obviously repetitive.
+the option. The secret rule is ``config.check_secret_strength`` (at least 32 characters, at
+least 10 of them different, and at least 64 when it is all hex digits: 32 bytes once
+decoded); ``StoreConfig`` applies it to ``kv_store_secret``, this module to
+``$KVWISE_KV_SECRET`` too.
 """
 
 from __future__ import annotations
@@ -17,11 +15,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import string
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvwise.config import StoreConfig
+from kvwise.config import StoreConfig, check_secret_strength  # the rule: named here for the CLI
 from kvwise.core.kv_spec import KVSpec
 from kvwise.store.base import HasLoadPrior, KeepsLocalSecret, KVStore, SharedTier
 from kvwise.store.costmodel import CostModel
@@ -33,9 +30,6 @@ from kvwise.store.tiered import TieredStore
 logger = logging.getLogger("kvwise")
 
 SECRET_ENV = "KVWISE_KV_SECRET"
-MIN_SECRET_CHARS = 32
-MIN_HEX_SECRET_CHARS = 64  # 32 bytes
-MIN_SECRET_DISTINCT_CHARS = 10
 
 
 def build_store(
@@ -138,20 +132,6 @@ def configured_secret(config: StoreConfig) -> tuple[str, str] | None:
     if os.environ.get(SECRET_ENV):
         return os.environ[SECRET_ENV], f"kv_store_secret (${SECRET_ENV})"
     return None
-
-
-def check_secret_strength(secret: str, source: str = "kv_store_secret") -> None:
-    """ValueError (naming ``source``, never echoing the secret) unless ``secret`` has at least
-    32 characters, at least 10 of them different, and at least 64 if all are hex digits."""
-    is_hex = all(c in string.hexdigits for c in secret)
-    minimum = MIN_HEX_SECRET_CHARS if is_hex else MIN_SECRET_CHARS
-    if len(secret) < minimum or len(set(secret)) < MIN_SECRET_DISTINCT_CHARS:
-        raise ValueError(
-            f"{source}: too weak to resist an offline search: a store secret needs at least "
-            f"{MIN_SECRET_CHARS} characters, {MIN_SECRET_DISTINCT_CHARS} of them different, "
-            f"and {MIN_HEX_SECRET_CHARS} if it is all hex digits (32 bytes); make one with "
-            "'kvwise secret' or 'openssl rand -hex 32'"
-        )
 
 
 def check_store_config(config: StoreConfig) -> None:

@@ -10,10 +10,10 @@ import pytest
 
 from kvwise.config import StoreConfig
 from kvwise.core.kv_spec import KVSpec
-from kvwise.store.factory import build_store
 from kvwise.store import registry
 from kvwise.store.base import KVStore, TierStats
 from kvwise.store.disk import DiskStore
+from kvwise.store.factory import build_store
 from kvwise.store.host import HostStore
 from kvwise.store.redis import RedisStore
 from tests.store_util import chain, payload

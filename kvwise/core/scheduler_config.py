@@ -1,0 +1,23 @@
+"""The scheduler's configuration: a frozen dataclass validated on construction (ValueError
+naming the field). It lives in the core, beside the scheduler that reads it, so the core
+imports no module above it; ``kvwise.config`` composes it into ``EngineConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwise.utils import check_positive_int, check_positive_or_none
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # cap on running requests
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    prefill_chunk_size: int | None = 512  # most prompt tokens of one request in one step
+    max_waiting: int | None = None  # None: unbounded waiting queue
+
+    def __post_init__(self) -> None:
+        check_positive_int("max_num_seqs", self.max_num_seqs)
+        check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_positive_or_none("prefill_chunk_size", self.prefill_chunk_size)
+        check_positive_or_none("max_waiting", self.max_waiting)
