@@ -281,25 +281,28 @@ def cost_curves(
             copy = int(n * block_bytes_per_token)
             ttft.append(cost.predict_load(tier, num_chunks * entries_per_chunk, num_bytes, copy))
             ttft[-1] += tail
-        break_even = None
-        for i in range(len(scan) - 1, -1, -1):
-            if ttft[i] > recompute[i]:
-                break
-            break_even = lengths[i]
-        curves.append(
-            TierCurve(
-                tier,
-                tuple(ttft[i] for i in keep),
-                break_even,
-                updates.get(f"tier_{tier}", 0),
-            )
-        )
+        break_even = _break_even(lengths, ttft, recompute)
+        kept = tuple(ttft[i] for i in keep)
+        curves.append(TierCurve(tier, kept, break_even, updates.get(f"tier_{tier}", 0)))
     return CostCurves(
         tuple(lengths[i] for i in keep),
         tuple(recompute[i] for i in keep),
         tuple(curves),
         updates["step"],
     )
+
+
+def _break_even(
+    lengths: Sequence[int], load_ttft: Sequence[float], recompute_ttft: Sequence[float]
+) -> int | None:
+    """The shortest of ``lengths`` from which loading beats recomputing at every longer one
+    (None: recomputing wins at the longest)."""
+    break_even = None
+    for i in range(len(lengths) - 1, -1, -1):
+        if load_ttft[i] > recompute_ttft[i]:
+            break
+        break_even = lengths[i]
+    return break_even
 
 
 def _log_grid(n: int, max_points: int) -> list[int]:
