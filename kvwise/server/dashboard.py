@@ -10,7 +10,10 @@ recomputing (each tier's break-even marked), and the waiting queue, running requ
 Samples: a task of the app samples the engine's stats and the request totals every
 ``interval_s`` (and a data request does when the last sample is older), into a ring buffer of
 the last ``max_samples``, so a page opened late still sees the last minutes; hit rates and the
-mean TTFT are over a sliding window of ``window`` samples.
+mean TTFT are over a sliding window of ``window`` samples. A sample holds every field the
+stats dataclasses name a metric for (``core.stat_fields``; JSON key: the field's name without
+``num_``), and the JSON's ``now`` and ``tiers`` carry them all, so a new stats field reaches
+the page's data with no edit here; the charts pick theirs by that key.
 
 Access (``AdminGate``): without API keys and without an admin key the dashboard is open, like
 /metrics. Otherwise it needs the admin key (``--admin-key`` / ``$KVWISE_ADMIN_KEY``), sent as
@@ -38,10 +41,13 @@ from urllib.parse import parse_qsl, urlencode
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from kvwise.core.kv_cache_manager import KVCacheStats
+from kvwise.core.stat_fields import metric_fields
 from kvwise.engine.client import EngineClient
 from kvwise.engine.stats import EngineStats
 from kvwise.server.metrics import RequestTotals, ServerMetrics
 from kvwise.server.protocol import APIError
+from kvwise.store.stats import StoreStats, TierStats
 
 COOKIE = "kvwise_dashboard"
 _COOKIE_TAG = b"kvwise.dashboard.v1"
@@ -57,26 +63,32 @@ _HEADERS = {
 # ---- samples --------------------------------------------------------------------------------
 
 
+def stat_key(attr: str) -> str:
+    """A stats field's key in the JSON: its name without the units prefix ``num_``
+    (``num_waiting`` → ``waiting``, ``num_entries`` → ``entries``)."""
+    return attr.removeprefix("num_")
+
+
+def stat_values(stats, stats_type: type) -> dict[str, float]:
+    """Every field of the stats dataclass ``stats_type`` that names a metric
+    (``core.stat_fields``), by ``stat_key``, valued from ``stats`` (None: all 0, e.g. no
+    store), so a new stats field reaches the JSON with no edit here."""
+    fields = metric_fields(stats_type)
+    if stats is None:
+        return {stat_key(f.attr): 0 for f in fields}
+    return {stat_key(f.attr): getattr(stats, f.attr) for f in fields}
+
+
 @dataclass(frozen=True)
 class Sample:
     """The server at one moment; counters are totals since start."""
 
     t: float  # time.time()
     engine_up: bool
-    blocks_total: int
-    blocks_used: int
-    blocks_cached: int  # free, still holding a cached prefix
-    waiting: int
-    running: int
-    preemptions: int
-    query_tokens: int  # prompt tokens looked up in the prefix cache
-    device_hit_tokens: int  # ... found in the device pool
-    tier_loaded_tokens: dict[str, int]  # ... loaded from each tier (tier order)
-    load_decisions: int
-    recompute_decisions: int
-    lookup_misses: int
-    loaded_tokens: int
-    recomputed_tokens: int  # stored tokens the cost model chose to recompute
+    # the engine's, the pool's and the store's stats fields (``stat_values``): blocks_total,
+    # blocks_used, blocks_cached_free, waiting, running, prefix_query_tokens, ...
+    stats: dict[str, float]
+    tier_loaded_tokens: dict[str, int]  # prompt tokens loaded from each tier (tier order)
     requests_finished: int
     rejected_429: int
     ttft_sum_s: float
@@ -84,25 +96,16 @@ class Sample:
 
 
 def take_sample(stats: EngineStats, totals: RequestTotals, engine_up: bool, t: float) -> Sample:
-    kv, store = stats.kv, stats.store
-    tiers = store.tiers if store is not None else {}
+    tiers = stats.store.tiers if stats.store is not None else {}
     return Sample(
         t=t,
         engine_up=engine_up,
-        blocks_total=kv.blocks_total,
-        blocks_used=kv.blocks_used,
-        blocks_cached=kv.blocks_cached_free,
-        waiting=stats.num_waiting,
-        running=stats.num_running,
-        preemptions=stats.num_preemptions,
-        query_tokens=kv.prefix_query_tokens,
-        device_hit_tokens=kv.prefix_hit_tokens,
+        stats={
+            **stat_values(stats, EngineStats),
+            **stat_values(stats.kv, KVCacheStats),
+            **stat_values(stats.store, StoreStats),
+        },
         tier_loaded_tokens={name: t.loaded_tokens for name, t in tiers.items()},
-        load_decisions=store.load_decisions if store else 0,
-        recompute_decisions=store.recompute_decisions if store else 0,
-        lookup_misses=store.lookup_misses if store else 0,
-        loaded_tokens=store.loaded_tokens if store else 0,
-        recomputed_tokens=store.recomputed_tokens if store else 0,
         requests_finished=sum(totals.finished.values()),
         rejected_429=totals.by_status.get("429", 0),
         ttft_sum_s=totals.ttft_sum_s,
@@ -171,29 +174,37 @@ class DashboardHistory:
                 out.append(None if d <= 0 else (num(s) - num(first)) / d)
             return out
 
-        hit_rate = {
-            "device pool": windowed(lambda s: s.device_hit_tokens, lambda s: s.query_tokens)
-        }
+        def queried(s: Sample) -> float:
+            return s.stats["prefix_query_tokens"]
+
+        hit_rate = {"device pool": windowed(lambda s: s.stats["prefix_hit_tokens"], queried)}
         for tier in tiers:
             hit_rate[tier] = windowed(
-                lambda s, tier=tier: s.tier_loaded_tokens.get(tier, 0), lambda s: s.query_tokens
+                lambda s, tier=tier: s.tier_loaded_tokens.get(tier, 0), queried
             )
+        drawn = {key: [s.stats[attr] for s in samples] for key, attr in _DRAWN.items()}
         return {
             "t": [round(s.t - newest.t, 3) for s in samples],
-            "blocks_total": [s.blocks_total for s in samples],
-            "blocks_used": [s.blocks_used for s in samples],
-            "blocks_cached": [s.blocks_cached for s in samples],
-            "waiting": [s.waiting for s in samples],
-            "running": [s.running for s in samples],
+            **drawn,
             "rejected_429": [
                 s.rejected_429 - (samples[i - 1].rejected_429 if i else s.rejected_429)
                 for i, s in enumerate(samples)
             ],
-            "load_decisions": [s.load_decisions for s in samples],
-            "recompute_decisions": [s.recompute_decisions for s in samples],
             "hit_rate": hit_rate,
             "ttft_mean_s": _finite(windowed(lambda s: s.ttft_sum_s, lambda s: s.ttft_count)),
         }
+
+
+# the stats the page charts over time: its series' name -> the stats key (``stat_values``)
+_DRAWN = {
+    "blocks_total": "blocks_total",
+    "blocks_used": "blocks_used",
+    "blocks_cached": "blocks_cached_free",
+    "waiting": "waiting",
+    "running": "running",
+    "load_decisions": "load_decisions",
+    "recompute_decisions": "recompute_decisions",
+}
 
 
 # ---- the data endpoint ----------------------------------------------------------------------
@@ -228,12 +239,11 @@ class Dashboard:
         self.history.sample()
         series = self.history.series()
         newest = self._read()
+        stats = newest.stats
+        queried = stats["prefix_query_tokens"]
         hit_rate = {
-            "device pool": _ratio(newest.device_hit_tokens, newest.query_tokens),
-            **{
-                tier: _ratio(n, newest.query_tokens)
-                for tier, n in newest.tier_loaded_tokens.items()
-            },
+            "device pool": _ratio(stats["prefix_hit_tokens"], queried),
+            **{tier: _ratio(n, queried) for tier, n in newest.tier_loaded_tokens.items()},
         }
         ttft = series["ttft_mean_s"][-1] if series.get("ttft_mean_s") else None
         return {
@@ -243,19 +253,10 @@ class Dashboard:
             "window_s": self.history.interval_s * self.history.window,
             "engine_up": newest.engine_up,
             "now": {
-                "blocks_total": newest.blocks_total,
-                "blocks_used": newest.blocks_used,
-                "blocks_cached": newest.blocks_cached,
-                "waiting": newest.waiting,
-                "running": newest.running,
-                "preemptions": newest.preemptions,
+                **stats,  # every stats field, by its key
+                "blocks_cached": stats["blocks_cached_free"],  # the series' name
                 "rejected_429": newest.rejected_429,
                 "requests_finished": newest.requests_finished,
-                "load_decisions": newest.load_decisions,
-                "recompute_decisions": newest.recompute_decisions,
-                "lookup_misses": newest.lookup_misses,
-                "loaded_tokens": newest.loaded_tokens,
-                "recomputed_tokens": newest.recomputed_tokens,
                 "hit_rate": hit_rate,  # since start
                 "ttft_mean_s": ttft,  # over the window
             },
@@ -265,21 +266,11 @@ class Dashboard:
         }
 
     def _tiers(self) -> list[dict]:
+        """A row per tier: every ``TierStats`` field (``stat_values``: entries, bytes, hits,
+        misses, faults, loads, load_seconds, loaded_tokens, ...)."""
         store = self.engine.stats().store
-        return [
-            {
-                "name": name,
-                "entries": t.num_entries,
-                "bytes": t.num_bytes,
-                "hits": t.hits,
-                "misses": t.misses,
-                "faults": t.faults,
-                "loads": t.loads,
-                "load_seconds": t.load_seconds,
-                "loaded_tokens": t.loaded_tokens,
-            }
-            for name, t in (store.tiers.items() if store is not None else ())
-        ]
+        tiers = store.tiers.items() if store is not None else ()
+        return [{"name": name, **stat_values(t, TierStats)} for name, t in tiers]
 
     def _cost_model(self) -> dict | None:
         curves = self.engine.cost_curves()

@@ -2,19 +2,18 @@
 
 Per request (recorded when it ends): requests by route and status, prompt / cached / generated
 tokens, TTFT, every inter-token latency, end-to-end latency. From the engine (read at scrape time
-from the async engine's last stats): waiting queue depth, running requests, KV blocks used /
-cached-free / free, KV utilisation, prefix-cache query and hit tokens, preemptions; with KV
-tiers, one series per tier (label ``tier``) for every ``TierStats`` counter and gauge (hits,
-misses, bytes read and written, load time, evictions, faults, entries and bytes held), and
-the store's load / recompute decisions,
-loaded and recomputed-instead tokens, chunks written, writes dropped and bytes waiting to be
-written, and each tier's break-even prefix length under the cost model's current fit.
-Each finished request also writes one log line.
+from its last stats): one series per field that ``EngineStats``, ``KVCacheStats`` and
+``StoreStats`` name a metric for in their metadata (``core.stat_fields``: the waiting queue,
+running requests, KV blocks used / cached-free / free / kept, utilisation, prefix-cache query
+and hit tokens, preemptions, load rollbacks; the store's load / recompute decisions, loaded and
+recomputed-instead tokens, chunks written, writes dropped, bytes waiting to be written), one
+series per tier (label ``tier``) for every ``TierStats`` field, whether the engine is up, and
+each tier's break-even prefix length under the cost model's current fit. A new stats field
+with a metric needs no edit here. Each finished request also writes one log line.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,9 +21,11 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvwise.core.kv_cache_manager import KVCacheStats
+from kvwise.core.stat_fields import COUNTER, MetricField, metric_fields
 from kvwise.engine.client import EngineClient
-from kvwise.store.base import TierStats
-from kvwise.store.tiered import StoreStats
+from kvwise.engine.stats import EngineStats
+from kvwise.store.stats import StoreStats, TierStats
 from kvwise.types import RequestOutput
 
 logger = logging.getLogger("kvwise.server")
@@ -35,52 +36,23 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class _EngineCollector:
-    """Gauges and counters read from the engine's typed stats at scrape time."""
+    """Gauges and counters read from the engine's typed stats at scrape time: one family per
+    metric its stats dataclasses' fields name (``core.stat_fields``), so a new stats field
+    needs no edit here; the engine's liveness and the tiers' break-even besides."""
 
     def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self):
         s = self.engine.stats()
-        kv = s.kv
-        gauges = {
-            "kvwise_requests_waiting": ("requests in the waiting queue", s.num_waiting),
-            "kvwise_requests_running": ("requests running", s.num_running),
-            "kvwise_kv_blocks_total": ("KV blocks in the pool", kv.blocks_total),
-            "kvwise_kv_blocks_used": ("KV blocks held by requests", kv.blocks_used),
-            "kvwise_kv_blocks_cached": (
-                "free KV blocks still holding a cached prefix",
-                kv.blocks_cached_free,
-            ),
-            "kvwise_kv_blocks_free": ("free KV blocks", kv.blocks_free),
-            "kvwise_kv_utilization": (
-                "share of allocated KV slots holding computed tokens",
-                kv.utilization,
-            ),
-            "kvwise_engine_up": ("1 while the engine loop runs", int(self.engine.is_running)),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = {
-            "kvwise_prefix_cache_queries_tokens": (
-                "prompt tokens looked up in the prefix cache",
-                kv.prefix_query_tokens,
-            ),
-            "kvwise_prefix_cache_hits_tokens": (
-                "prompt tokens found in the prefix cache",
-                kv.prefix_hit_tokens,
-            ),
-            "kvwise_preemptions": ("requests preempted for lack of KV blocks", s.num_preemptions),
-            "kvwise_kv_integrity_checks": (
-                "KV pool integrity checks passed while idle (a failure stops the engine)",
-                s.kv_integrity_checks,
-            ),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily(
+            "kvwise_engine_up", "1 while the engine loop runs", value=int(self.engine.is_running)
+        )
+        yield from _families(s, EngineStats)
+        yield from _families(s.kv, KVCacheStats)
         if s.store is not None:
-            yield from _tier_families(s.store)
-            yield from _store_families(s.store)
+            yield from _families(s.store, StoreStats)
+            yield from _families(s.store.tiers, TierStats, per="tier")
         curves = self.engine.cost_curves()
         if curves is not None:
             break_even = GaugeMetricFamily(
@@ -95,51 +67,24 @@ class _EngineCollector:
             yield break_even
 
 
-def _tier_families(store: StoreStats):
-    """One series per tier for every ``TierStats`` field: the metric name, help and kind are
-    the field's metadata, and the tiers are whatever the store has (a new tier or counter
-    needs no edit here)."""
-    for f in dataclasses.fields(TierStats):
-        family = CounterMetricFamily if f.metadata["kind"] == "counter" else GaugeMetricFamily
-        metric = family(f.metadata["metric"], f.metadata["help"], labels=["tier"])
-        for tier, stats in store.tiers.items():
-            metric.add_metric([tier], getattr(stats, f.name))
+def _families(stats, stats_type: type, per: str | None = None):
+    """The families ``stats_type``'s fields name, valued from ``stats`` (with ``per``: a dict
+    of such stats, one series each, labelled ``per`` with its key). Fields naming one metric
+    are one family, told apart by their fixed labels (the store's decisions)."""
+    by_metric: dict[str, list[MetricField]] = {}
+    for f in metric_fields(stats_type):
+        by_metric.setdefault(f.metric, []).append(f)
+    items = stats.items() if per is not None else [(None, stats)]
+    for name, fields in by_metric.items():
+        first = fields[0]
+        family = CounterMetricFamily if first.kind == COUNTER else GaugeMetricFamily
+        labels = [per] if per is not None else []
+        metric = family(name, first.help, labels=labels + [k for k, _ in first.labels])
+        for key, one in items:
+            for f in fields:
+                values = [key] if per is not None else []
+                metric.add_metric(values + [v for _, v in f.labels], getattr(one, f.attr))
         yield metric
-
-
-def _store_families(store: StoreStats):
-    """The store's own series: load / recompute decisions, loaded tokens, writes."""
-    decisions = CounterMetricFamily(
-        "kvwise_kv_store_decisions",
-        "stored-prefix hits by what the cost model chose: load from a tier or recompute",
-        labels=["decision"],
-    )
-    decisions.add_metric(["load"], store.load_decisions)
-    decisions.add_metric(["recompute"], store.recompute_decisions)
-    yield decisions
-    counters = {
-        "kvwise_kv_store_loaded_tokens": ("prompt tokens loaded from the tiers", "loaded_tokens"),
-        "kvwise_kv_store_recomputed_tokens": (
-            "stored prefix tokens the cost model chose to recompute rather than load",
-            "recomputed_tokens",
-        ),
-        "kvwise_kv_store_lookup_misses": (
-            "prompts whose continuation past the device pool no tier held",
-            "lookup_misses",
-        ),
-        "kvwise_kv_store_chunks_written": ("KV entries written to the tiers", "chunks_written"),
-        "kvwise_kv_store_writes_dropped": (
-            "KV entries not written because the write queue was full",
-            "writes_dropped",
-        ),
-    }
-    for name, (doc, attr) in counters.items():
-        yield CounterMetricFamily(name, doc, value=getattr(store, attr))
-    yield GaugeMetricFamily(
-        "kvwise_kv_store_pending_write_bytes",
-        "bytes queued for the tiers, not yet written",
-        value=store.pending_write_bytes,
-    )
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,23 @@ import dataclasses
 
 import pytest
 
-from kvwise.server.dashboard import DashboardHistory, Sample
+from kvwise.core.kv_cache_manager import KVCacheStats
+from kvwise.core.stat_fields import metric_fields
+from kvwise.engine.async_engine import AsyncEngine
+from kvwise.engine.stats import EngineStats
+from kvwise.server.dashboard import Dashboard, DashboardHistory, Sample, stat_key, stat_values
 from kvwise.server.metrics import ServerMetrics
+from kvwise.store.stats import StoreStats, TierStats
+from tests.fakes import fake_engine
 from tests.store_util import FakeClock
 
+STATS = {
+    **stat_values(None, EngineStats), **stat_values(None, KVCacheStats),
+    **stat_values(None, StoreStats), "blocks_total": 100,
+}  # fmt: skip
 ZERO = Sample(
-    t=0.0, engine_up=True, blocks_total=100, blocks_used=0, blocks_cached=0, waiting=0,
-    running=0, preemptions=0, query_tokens=0, device_hit_tokens=0,
-    tier_loaded_tokens={"host": 0, "disk": 0}, load_decisions=0, recompute_decisions=0,
-    lookup_misses=0, loaded_tokens=0, recomputed_tokens=0, requests_finished=0,
-    rejected_429=0, ttft_sum_s=0.0, ttft_count=0,
+    t=0.0, engine_up=True, stats=STATS, tier_loaded_tokens={"host": 0, "disk": 0},
+    requests_finished=0, rejected_429=0, ttft_sum_s=0.0, ttft_count=0,
 )  # fmt: skip
 
 
@@ -54,7 +61,8 @@ def test_history_keeps_the_last_samples():
 
 def test_hit_rates_per_tier_over_the_window():
     def s(t, query, device, host, disk=0):
-        return dataclasses.replace(ZERO, t=t, query_tokens=query, device_hit_tokens=device,
+        stats = {**STATS, "prefix_query_tokens": query, "prefix_hit_tokens": device}
+        return dataclasses.replace(ZERO, t=t, stats=stats,
                                    tier_loaded_tokens={"host": host, "disk": disk})  # fmt: skip
 
     h = history([s(0, 0, 0, 0), s(1, 100, 50, 0), s(2, 200, 50, 100), s(3, 200, 50, 100),
@@ -101,3 +109,28 @@ def test_request_totals_sum_the_series_over_their_labels():
     assert totals.finished == {"stop": 1, "length": 2}
     assert (totals.ttft_count, totals.ttft_sum_s, totals.prompt_tokens) == (2, 0.75, 40)
     assert totals.generation_tokens == totals.cached_tokens == 0
+
+
+def test_every_stats_field_reaches_the_json_by_its_key():
+    """The data carries every field the stats name a metric for (a new field needs no edit in
+    the dashboard), each under one key, and the keys the page reads keep their values."""
+    stats_types = (EngineStats, KVCacheStats, StoreStats)
+    keys = [stat_key(f.attr) for cls in stats_types for f in metric_fields(cls)]
+    assert len(keys) == len(set(keys))  # no two fields share a key
+    engine = AsyncEngine(fake_engine(kv_host_memory="1MiB"))
+    try:
+        data = Dashboard(engine, ServerMetrics(engine), "fake").data()
+    finally:
+        engine.shutdown()
+    stats = engine.stats()
+    now = data["now"]
+    assert set(keys) <= set(now)
+    assert now["waiting"] == stats.num_waiting and now["preemptions"] == stats.num_preemptions
+    assert now["blocks_total"] == stats.kv.blocks_total == 64
+    assert now["blocks_cached"] == now["blocks_cached_free"] == stats.kv.blocks_cached_free
+    assert now["lookup_misses"] == stats.store.lookup_misses
+    (tier,) = data["tiers"]
+    tier_keys = {stat_key(f.attr) for f in metric_fields(TierStats)}
+    assert set(tier) == {"name"} | tier_keys
+    assert {"entries", "bytes", "hits", "misses", "faults", "loads", "load_seconds"} <= tier_keys
+    assert tier["entries"] == stats.store.tiers["host"].num_entries
