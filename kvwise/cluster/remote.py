@@ -32,7 +32,7 @@ from kvwise.engine.prompts import Prompt, Tokenizer, tokenize_prompt
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import EngineDeadError, KVWiseError, ReplicaFailedError
 from kvwise.store.costmodel import CostCurves
-from kvwise.store.tiered import StoreStats
+from kvwise.store.stats import StoreStats
 from kvwise.types import RequestOptions, RequestOutput, SamplingParams
 
 logger = logging.getLogger("kvwise.cluster")

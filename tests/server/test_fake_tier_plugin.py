@@ -10,8 +10,8 @@ import time
 import pytest
 
 from kvwise.store import registry
-from kvwise.store.base import TierStats
 from kvwise.store.costmodel import DEFAULT_TIER_PRIOR, CostModel
+from kvwise.store.stats import TierStats
 from tests.fakes import fake_engine
 
 from .fake_http import (

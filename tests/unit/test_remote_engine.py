@@ -31,8 +31,7 @@ from kvwise.errors import (
     SessionNotFound,
 )
 from kvwise.server.app import create_app
-from kvwise.store.base import TierStats
-from kvwise.store.tiered import StoreStats
+from kvwise.store.stats import StoreStats, TierStats
 from kvwise.types import FinishReason, RequestMetrics, RequestOptions, RequestOutput, SamplingParams
 
 
