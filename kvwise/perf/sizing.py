@@ -56,9 +56,43 @@ class KVShape:
 
 def shape_from_model(path: str | Path | None, dtype: str) -> tuple[KVShape, str]:
     """Read a config.json, an HF directory or a GGUF (None: the default model)."""
-    arch, name = arch_from_model(path)
+    p = _model_file(path)
+    if p.suffix == ".gguf":
+        shape = _gguf_shape(p, dtype)  # its metadata alone: no torch, no vocabulary parsed
+        if shape is not None:
+            return shape, p.name
+    arch, name = arch_from_model(p)
     shape = KVShape(arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim, dtype)
     return shape, name
+
+
+def _gguf_shape(path: Path, dtype: str) -> KVShape | None:
+    """The KV shape from a GGUF's metadata keys, read as ``ModelArchConfig.from_gguf`` reads
+    them (head dim: ``attention.key_length``, else hidden / heads); None where the fast reader
+    does not apply (the full reader then decides, with its own errors).
+
+    NOTE: these are llama.cpp's keys for every architecture, so a GGUF of an architecture
+    kvwise does not run is sized too (the arithmetic holds; nothing loads it)."""
+    from kvwise.perf.gguf_meta import read_scalars
+
+    meta = read_scalars(path)
+    arch = meta.get("general.architecture") if meta is not None else None
+    if not isinstance(arch, str):
+        return None
+    layers = meta.get(f"{arch}.block_count")
+    heads = meta.get(f"{arch}.attention.head_count")
+    hidden = meta.get(f"{arch}.embedding_length")
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    key_length = meta.get(f"{arch}.attention.key_length", 0)
+    if not all(_is_count(v) for v in (layers, heads, hidden, kv_heads)) or not (
+        key_length == 0 or _is_count(key_length)
+    ):
+        return None  # e.g. head counts given per layer (an array)
+    return KVShape(layers, heads, kv_heads, key_length or hidden // heads, dtype)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def arch_from_model(path: str | Path | None):
@@ -67,14 +101,8 @@ def arch_from_model(path: str | Path | None):
     import json
 
     from kvwise.models.arch import ModelArchConfig
-    from kvwise.models.default import default_model_path
 
-    p = Path(path) if path is not None else default_model_path()
-    if not p.exists():
-        raise ValueError(f"model: path '{p}' does not exist")
-    if p.is_dir():
-        ggufs = sorted(p.glob("*.gguf"))
-        p = p / "config.json" if (p / "config.json").exists() or not ggufs else ggufs[0]
+    p = _model_file(path)
     if p.suffix == ".gguf":
         from kvwise.models.gguf_weights import open_gguf
 
@@ -85,6 +113,20 @@ def arch_from_model(path: str | Path | None):
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"model: cannot read '{p}': {e}") from e
     return arch, p.name
+
+
+def _model_file(path: str | Path | None) -> Path:
+    """The file a model path names: a GGUF or config.json (a directory's config.json, else its
+    first GGUF); None: the default model."""
+    from kvwise.models.default import default_model_path
+
+    p = Path(path) if path is not None else default_model_path()
+    if not p.exists():
+        raise ValueError(f"model: path '{p}' does not exist")
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        p = p / "config.json" if (p / "config.json").exists() or not ggufs else ggufs[0]
+    return p
 
 
 def _gb(num_bytes: float) -> str:

@@ -1,6 +1,7 @@
 """kvwise size: the seed article's example and the GQA / MQA reductions."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -82,3 +83,78 @@ def test_every_kv_format_is_reported_with_its_scales(capsys):
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert "46,080 B" in rows["float32"] and "12,240 B" in rows["int8"]
     assert "7,200 B" in rows["int4"]  # 2 x 30 x 3 x (32 + 8) B
+
+
+def _tiny_gguf(path, arch="llama", key_length=None, per_layer_kv_heads=False):
+    """A GGUF with a model's shape keys, a vocabulary (string arrays) and no tensors."""
+    gguf = pytest.importorskip("gguf")
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(6)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(512)
+    writer.add_context_length(1024)
+    writer.add_head_count(8)
+    if per_layer_kv_heads:
+        writer.add_array(f"{arch}.attention.head_count_kv", [2] * 6)
+    else:
+        writer.add_head_count_kv(2)
+    if key_length is not None:
+        writer.add_key_length(key_length)
+    writer.add_vocab_size(300)
+    writer.add_token_list([f"t{i}" for i in range(300)])
+    writer.add_token_merges(["t 1", "t 2"])
+    writer.add_token_types([1] * 300)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_eos_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("key_length", [None, 48])
+def test_gguf_shape_read_from_metadata_alone_equals_the_full_readers(tmp_path, key_length):
+    # kvwise size reads a GGUF's KV shape with struct alone (no torch, no vocabulary parsed);
+    # it must be the shape ModelArchConfig.from_gguf reads from gguf's own reader
+    import gguf
+
+    from kvwise.models.arch import ModelArchConfig
+    from kvwise.perf.gguf_meta import ARRAY, read_scalars
+
+    path = _tiny_gguf(tmp_path / "tiny.gguf", key_length=key_length)
+    meta = read_scalars(path)
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 6
+    assert meta["tokenizer.ggml.tokens"] is ARRAY
+    assert meta["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    arch = ModelArchConfig.from_gguf(gguf.GGUFReader(path))
+    shape, name = shape_from_model(path, "int8")
+    assert name == "tiny.gguf"
+    assert shape == KVShape(arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                            "int8")  # fmt: skip
+    assert (shape.num_kv_heads, shape.head_dim) == (2, key_length or 256 // 8)
+
+
+def test_gguf_shape_falls_back_to_the_full_reader(tmp_path, monkeypatch):
+    from kvwise.perf import gguf_meta, sizing
+
+    # head counts per layer (an array): the fast reader declines, the full reader decides
+    path = _tiny_gguf(tmp_path / "layers.gguf", per_layer_kv_heads=True)
+    assert sizing._gguf_shape(path, "float16") is None
+    # not a GGUF, or cut short: no metadata, and the full reader's error
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 8 + b"\xff" * 8)
+    assert gguf_meta.read_scalars(bad) is None
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    assert gguf_meta.read_scalars(tmp_path / "empty.gguf") is None
+    called = []
+
+    def full_reader(p):
+        called.append(p)
+        return SimpleNamespace(num_layers=1, num_heads=4, num_kv_heads=1, head_dim=8), p.name
+
+    monkeypatch.setattr(sizing, "arch_from_model", full_reader)
+    assert shape_from_model(bad, "float16") == (KVShape(1, 4, 1, 8), "bad.gguf")
+    assert shape_from_model(path, "float16")[0] == KVShape(1, 4, 1, 8)
+    assert called == [bad, path]
