@@ -1,6 +1,6 @@
 """``kvwise breakeven --calibrate``: measure this machine for ``--hardware this-machine``.
 
-Every parameter of the roofline (``kvwise/perf/roofline.py``) is measured here, none chosen to match
+Every parameter of the roofline (``roofline.py``) is measured here, none chosen to match
 ``kvwise bench breakeven``'s curves, and at other lengths than the ones they are checked at
 (256, 1,024 and 4,096 tokens):
 

@@ -1,7 +1,7 @@
-"""``kvwise breakeven --predict`` and ``--calibrate``: the command over ``kvwise/perf/roofline.py``'s
+"""``kvwise breakeven --predict`` and ``--calibrate``: the command over ``roofline.py``'s
 model — the break-even per tier, a table of TTFT by prefix length, a PNG, and the check of a
 prediction against ``kvwise bench breakeven``'s measured curves. Pure Python (matplotlib for
-the plot; ``--calibrate`` runs ``kvwise/perf/calibrate.py``)."""
+the plot; ``--calibrate`` runs ``calibrate.py``)."""
 
 from __future__ import annotations
 

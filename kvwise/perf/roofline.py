@@ -1,5 +1,5 @@
 """A roofline model of TTFT against prefix length, recompute vs a load from each tier, for
-hardware one does not own (``kvwise breakeven --predict``, ``kvwise/perf/predict.py``). Pure Python.
+hardware one does not own (``kvwise breakeven --predict``, ``predict.py``). Pure Python.
 
 A prefix of ``n`` tokens followed by one computed token, as ``kvwise bench breakeven`` measures:
 
@@ -21,8 +21,8 @@ first sign change of a log-spaced scan); None when loading never wins up to ``ma
 
 Hardware presets carry their datasheet sources; where a figure is an assumption (the fraction
 of peak a prefill reaches, a network's round trip) the preset says so. ``this-machine`` is not
-a preset: ``kvwise breakeven --calibrate`` measures it (``kvwise/perf/calibrate.py``) and
-fits this model to the measurements (``kvwise/perf/roofline_fit.py``) into a calibration file.
+a preset: ``kvwise breakeven --calibrate`` measures it (``calibrate.py``) and
+fits this model to the measurements (``roofline_fit.py``) into a calibration file.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Fitting ``kvwise/perf/roofline.py``'s model to this machine's measurements (``kvwise breakeven
---calibrate``, ``kvwise/perf/calibrate.py``, measures them): the step overheads and fractions
+"""Fitting ``roofline.py``'s model to this machine's measurements (``kvwise breakeven
+--calibrate``, ``calibrate.py``, measures them): the step overheads and fractions
 of peak from the engine's own prefill and decode steps, a tier's latency and bandwidth from
 its loads, and ``--refit`` of a calibration file. Pure Python."""
 
