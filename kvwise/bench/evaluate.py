@@ -4,12 +4,14 @@ predictions, as llama.cpp's perplexity / KL-divergence tool measures it.
 A candidate model (``--quantization``, ``--kv-cache-dtype``) and a reference
 (``--reference-quantization``, float32 weights by default; ``--reference-kv-cache-dtype``,
 float32 KV by default) read the same text in sliding windows. A KV format is applied as the
-engine applies it: every K and V row goes through the format (quantized, dequantized) before
-any attention reads it, including the rows of the query's own window. ``int4`` is the pool's
-(keys per channel over each block of ``kv_block_size`` tokens, KIVI's layout): a query sees
-earlier blocks' keys sealed and its own block's keys in full precision, through the engine's
-own ``attend_open_blocks``. ``int4-pt`` (keys per token, like values) is a measured
-alternative the pool does not store. For every scored token we take the candidate's
+engine applies it: a format the pool stores (other than float32, the exact reference) is
+computed by the engine's own pool class and attention backend over the window, as one cold
+prefill chunk (``worker/one_sequence.py``: the same writes, kernels and so the same bits as
+the engine's step; for ``int4``, keys per channel over each block of ``kv_block_size`` tokens,
+a query sees earlier blocks' keys sealed and its own block's keys in full precision).
+``int4-pt`` (keys per token, like values) is a measured alternative the pool does not store:
+its K and V rows go through ``kv_quant.round_trip`` before dense attention reads them. For
+every scored token we take the candidate's
 log-probability of the true next token (perplexity = exp(mean NLL)) and, against the reference,
 KL(reference || candidate) over the whole vocabulary and whether the two argmaxes agree.
 
@@ -28,9 +30,9 @@ With ``stride == ctx`` the windows do not overlap and each window's first token 
 The text is tokenized without special tokens (no BOS per window): the figures compare models
 on the same token stream, which is what a numeric change is judged by.
 
-The model runs directly (no engine, no KV cache): ``model.forward`` over the window with dense
-causal attention, logits only for the scored rows, in slices of rows so that two models'
-``(rows, vocab)`` float32 logits stay a few hundred MB at most.
+The model runs directly (no engine, no scheduler): ``model.forward`` over the window with dense
+causal attention (or the pool's, above), logits only for the scored rows, in slices of rows so
+that two models' ``(rows, vocab)`` float32 logits stay a few hundred MB at most.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from kvwise.core.kv_spec import KVSpec, kv_format, kv_formats
 from kvwise.models.layers import dense_causal_attention
 from kvwise.models.loader import LoadedModel, load_model
-from kvwise.worker.attention import attend_open_blocks
-from kvwise.worker.kv_quant import KEY_BLOCK, ROUND_TRIP_DTYPES, round_trip
+from kvwise.worker.kv_quant import KEY_BLOCK, round_trip
+from kvwise.worker.one_sequence import sequence_attention
 
 # Rows of logits per slice: 256 x 49,152 x 4 B = 48 MiB per tensor, a few tensors per model.
 ROWS_PER_SLICE = 256
@@ -195,6 +198,14 @@ def evaluate(
     """
     stride = ctx // 2 if stride is None else stride
     _check_models(candidate, reference, ctx)
+    window = candidate.arch.sliding_window
+    if (
+        window
+        and ctx > window
+        and any(map(_through_pool, (kv_cache_dtype, reference_kv_cache_dtype)))
+    ):
+        raise ValueError(f"ctx: {ctx} exceeds the model's sliding window of {window}, which the "
+                         f"engine's attention (measuring the KV format) does not apply")  # fmt: skip
     windows = plan_windows(len(token_ids), ctx, stride, max_windows)
     tokens = torch.tensor(token_ids, dtype=torch.int64)
     nll_sum = ref_nll_sum = 0.0
@@ -285,22 +296,33 @@ def _hidden(
     group: int = 0,
     block_size: int = KEY_BLOCK,
 ) -> torch.Tensor:
-    """Final hidden states `(T, hidden)` of one window, with dense causal attention over K/V
-    in the format ``kv_dtype``."""
-    window = loaded.arch.sliding_window
+    """Final hidden states `(T, hidden)` of one window, attending over K/V in the format
+    ``kv_dtype``: the engine's pool and attention for a pool format (float32 aside), else
+    dense causal attention over K/V round-tripped through the format."""
+    arch = loaded.arch
+    positions = torch.arange(len(ids), dtype=torch.int64)  # (T,)
+    if _through_pool(kv_dtype):
+        fmt = kv_format(kv_dtype)
+        spec = KVSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, block_size, kv_dtype,
+                      group_size=group if fmt.grouped else 0)  # fmt: skip
+        return loaded.model.forward(
+            ids, positions, sequence_attention(spec, arch.num_heads, len(ids))
+        )
+    window = arch.sliding_window
 
     def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k, v = k.float(), v.float()
-        stored_k = round_trip(k, kv_dtype, group, keys=True, key_block=block_size)
-        v = round_trip(v, kv_dtype, group)
-        if kv_dtype == "int4":  # the engine's attention: a query's own block in full precision
-            qp = q.transpose(0, 1).contiguous().unsqueeze(0)  # (1, H, T, D)
-            out = attend_open_blocks(qp, stored_k, v, k, 0, block_size, q.shape[-1] ** -0.5)
-            return out.reshape(q.shape[0], -1)
-        return dense_causal_attention(q, stored_k, v, sliding_window=window)  # (T, H*D)
+        k = round_trip(k.float(), kv_dtype, group, keys=True, key_block=block_size)
+        v = round_trip(v.float(), kv_dtype, group)
+        return dense_causal_attention(q, k, v, sliding_window=window)  # (T, H*D)
 
-    positions = torch.arange(len(ids), dtype=torch.int64)  # (T,)
     return loaded.model.forward(ids, positions, attn)
+
+
+def _through_pool(kv_dtype: str) -> bool:
+    """Measured through the engine's own pool and attention: a format the pool stores, but
+    float32 (the exact reference: dense attention is the same maths, and keeps a model's
+    sliding window)."""
+    return kv_dtype != "float32" and "pool" in kv_format(kv_dtype).uses
 
 
 def run(
@@ -332,8 +354,8 @@ def run(
     check_window_settings(ctx, stride, max_windows)  # fail before loading
     for name, dtype in (("kv_cache_dtype", kv_cache_dtype),
                         ("reference_kv_cache_dtype", reference_kv_cache_dtype)):  # fmt: skip
-        if dtype not in ROUND_TRIP_DTYPES:
-            raise ValueError(f"{name}: expected one of {ROUND_TRIP_DTYPES}, got {dtype!r}")
+        if dtype not in kv_formats("eval"):
+            raise ValueError(f"{name}: expected one of {kv_formats('eval')}, got {dtype!r}")
     if kv_int4_group_size and (kv_int4_group_size < 2 or kv_int4_group_size % 2):
         raise ValueError(f"kv_int4_group_size: expected an even number, got {kv_int4_group_size}")
     if kv_block_size < 2 or kv_block_size % 2:

@@ -1,4 +1,4 @@
-"""``KVSpec``: the one owner of the KV layout. Pure Python.
+"""``KVSpec``: the one owner of the KV layout, and the registry of KV formats. Pure Python.
 
 Everything that needs to know how K/V bytes are laid out asks a ``KVSpec``: the worker's paged
 cache (tensor shape and dtype), the entry format of the tiers (``store/serde.py``), the pool
@@ -22,39 +22,174 @@ block's half is one run of bytes in the pool and in every tier entry:
   two channels a byte, then a scale and minimum per token, head and group). The shorter half
   is padded to the longer one's size; the halves are equal when ``group_size ==
   block_size``.
+
+The formats are registered here, once each, in the order flags list them: a ``KVFormat`` holds
+a format's layout facts (bytes per value, its scales, its layout tag, whether its keys are
+sealed, its default block size) and what it is for (``uses``): ``"pool"`` (the paged pool stores
+it: ``worker/kv_cache`` registers its tensor class under the same name), ``"size"`` (``kvwise
+size`` can size it) and ``"eval"`` (``kvwise eval`` can measure it). ``fp8`` is only a size;
+``int4-pt`` (int4 with keys per token) only an eval round trip. ``kv_formats(use)`` lists them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# bytes per element of each KV dtype; the worker stores the first three, the others are sizes
-# for `kvwise size` (what a quantized cache would take)
-KV_DTYPE_BYTES: dict[str, float] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "fp8": 1,
-    "int8": 1,
-    "int4": 0.5,
-}
-STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")  # what the pool can hold
-QUANTIZED_DTYPES = ("int8", "int4")
-DEFAULT_INT4_GROUP = 32
+USES = ("pool", "size", "eval")
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_INT4_GROUP = 32
 INT4_BLOCK_SIZE = 32  # int4's default block: its key scales are per block (see docs/BENCHMARKS.md)
+MAX_TAG_CHARS = 8  # the dtype field of a stored entry's header (store/serde.py)
+SCALE_UNITS = ("token", "channel", "group")
 
 
-def kv_formats() -> tuple[str, ...]:
-    """The KV formats the pool can hold, in the order flags list them (the one list every
-    choice and check reads)."""
-    return STORAGE_DTYPES
+@dataclass(frozen=True)
+class Scales:
+    """The scales after one block half's codes: ``nbytes`` bytes each, one per ``per``:
+
+    - ``"token"``: token and KV head (``block_size * num_kv_heads``);
+    - ``"channel"``: KV head and channel, over the whole block (``num_kv_heads * head_dim``);
+    - ``"group"``: token, KV head and group of ``group_size`` channels.
+    """
+
+    per: str
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if self.per not in SCALE_UNITS:
+            raise ValueError(f"per: expected one of {SCALE_UNITS}, got {self.per!r}")
+
+    def bytes_in(self, spec: KVSpec) -> int:
+        """Bytes of these scales in one block half of ``spec``."""
+        if self.per == "token":
+            return spec.block_size * spec.num_kv_heads * self.nbytes
+        if self.per == "channel":
+            return spec.num_kv_heads * spec.head_dim * self.nbytes
+        groups = spec.head_dim // spec.group_size
+        return spec.block_size * spec.num_kv_heads * groups * self.nbytes
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """The layout facts of one KV format (see the module docstring)."""
+
+    name: str
+    bytes_per_value: float  # one K or V value's code, its scales apart
+    uses: tuple[str, ...] = USES
+    tag: str = ""  # in the layout string and entry headers ("{group}": the group size); "": name
+    key_scales: Scales | None = None  # None: no scales (a float format)
+    value_scales: Scales | None = None
+    sealed_keys: bool = False  # keys quantized per block once it is full (the worker stages)
+    grouped: bool = False  # takes a group size (KVSpec.group_size; default min(32, head_dim))
+    block_multiple: int = 1  # block sizes must be multiples of this (int4: two tokens a byte)
+    default_block_size: int = DEFAULT_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"name: expected a non-empty string, got {self.name!r}")
+        if not self.tag:
+            object.__setattr__(self, "tag", self.name)
+        if len(self.tag.replace("{group}", "128")) > MAX_TAG_CHARS or not self.tag.isascii():
+            raise ValueError(f"tag: at most {MAX_TAG_CHARS} ASCII characters, got {self.tag!r}")
+        if not self.uses or not set(self.uses) <= set(USES):
+            raise ValueError(f"uses: expected some of {USES}, got {self.uses!r}")
+        if self.bytes_per_value <= 0:
+            raise ValueError(f"bytes_per_value: expected > 0, got {self.bytes_per_value!r}")
+
+    @property
+    def quantized(self) -> bool:
+        """Codes with scales beside them (a lossy format; attention reads back what it stores)."""
+        return self.key_scales is not None or self.value_scales is not None
+
+    def layout_tag(self, group_size: int) -> str:
+        return self.tag.replace("{group}", str(group_size))
+
+
+_FORMATS: dict[str, KVFormat] = {}
+
+
+def register_kv_format(fmt: KVFormat) -> None:
+    """Add a KV format at the end of the order. Its tag must be its own (another format's
+    entries would otherwise be read as its own). A format the pool stores also needs its tensor
+    class (``kvwise.worker.kv_cache.register_kv_cache``)."""
+    if fmt.name in _FORMATS:
+        raise ValueError(f"kv format {fmt.name!r} is registered already")
+    for other in _FORMATS.values():
+        if other.tag == fmt.tag:
+            raise ValueError(f"tag: {fmt.tag!r} is {other.name}'s already")
+    _FORMATS[fmt.name] = fmt
+
+
+def unregister_kv_format(name: str) -> None:
+    """Remove a format registered by ``register_kv_format`` (tests of a toy format)."""
+    _FORMATS.pop(name, None)
+
+
+def kv_formats(use: str = "pool") -> tuple[str, ...]:
+    """The registered KV formats with the use ``use``, in order: ``"pool"`` (the default: what
+    ``kv_cache_dtype`` accepts), ``"size"`` (``kvwise size``) or ``"eval"`` (``kvwise eval``)."""
+    if use not in USES:
+        raise ValueError(f"use: expected one of {USES}, got {use!r}")
+    return tuple(name for name, fmt in _FORMATS.items() if use in fmt.uses)
+
+
+def kv_format(name: str) -> KVFormat:
+    """The registered format ``name``.
+
+    Raises:
+        ValueError: no format of that name (the message lists them).
+    """
+    fmt = _FORMATS.get(name)
+    if fmt is None:
+        raise ValueError(f"kv_cache_dtype: expected one of {tuple(_FORMATS)}, got {name!r}")
+    return fmt
 
 
 def default_block_size(dtype: str) -> int:
     """The block size when none is given: 32 tokens for int4 (whose keys are scaled per block
-    and channel: +0.9% perplexity at 2,048 tokens, 6.4x float32's tokens), else 16."""
-    return INT4_BLOCK_SIZE if dtype == "int4" else DEFAULT_BLOCK_SIZE
+    and channel: +0.9% perplexity at 2,048 tokens, 6.4x float32's tokens), else 16; a name
+    that is no format's (``"auto"``) gets 16."""
+    fmt = _FORMATS.get(dtype)
+    return fmt.default_block_size if fmt is not None else DEFAULT_BLOCK_SIZE
+
+
+_INT8_SCALES = Scales("token", 4)  # a float32 scale per token and head
+for _fmt in (
+    KVFormat("float32", 4),
+    KVFormat("bfloat16", 2),
+    KVFormat("float16", 2),
+    KVFormat("int8", 1, key_scales=_INT8_SCALES, value_scales=_INT8_SCALES),
+    KVFormat(
+        "int4",
+        0.5,
+        tag="i4kcg{group}",
+        key_scales=Scales("channel", 4),  # a float16 scale and minimum per head and channel
+        value_scales=Scales("group", 4),  # ... per token, head and group of channels
+        sealed_keys=True,
+        grouped=True,
+        block_multiple=2,
+        default_block_size=INT4_BLOCK_SIZE,
+    ),
+    # measured by kvwise eval only: int4 with keys per token like values (no sealed blocks)
+    KVFormat(
+        "int4-pt",
+        0.5,
+        uses=("eval",),
+        tag="i4ptg{group}",
+        key_scales=Scales("group", 4),
+        value_scales=Scales("group", 4),
+        grouped=True,
+    ),  # fmt: skip
+    KVFormat("fp8", 1, uses=("size",)),
+):
+    register_kv_format(_fmt)
+del _fmt
+
+# NOTE: the built-in formats as constants, for readers not yet moved to kv_formats() /
+# kv_format(); they do not see a format registered later.
+KV_DTYPE_BYTES: dict[str, float] = {n: kv_format(n).bytes_per_value for n in kv_formats("size")}
+STORAGE_DTYPES = kv_formats("pool")
+QUANTIZED_DTYPES = tuple(n for n in STORAGE_DTYPES if kv_format(n).quantized)
 
 
 @dataclass(frozen=True)
@@ -63,43 +198,51 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str = "float32"  # the storage dtype of K/V (may differ from the compute dtype)
-    group_size: int = 0  # int4: channels per scale group (0: the default, 32); else unused
+    dtype: str = "float32"  # the storage format of K/V (may differ from the compute dtype)
+    group_size: int = 0  # grouped formats (int4): channels per scale group (0: 32); else unused
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-        if self.dtype not in KV_DTYPE_BYTES:
+        fmt = _FORMATS.get(self.dtype)
+        if fmt is None or not {"pool", "size"} & set(fmt.uses):
+            known = tuple(n for n, f in _FORMATS.items() if {"pool", "size"} & set(f.uses))
+            raise ValueError(f"kv_cache_dtype: expected one of {known}, got {self.dtype!r}")
+        if self.block_size % fmt.block_multiple:
             raise ValueError(
-                f"kv_cache_dtype: expected one of {sorted(KV_DTYPE_BYTES)}, got {self.dtype!r}"
+                f"block_size: {self.dtype} KV packs {fmt.block_multiple} tokens a byte, expected "
+                f"a multiple of {fmt.block_multiple}, got {self.block_size}"
             )
-        if self.dtype == "int4":
-            if self.block_size % 2:
-                raise ValueError(
-                    f"block_size: int4 KV packs two tokens a byte, expected an even block size, "
-                    f"got {self.block_size}"
-                )
-            if self.group_size == 0:
-                object.__setattr__(self, "group_size", min(DEFAULT_INT4_GROUP, self.head_dim))
-            if (
-                isinstance(self.group_size, bool)
-                or not isinstance(self.group_size, int)
-                or self.group_size < 2
-                or self.group_size % 2
-                or self.head_dim % self.group_size
-            ):
-                raise ValueError(
-                    f"kv_int4_group_size: expected an even divisor of head_dim "
-                    f"{self.head_dim}, got {self.group_size!r}"
-                )
+        if fmt.grouped:
+            self._check_group()
         elif self.group_size:
             raise ValueError(f"kv_int4_group_size: only for int4 KV, not {self.dtype}")
 
+    def _check_group(self) -> None:
+        if self.group_size == 0:
+            object.__setattr__(self, "group_size", min(DEFAULT_INT4_GROUP, self.head_dim))
+        if (
+            isinstance(self.group_size, bool)
+            or not isinstance(self.group_size, int)
+            or self.group_size < 2
+            or self.group_size % 2
+            or self.head_dim % self.group_size
+        ):
+            raise ValueError(
+                f"kv_int4_group_size: expected an even divisor of head_dim "
+                f"{self.head_dim}, got {self.group_size!r}"
+            )
+
+    @property
+    def format(self) -> KVFormat:
+        """The registered ``KVFormat`` of ``dtype``."""
+        return _FORMATS[self.dtype]
+
     @property
     def itemsize(self) -> float:
-        return KV_DTYPE_BYTES[self.dtype]
+        return self.format.bytes_per_value
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -112,7 +255,7 @@ class KVSpec:
 
     @property
     def quantized(self) -> bool:
-        return self.dtype in QUANTIZED_DTYPES
+        return self.format.quantized
 
     @property
     def codes_bytes(self) -> int:
@@ -122,19 +265,14 @@ class KVSpec:
     @property
     def key_scale_bytes(self) -> int:
         """Bytes of the scales beside one block's K codes in one layer; 0 for floats."""
-        if self.dtype == "int4":
-            return self.num_kv_heads * self.head_dim * 4  # float16 scale and min per channel
-        return self.value_scale_bytes
+        scales = self.format.key_scales
+        return 0 if scales is None else scales.bytes_in(self)
 
     @property
     def value_scale_bytes(self) -> int:
         """Bytes of the scales beside one block's V codes in one layer; 0 for floats."""
-        rows = self.block_size * self.num_kv_heads
-        if self.dtype == "int8":
-            return rows * 4  # float32 scale
-        if self.dtype == "int4":
-            return rows * (self.head_dim // self.group_size) * 4  # float16 scale and min
-        return 0
+        scales = self.format.value_scales
+        return 0 if scales is None else scales.bytes_in(self)
 
     @property
     def scale_bytes(self) -> int:
@@ -156,7 +294,7 @@ class KVSpec:
     def sealed_keys(self) -> bool:
         """Keys are quantized per block (int4): a block's keys are written when it is full;
         until then the worker keeps them in full precision."""
-        return self.dtype == "int4"
+        return self.format.sealed_keys
 
     @property
     def layer_block_bytes(self) -> int:
@@ -178,8 +316,9 @@ class KVSpec:
 
     @property
     def dtype_tag(self) -> str:
-        """The storage format in at most 8 characters (entry headers): dtype, and the group."""
-        return f"i4kcg{self.group_size}" if self.dtype == "int4" else self.dtype
+        """The storage format in at most 8 characters (entry headers): its tag, with the group
+        size of a grouped format (``i4kcg32``)."""
+        return self.format.layout_tag(self.group_size)
 
     @property
     def layout(self) -> str:

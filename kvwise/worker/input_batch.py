@@ -27,28 +27,65 @@ class InputBatch:
     sample_requests: list[ScheduledRequest]
 
 
+@dataclass
+class _Rows:
+    """The step's rows as Python lists, in order."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    sample_rows: list[int]
+    sample_requests: list[ScheduledRequest]
+    chunks: list[PrefillChunk]
+
+
 def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch:
     decodes = [s for s in sched_out.scheduled if s.num_tokens == 1]
     prefills = [s for s in sched_out.scheduled if s.num_tokens > 1]
     ordered = decodes + prefills
+    rows = _flatten(ordered, block_size)
+    decode_table = decode_mask = open_index = decode_first_block = None
+    decode_ctx_len = 0
+    if decodes:
+        decode_table, decode_mask, open_index, decode_ctx_len = _decode_tables(decodes, block_size)
+        if len(decodes) == 1:
+            decode_first_block = first_if_consecutive(decodes[0].block_ids[: len(decode_table[0])])
+    row_table, row_lens = _row_tables(ordered, decode_table, rows.positions, block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(rows.slots, dtype=torch.long),
+        num_decodes=len(decodes),
+        decode_block_table=decode_table,
+        decode_mask=decode_mask,
+        decode_ctx_len=decode_ctx_len,
+        prefills=rows.chunks,
+        decode_first_block=decode_first_block,
+        decode_open_index=open_index,
+        row_block_table=row_table,
+        row_ctx_lens=row_lens,
+    )
+    return InputBatch(
+        input_ids=torch.tensor(rows.input_ids, dtype=torch.long),
+        positions=torch.tensor(rows.positions, dtype=torch.long),
+        attn_meta=meta,
+        sample_rows=torch.tensor(rows.sample_rows, dtype=torch.long),
+        sample_requests=rows.sample_requests,
+    )
 
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    sample_rows: list[int] = []
-    sample_requests: list[ScheduledRequest] = []
-    chunks: list[PrefillChunk] = []
+
+def _flatten(ordered: list[ScheduledRequest], block_size: int) -> _Rows:
+    """Each request's rows: token ids, positions, slots; its prefill chunk; its sample row."""
+    rows = _Rows([], [], [], [], [], [])
     for item in ordered:
-        row = len(input_ids)
+        row = len(rows.input_ids)
         n = item.num_tokens
-        input_ids.extend(item.token_ids)
+        rows.input_ids.extend(item.token_ids)
         pos = range(item.start_pos, item.start_pos + n)
-        positions.extend(pos)
+        rows.positions.extend(pos)
         table = item.block_ids
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+        rows.slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
         if n > 1:
             num_blocks = -(-(item.start_pos + n) // block_size)
-            chunks.append(
+            rows.chunks.append(
                 PrefillChunk(
                     token_start=row,
                     token_end=row + n,
@@ -58,58 +95,31 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
                 )
             )
         if item.sample:
-            sample_rows.append(row + n - 1)
-            sample_requests.append(item)
+            rows.sample_rows.append(row + n - 1)
+            rows.sample_requests.append(item)
+    return rows
 
-    decode_rows = decode_table = decode_mask = decode_lens = open_index = None
-    open_blocks = None
-    decode_ctx_len = 0
-    if decodes:
-        ctx_lens = [d.start_pos + 1 for d in decodes]
-        decode_ctx_len = max(ctx_lens)
-        max_blocks = -(-decode_ctx_len // block_size)
-        decode_rows = torch.arange(len(decodes))
-        decode_lens = torch.tensor(ctx_lens, dtype=torch.long)
-        open_index = torch.tensor([d.start_pos // block_size for d in decodes], dtype=torch.long)
-        open_blocks = [d.block_ids[d.start_pos // block_size] for d in decodes]
-        decode_table = torch.tensor(
-            [
-                d.block_ids[:max_blocks] + [0] * (max_blocks - len(d.block_ids[:max_blocks]))
-                for d in decodes
-            ],
-            dtype=torch.long,
-        )  # (Bd, max_blocks); padding points at block 0 and is masked out
-        if min(ctx_lens) != decode_ctx_len:
-            lens = torch.tensor(ctx_lens).unsqueeze(1)  # (Bd, 1)
-            mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens
-            decode_mask = mask[:, None, None, :]  # (Bd, 1, 1, L)
 
-    row_table, row_lens = _row_tables(ordered, decode_table, positions, block_size)
-    decode_first_block = None
-    if len(decodes) == 1:
-        decode_first_block = first_if_consecutive(decodes[0].block_ids[: len(decode_table[0])])
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        decode_rows=decode_rows,
-        decode_block_table=decode_table,
-        decode_mask=decode_mask,
-        decode_ctx_len=decode_ctx_len,
-        decode_rows_contiguous=True,
-        prefills=chunks,
-        decode_first_block=decode_first_block,
-        decode_ctx_lens=decode_lens,
-        decode_open_blocks=open_blocks,
-        decode_open_index=open_index,
-        row_block_table=row_table,
-        row_ctx_lens=row_lens,
-    )
-    return InputBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
-        attn_meta=meta,
-        sample_rows=torch.tensor(sample_rows, dtype=torch.long),
-        sample_requests=sample_requests,
-    )
+def _decode_tables(
+    decodes: list[ScheduledRequest], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+    """The decodes' block tables ``(Bd, max_blocks)`` (padding points at block 0 and is masked
+    out), their padding mask ``(Bd, 1, 1, L)`` (None when their contexts are equally long),
+    each one's own block's index in its table ``(Bd,)`` and the longest context."""
+    ctx_lens = [d.start_pos + 1 for d in decodes]
+    decode_ctx_len = max(ctx_lens)
+    max_blocks = -(-decode_ctx_len // block_size)
+    open_index = torch.tensor([d.start_pos // block_size for d in decodes], dtype=torch.long)
+    table = torch.tensor(
+        [d.block_ids[:max_blocks] + [0] * (max_blocks - len(d.block_ids[:max_blocks]))
+         for d in decodes],
+        dtype=torch.long,
+    )  # fmt: skip
+    mask = None
+    if min(ctx_lens) != decode_ctx_len:
+        lens = torch.tensor(ctx_lens).unsqueeze(1)  # (Bd, 1)
+        mask = (torch.arange(max_blocks * block_size).unsqueeze(0) < lens)[:, None, None, :]
+    return table, mask, open_index, decode_ctx_len
 
 
 def _row_tables(

@@ -20,7 +20,7 @@ from kvwise.core.kv_spec import KVSpec
 from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.worker.attention import TorchSDPAAttention
 from kvwise.worker.input_batch import build_input_batch
-from kvwise.worker.kv_cache import PagedKVCache
+from kvwise.worker.kv_cache import make_kv_cache
 from kvwise.worker.sampler import sample
 
 
@@ -33,7 +33,7 @@ class ModelRunner:
         self.vocab_size = arch.vocab_size
         self.block_size = spec.block_size
         self.num_blocks = num_blocks
-        self.kv_cache = PagedKVCache(spec, num_blocks, compute_dtype)
+        self.kv_cache = make_kv_cache(spec, num_blocks, compute_dtype)  # the format's class
         self.attention = TorchSDPAAttention(self.kv_cache, arch.num_heads, arch.head_dim)
 
     @torch.inference_mode()
@@ -59,10 +59,13 @@ class ModelRunner:
     def execute(self, sched_out: SchedulerOutput, layer_ready=None) -> ModelOutput:
         """Run one step; ``layer_ready(layer)`` (optional) blocks until loads for that layer
         are in the cache."""
-        self.kv_cache.begin_step(sched_out.released_block_ids)
         if sched_out.is_empty:
+            self.kv_cache.begin_step(sched_out.released_block_ids)
             return ModelOutput()
         batch = build_input_batch(sched_out, self.block_size)
+        # the releases, then the step's slots: a format with per-step state (int4's staging)
+        # plans its writes once for every layer
+        self.kv_cache.begin_step(sched_out.released_block_ids, batch.attn_meta.slot_mapping)
         attn = self.attention.bind(batch.attn_meta, layer_ready)
         hidden = self.model(batch.input_ids, batch.positions, attn)  # (T, hidden)
         if not batch.sample_requests:

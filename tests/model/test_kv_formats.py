@@ -93,13 +93,13 @@ def test_int4_staging_slots_are_released(make_engine, smollm2_int4):
            for i in range(6)]  # fmt: skip
     for _ in range(5):
         engine.step()
-    assert 1 <= len(cache._slots) <= 6 + 6  # an open block each (and those sealed this step)
+    assert 1 <= len(cache.staging.open_blocks) <= 6 + 6  # an open block each (+ those sealed)
     engine.abort(ids[:3])
     while engine.has_unfinished():
         engine.step()
     engine.step()  # the step after the last frees its slots
-    assert cache._slots == {}
-    assert len(cache._free_slots) == cache.staged.shape[1]
+    assert cache.staging.open_blocks == set()
+    assert cache.staging.num_free == cache.staging.num_slots == cache.staged.shape[1]
 
 
 def test_int4_preempted_requests_release_their_slots(make_engine, smollm2_int4):
@@ -116,18 +116,14 @@ def test_int4_preempted_requests_release_their_slots(make_engine, smollm2_int4):
     assert engine.stats().num_preemptions > 0
     assert all(len(finished[i]) == 100 for i in ids)
     engine.step()
-    assert engine.runner.kv_cache._slots == {}
+    assert engine.runner.kv_cache.staging.open_blocks == set()
 
 
-@pytest.mark.xfail(
-    reason="issue 25: prefill rows now run the int4 attention kernel, and kvwise eval's int4 path "
-    "(attend_int4_sequence) does not yet reproduce the engine's rounding; a later session fixes it",
-    strict=False,
-)
 def test_int4_engine_computes_what_eval_measures(make_engine, smollm2):
-    """``kvwise eval --kv-cache-dtype int4`` runs the engine's own attention over the same
-    sealed bytes: the engine's log-probability of its first answer token is eval's, to float32
-    rounding (float32 weights: the int4 weights' int8 activations would amplify that rounding).
+    """``kvwise eval --kv-cache-dtype int4`` runs the engine's own int4 pool and attention (the
+    same kernels, worker/one_sequence.py): the engine's log-probability of its first answer
+    token is eval's, to float32 rounding (float32 weights: the int4 weights' int8 activations
+    would amplify that rounding).
     Chunked prefill and decodes are checked against a reference in
     tests/unit/test_kv_int4_sealing.py."""
     from kvwise.bench.evaluate import _hidden

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
-from kvwise.worker.kv_cache import PagedKVCache
+from kvwise.worker.kv_cache import PagedKVCache, make_kv_cache
 
 if not kernels.available():
     if os.environ.get("CI"):
@@ -38,15 +38,15 @@ def _pool(dtype: str, block_size: int, gen: torch.Generator) -> PagedKVCache:
     """A one-layer pool holding random K/V in every slot."""
     num_blocks = 2 + sum(-(-n // block_size) for n in LENGTHS)
     spec = KVSpec(1, KV_HEADS, DIM, block_size, dtype)
-    cache = PagedKVCache(spec, num_blocks, torch.float32)
+    cache = make_kv_cache(spec, num_blocks, torch.float32)
     k = torch.randn(num_blocks * block_size, KV_HEADS, DIM, generator=gen) * 2
     v = torch.randn(num_blocks * block_size, KV_HEADS, DIM, generator=gen)
     slots = torch.arange(num_blocks * block_size)
     if spec.sealed_keys:  # int4: every block written whole, so sealed
         for first in range(0, len(slots), block_size):
-            cache.begin_step()
-            cache.write(0, slots[first : first + block_size], k[first : first + block_size],
-                        v[first : first + block_size])  # fmt: skip
+            block = slots[first : first + block_size]
+            cache.begin_step(slot_mapping=block)
+            cache.write(0, block, k[first : first + block_size], v[first : first + block_size])
     else:
         cache.write(0, slots, k, v)
     return cache
@@ -157,29 +157,35 @@ def test_f32mm_is_row_invariant_and_as_close_as_torch_mm(shape, threads):
     assert torch.equal(ops.f32mm(x[:, ::1].t().contiguous().t(), w), full)  # strided x
 
 
-def test_attend_int4_sequence_is_the_engines_step_for_a_cold_prompt():
-    """What ``kvwise eval`` can call to measure int4 KV: the bits the engine's attention gives a
-    prompt prefilled in one chunk (built through the scheduler's types), and within float32
-    rounding of the torch reference over the same sealed keys."""
+@pytest.mark.parametrize("dtype", ["int4", "int8", "bfloat16"])
+def test_sequence_attention_is_the_engines_step_for_a_cold_prompt(dtype):
+    """What ``kvwise eval`` calls to measure a KV format the pool stores: the bits the engine's
+    attention gives a prompt prefilled in one chunk (built through the scheduler's types, over
+    blocks out of order), and for int4 within float32 rounding of the torch reference over the
+    same sealed keys."""
     from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
     from kvwise.types import SamplingParams
-    from kvwise.worker.attention import TorchSDPAAttention, attend_int4_sequence, attend_open_blocks
+    from kvwise.worker.attention import TorchSDPAAttention, attend_open_blocks
     from kvwise.worker.input_batch import build_input_batch
     from kvwise.worker.kv_quant import round_trip
+    from kvwise.worker.one_sequence import sequence_attention
 
     gen = torch.Generator().manual_seed(7)
     n, block_size = 77, 32
     q = torch.randn(n, HEADS, DIM, generator=gen)
     k = torch.randn(n, KV_HEADS, DIM, generator=gen) + torch.linspace(-3, 3, DIM)
     v = torch.randn(n, KV_HEADS, DIM, generator=gen)
-    got = attend_int4_sequence(q, k, v, block_size)
-    cache = PagedKVCache(KVSpec(1, KV_HEADS, DIM, block_size, "int4"), 3, torch.float32)
+    spec = KVSpec(1, KV_HEADS, DIM, block_size, dtype)
+    got = sequence_attention(spec, HEADS, n)(0, q, k, v)
+    cache = make_kv_cache(spec, 5, torch.float32)
     sched = SchedulerOutput(scheduled=[ScheduledRequest(
-        "r", list(range(n)), 0, [0, 1, 2], True, SamplingParams(), 0)])  # fmt: skip
-    cache.begin_step()
+        "r", list(range(n)), 0, [4, 0, 2], True, SamplingParams(), 0)])  # fmt: skip
     meta = build_input_batch(sched, block_size).attn_meta
+    cache.begin_step([], meta.slot_mapping)
     assert torch.equal(got, TorchSDPAAttention(cache, HEADS, DIM).forward(0, q, k, v, meta))
-    stored_k = round_trip(k, "int4", keys=True, key_block=block_size)
-    qp = q.transpose(0, 1).contiguous().unsqueeze(0)
-    want = attend_open_blocks(qp, stored_k, round_trip(v, "int4"), k, 0, block_size, DIM**-0.5)
-    torch.testing.assert_close(got, want.reshape(n, -1), rtol=1e-5, atol=1e-5)
+    if dtype == "int4":
+        stored_k = round_trip(k, "int4", keys=True, key_block=block_size)
+        qp = q.transpose(0, 1).contiguous().unsqueeze(0)
+        want = attend_open_blocks(qp, stored_k, round_trip(v, "int4"), k, 0, block_size,
+                                  DIM**-0.5)  # fmt: skip
+        torch.testing.assert_close(got, want.reshape(n, -1), rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
 from kvwise.models.layers import apply_rope, rms_norm, rope_table
 from kvwise.models.quant import Int4Weight, Q8Weight
-from kvwise.worker.kv_cache import PagedKVCache
+from kvwise.worker.kv_cache import make_kv_cache
 
 if not kernels.available():
     if os.environ.get("CI"):
@@ -130,9 +130,8 @@ def test_silu_mul_matches_torch():
 def _int8_cache(num_blocks, block_size, kv_heads, dim, gen, torch_writes=False):
     """A one-layer int8 pool filled with random K/V (scaled rows: outlier channels too)."""
     spec = KVSpec(1, kv_heads, dim, block_size, "int8")
-    cache = PagedKVCache(spec, num_blocks)
-    if torch_writes:
-        cache._write_int8 = None  # kv_quant's torch arithmetic instead of the C++ op
+    # torch_writes: kv_quant's torch arithmetic instead of the C++ op
+    cache = make_kv_cache(spec, num_blocks, use_kernels=not torch_writes)
     slots = torch.arange(num_blocks * block_size)
     k = torch.randn(len(slots), kv_heads, dim, generator=gen)
     k[..., 3] *= 20  # an outlier channel, as real keys have
@@ -144,7 +143,7 @@ def _int8_cache(num_blocks, block_size, kv_heads, dim, gen, torch_writes=False):
 def test_int8_kv_writes_the_same_bytes_from_cpp_and_torch():
     caches = [_int8_cache(6, 16, 3, 64, torch.Generator().manual_seed(9), torch_writes=t)
               for t in (False, True)]  # fmt: skip
-    assert caches[0]._write_int8 is not None
+    assert caches[0].use_kernels and not caches[1].use_kernels
     assert torch.equal(caches[0].raw, caches[1].raw)
 
 

@@ -14,7 +14,7 @@ from kvwise.types import SamplingParams
 from kvwise.worker import kv_quant
 from kvwise.worker.attention import TorchSDPAAttention
 from kvwise.worker.input_batch import build_input_batch
-from kvwise.worker.kv_cache import PagedKVCache
+from kvwise.worker.kv_cache import make_kv_cache
 
 BS, KV_HEADS, HEADS, DIM, T = 4, 2, 4, 8, 11
 SPEC = KVSpec(1, KV_HEADS, DIM, BS, "int4", group_size=4)
@@ -36,17 +36,17 @@ def _feed(attention, q, k, v, steps, table, released=()) -> torch.Tensor:
     cache = attention.kv_cache
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
     for start, end in steps:
-        cache.begin_step(list(released))
         sched = SchedulerOutput(scheduled=[ScheduledRequest(
             "r", list(range(start, end)), start, table, True, SamplingParams(), 0)])  # fmt: skip
         meta = build_input_batch(sched, cache.block_size).attn_meta
+        cache.begin_step(list(released), meta.slot_mapping)  # as the model runner calls it
         out[start:end] = attention.forward(0, q[start:end], k[start:end], v[start:end], meta)
     return out
 
 
 def _run(steps: list[tuple[int, int]], released=()):
     """The test sequence fed step by step; attention outputs (T, H*D) and the cache."""
-    cache = PagedKVCache(SPEC, 8)
+    cache = make_kv_cache(SPEC, 8)
     return _feed(TorchSDPAAttention(cache, HEADS, DIM), *_data(), steps, TABLE, released), cache
 
 
@@ -85,20 +85,22 @@ def test_whole_chunked_and_decoded_see_the_same_keys():
 
 def test_staging_slots_are_taken_sealed_and_released():
     _, cache = _run([(0, 3), (3, 5)])
-    assert set(cache._slots) == {TABLE[0], TABLE[1]}  # block 0 sealed this step, 1 open
+    assert cache.staging.open_blocks == {TABLE[0], TABLE[1]}  # block 0 sealed this step, 1 open
     cache.begin_step()
-    assert set(cache._slots) == {TABLE[1]}  # the sealed block's slot freed a step later
+    assert cache.staging.open_blocks == {TABLE[1]}  # the sealed block's slot freed a step later
     cache.begin_step([TABLE[1]])  # the core freed the open block
-    assert cache._slots == {}
-    assert len(cache._free_slots) == cache.staged.shape[1]
+    assert cache.staging.open_blocks == set()
+    assert cache.staging.num_free == cache.staging.num_slots == cache.staged.shape[1]
 
 
 def test_staging_grows_past_its_first_slots():
-    cache = PagedKVCache(SPEC, 64)
+    cache = make_kv_cache(SPEC, 64)
     k = torch.randn(20, KV_HEADS, DIM)
     slots = torch.tensor([b * BS for b in range(20)])  # the first row of 20 blocks
+    cache.begin_step(slot_mapping=slots)
     cache.write(0, slots, k, k)
-    assert len(cache._slots) == 20 and cache.staged.shape[1] >= 20
+    assert len(cache.staging.open_blocks) == 20
+    assert cache.staged.shape[1] == cache.staging.num_slots >= 20
     assert torch.equal(cache.open_keys(0, 19, 1)[0], k[19])
 
 
@@ -111,19 +113,19 @@ def test_the_kernels_write_and_attend_as_the_torch_path():
         pytest.skip("kvwise kernels not built")
     steps = [(0, 5)] + [(i, i + 1) for i in range(5, T)]
     out, cache = _run(steps)
-    torch_cache = PagedKVCache(SPEC, 8)
-    torch_cache._int4_write_op = None
-    attention = TorchSDPAAttention(torch_cache, HEADS, DIM, paged_kernel=False)
+    torch_cache = make_kv_cache(SPEC, 8, use_kernels=False)
+    attention = TorchSDPAAttention(torch_cache, HEADS, DIM)
+    assert cache.rows_attention is not None and not attention.paged_kernel  # kernels vs none
     torch_out = _feed(attention, *_data(), steps, TABLE)
     assert torch.equal(cache.raw[:, :, TABLE], torch_cache.raw[:, :, TABLE])
     torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
     # wide-range values: the float16 scale and minimum round alike in both
     x = torch.randn(6, KV_HEADS, DIM) * torch.logspace(-3, 4, 6).view(6, 1, 1)
-    a, b = PagedKVCache(SPEC, 8), PagedKVCache(SPEC, 8)
-    b._int4_write_op = None
+    a, b = make_kv_cache(SPEC, 8), make_kv_cache(SPEC, 8, use_kernels=False)
     slots = torch.tensor([0, 4, 8, 12, 16, 20])  # first rows of six blocks
-    a.write(0, slots, x, x)
-    b.write(0, slots, x, x)
+    for cache in (a, b):
+        cache.begin_step(slot_mapping=slots)
+        cache.write(0, slots, x, x)
     assert torch.equal(a.raw[0, 1], b.raw[0, 1])
 
 
@@ -145,7 +147,7 @@ def test_the_decode_kernel_at_real_shapes(block_size, kv_heads, heads, group):
     table = [9, 3, 0, 6]
     steps = [(0, block_size + 3)] + [(i, i + 1) for i in range(block_size + 3, n)]
     outs = [
-        _feed(TorchSDPAAttention(PagedKVCache(spec, 12), heads, dim, paged_kernel=paged),
+        _feed(TorchSDPAAttention(make_kv_cache(spec, 12), heads, dim, paged_kernel=paged),
               q, k, v, steps, table)
         for paged in (True, False)
     ]  # fmt: skip
