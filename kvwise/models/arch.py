@@ -1,9 +1,11 @@
-"""The shape of a Llama-family model: what the model code and the KV cache need to know.
+"""The shape of a decoder model: what the model code and the KV cache need to know.
 
 `ModelArchConfig` is built from a Hugging Face ``config.json`` dict (`from_hf_config`) or from a
 GGUF file's metadata (`from_gguf`). It imports no torch, so the engine core can size its KV cache
 from it without loading weights.
 
+The architecture names it accepts are the registered families' (``models/registry.py``);
+the family says how its config.json sets the per-checkpoint flags (``ModelFamily.hf_flags``).
 Supported: Llama (SmolLM2, Llama 2/3), Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm).
 """
 
@@ -13,26 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# HF `model_type` -> HF architecture (class) name. The registry maps every name to one class.
-HF_MODEL_TYPES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(HF_MODEL_TYPES.values())
-# GGUF `general.architecture` -> HF architecture name.
-GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
-
-def _unsupported(name: str) -> ValueError:
-    return ValueError(
-        f"model: unsupported architecture '{name}'; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+from kvwise.models import registry
 
 
 @dataclass(frozen=True)
@@ -105,13 +88,14 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Hyper-parameters of a Llama-family decoder. Sizes are counts, not bytes.
+    """Hyper-parameters of a decoder of a registered family. Sizes are counts, not bytes.
 
+    architecture: a registered HF architecture name (its family: ``registry.family_for``).
     attention_bias: q/k/v projections have a bias (Qwen2; Llama/Qwen3 when configured).
     o_proj_bias: the output projection has a bias (Llama/Qwen3 with attention_bias=True).
     qk_norm: per-head RMSNorm on q and k before rotary (Qwen3).
-    sliding_window: recorded only (Mistral, Qwen2 with use_sliding_window); the model
-        does not apply it — the attention function owns masking.
+    sliding_window: recorded only (Mistral, Qwen2 with use_sliding_window), in each layer's
+        ``AttentionKind``; the model does not apply it — the attention function owns masking.
     """
 
     architecture: str
@@ -135,8 +119,8 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise _unsupported(self.architecture)
+        if not registry.is_supported(self.architecture):
+            raise registry.unsupported(self.architecture)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -182,18 +166,13 @@ class ModelArchConfig:
         Raises:
             ValueError: unsupported architecture, rope type, activation or missing field.
         """
-        model_type = config.get("model_type")
-        archs = config.get("architectures") or []
-        if model_type in HF_MODEL_TYPES:
-            architecture = HF_MODEL_TYPES[model_type]
-        elif archs:
-            architecture = archs[0]
-        else:
-            architecture = str(model_type)
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise _unsupported(architecture)
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act: only 'silu' is supported, got {config['hidden_act']!r}")
+        architecture = _hf_architecture(config)
+        family = registry.family_for(architecture)
+        if config.get("hidden_act", "silu") not in family.hf_activations:
+            raise ValueError(
+                f"hidden_act: only {', '.join(map(repr, family.hf_activations))} is supported, "
+                f"got {config['hidden_act']!r}"
+            )
         if config.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP biases are not supported")
         try:
@@ -205,9 +184,7 @@ class ModelArchConfig:
             rope_theta = config.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
             if float(rope_params.get("partial_rotary_factor", 1.0)) != 1.0:
                 raise ValueError("partial_rotary_factor: partial rotary is not supported")
-            qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-            use_window = config.get("use_sliding_window", True) if qwen else True
-            bias = bool(config.get("attention_bias", False))
+            flags = family.hf_flags(architecture, config)
             eos = config.get("eos_token_id")
             return cls(
                 architecture=architecture,
@@ -223,10 +200,7 @@ class ModelArchConfig:
                 rope_scaling=RopeScaling.from_hf(rope_params, max_pos),
                 max_position_embeddings=max_pos,
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                attention_bias=True if architecture == "Qwen2ForCausalLM" else bias,
-                o_proj_bias=bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
-                qk_norm=architecture == "Qwen3ForCausalLM",
-                sliding_window=config.get("sliding_window") if use_window else None,
+                **flags,
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=_as_id_tuple(eos),
             )
@@ -241,9 +215,9 @@ class ModelArchConfig:
         Llama 3.1 scaling from a ``rope_freqs.weight`` tensor (as llama.cpp does).
         """
         gguf_arch = str(_gguf_field(reader, "general.architecture"))
-        if gguf_arch not in GGUF_ARCHITECTURES:
-            raise _unsupported(gguf_arch)
-        architecture = GGUF_ARCHITECTURES[gguf_arch]
+        architecture = registry.architecture_for_gguf(gguf_arch)
+        if architecture is None:
+            raise registry.unsupported(gguf_arch)
 
         def get(key: str, default: Any = None) -> Any:
             return _gguf_field(reader, f"{gguf_arch}.{key}", default)
@@ -288,6 +262,19 @@ class ModelArchConfig:
             bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=_as_id_tuple([e for e in eos if e is not None]),
         )
+
+
+def _hf_architecture(config: dict[str, Any]) -> str:
+    """The architecture a config.json names: its first ``architectures`` entry when that is
+    registered (as vLLM picks a model class; a toy or plug-in family registers its own name
+    over a config of a known ``model_type``), else the one its ``model_type`` maps to."""
+    archs = config.get("architectures") or []
+    if archs and registry.is_supported(archs[0]):
+        return archs[0]
+    by_type = registry.architecture_for_model_type(config.get("model_type"))
+    if by_type is not None:
+        return by_type
+    return archs[0] if archs else str(config.get("model_type"))
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

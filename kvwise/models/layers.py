@@ -1,4 +1,6 @@
-"""Stateless building blocks for the Llama-family model: RMSNorm, rotary tables, reference attention.
+"""Stateless building blocks of the decoder: the RMSNorms, the GLU activations, rotary tables,
+the logit soft cap, reference attention. A family names its norm and activation
+(``models/family.py``); ``NORMS`` and ``GLUS`` map those names onto these functions.
 
 Rotary uses the Hugging Face "rotate_half" (non-interleaved) convention: a head vector's first
 half pairs with its second half. GGUF q/k weights, permuted for llama.cpp's interleaved rope, are
@@ -25,6 +27,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
     return weight * normed.to(x.dtype)
+
+
+def rms_norm_one_plus(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm scaled by ``1 + weight`` (Gemma's), computed in fp32 and cast back after the
+    weight (as HF's GemmaRMSNorm does). `weight` broadcasts as in ``rms_norm``."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def silu_glu(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """`(T, 2 * inter)` [gate | up] -> `(T, inter)` silu(gate) * up, into gate_up's first half."""
+    gate = F.silu(gate_up[:, :inter], inplace=True)  # (T, inter), a view
+    return gate.mul_(gate_up[:, inter:])
+
+
+def gelu_tanh_glu(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """`(T, 2 * inter)` [gate | up] -> `(T, inter)` gelu_tanh(gate) * up (GeGLU, Gemma's)."""
+    gate = F.gelu(gate_up[:, :inter], approximate="tanh")  # (T, inter)
+    return gate.mul_(gate_up[:, inter:])
+
+
+# a family's ``norm`` and ``activation`` names -> the functions (models/family.py)
+NORMS = {"rms": rms_norm, "rms_one_plus": rms_norm_one_plus}
+GLUS = {"silu": silu_glu, "gelu_tanh": gelu_tanh_glu}
+
+
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(logits / cap)``, in place (Gemma's final-logit soft-capping)."""
+    return logits.div_(cap).tanh_().mul_(cap)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

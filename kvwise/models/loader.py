@@ -25,11 +25,12 @@ from tqdm.auto import tqdm
 
 from kvwise.config import QUANTIZATIONS
 from kvwise.models.arch import ModelArchConfig
+from kvwise.models.decoder import CausalLM
 from kvwise.models.default import default_model_path
+from kvwise.models.family import ModelFamily
 from kvwise.models.gguf_weights import iter_gguf_weights, open_gguf
-from kvwise.models.llama import LINEAR_PARTS, LlamaForCausalLM
+from kvwise.models.layer_ops import LINEAR_NAMES
 from kvwise.models.quant import Int4Weight, Int8Weight, Q8Weight, QuantWeight
-from kvwise.models.registry import model_class
 
 _SAMPLE_BYTES = 1 << 20
 _T = TypeVar("_T")
@@ -43,7 +44,7 @@ class LoadedModel:
     generation_config: generation_config.json of an HF directory; empty for GGUF.
     """
 
-    model: LlamaForCausalLM
+    model: CausalLM
     arch: ModelArchConfig
     source: Path
     fingerprint: str
@@ -59,7 +60,7 @@ def load_model(
     progress: bool = True,
     quantization: str | None = "none",
 ) -> LoadedModel:
-    """Load the weights at `path` into a `LlamaForCausalLM` in eval mode.
+    """Load the weights at `path` into a `CausalLM` of the architecture's family, in eval mode.
 
     Args:
         path: an HF model directory, a `.gguf` file, a directory holding exactly one `.gguf`,
@@ -98,12 +99,13 @@ def load_model(
 def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, quantization: str) -> LoadedModel:
     reader = open_gguf(path)
     arch = ModelArchConfig.from_gguf(reader)
-    model = model_class(arch)(arch, dtype)
+    model = CausalLM(arch, dtype)
     tensors = _progress(reader.tensors, len(reader.tensors), path.name, progress)
     weight_format = "int4" if quantization == "auto" else quantization
     if weight_format == "int4":  # Q4_0 / Q4_1 map onto the kernel as they are
-        linear = {f"model.layers.{i}.{part}" for i in range(arch.num_layers)
-                  for parts in LINEAR_PARTS.values() for part in parts}  # fmt: skip
+        family = model.family
+        linear = {f"{family.layer_prefix}{i}.{part}" for i in range(arch.num_layers)
+                  for part in _linear_suffixes(family)}  # fmt: skip
         _load_quantized(model, iter_gguf_weights(reader, arch, tensors, linear), "int4")
     else:
         model.load_weights(iter_gguf_weights(reader, arch, tensors))
@@ -118,35 +120,43 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, quantization: str
     )  # fmt: skip
 
 
-def _load_quantized(model: LlamaForCausalLM, weights, weight_format: str) -> None:
+def _linear_suffixes(family: type[ModelFamily]) -> set[str]:
+    """The HF names of a layer's linear weights, within the layer."""
+    return {part for parts in family.linear_parts.values() for part in parts}
+
+
+def _load_quantized(model: CausalLM, weights, weight_format: str) -> None:
     """Load norms and biases as floats and everything else quantized to ``weight_format``
     (int4 groups that come as such are kept as they are)."""
-    arch = model.arch
+    arch, family = model.arch, model.family
+    linear = _linear_suffixes(family)
     big: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
     rest = []
     for name, weight in weights:
-        linear = name.rsplit(".", 2)[-2] in {"q_proj", "k_proj", "v_proj", "o_proj",
-                                              "gate_proj", "up_proj", "down_proj"}  # fmt: skip
-        if name.endswith(".weight") and (linear or "embed_tokens" in name or "lm_head" in name):
+        within = name[len(family.layer_prefix) :].partition(".")[2]
+        in_layer = name.startswith(family.layer_prefix) and within in linear
+        if in_layer or name in (family.embed_name, family.lm_head_name):
             big[name] = weight
         else:
             rest.append((name, weight))
     model.load_weights(rest, quantized=True)
     layers = []
     for i in range(arch.num_layers):
-        fused = {}
-        for target, parts in LINEAR_PARTS.items():
-            fused[target] = _fuse([big.pop(f"model.layers.{i}.{p}") for p in parts], weight_format)
-        layers.append(fused)
-    embed = Q8Weight.quantize(big.pop("model.embed_tokens.weight"))
-    head = embed if arch.tie_word_embeddings else Q8Weight.quantize(big.pop("lm_head.weight"))
+        prefix = f"{family.layer_prefix}{i}."
+        layers.append({
+            target: _fuse([big.pop(prefix + part) for part in parts], weight_format)
+            for target, parts in family.linear_parts.items()
+        })  # fmt: skip
+    embed = Q8Weight.quantize(big.pop(family.embed_name))
+    tied = arch.tie_word_embeddings
+    head = embed if tied else Q8Weight.quantize(big.pop(family.lm_head_name))
     model.install_quantized(layers, embed, head)
 
 
-def _quantize_loaded(model: LlamaForCausalLM, weight_format: str) -> None:
+def _quantize_loaded(model: CausalLM, weight_format: str) -> None:
     """Quantize a loaded float model's linear weights, embedding and LM head."""
     layers = [
-        {name: _fuse([getattr(layer, name).t()], weight_format) for name in LINEAR_PARTS}
+        {name: _fuse([getattr(layer, name).t()], weight_format) for name in LINEAR_NAMES}
         for layer in model.layers
     ]
     embed = Q8Weight.quantize(model.embed)
@@ -181,7 +191,7 @@ def _load_hf_dir(
     config_bytes = (directory / "config.json").read_bytes()
     arch = ModelArchConfig.from_hf_config(json.loads(config_bytes))
     files = _safetensors_files(directory)
-    model = model_class(arch)(arch, dtype)
+    model = CausalLM(arch, dtype)
     model.load_weights(_iter_safetensors(files, directory.name, progress))
     weight_format = "none" if quantization == "auto" else quantization  # auto: its own dtype
     if weight_format != "none":

@@ -1,0 +1,283 @@
+"""The decoder of every model family, with pluggable attention: one step, written once.
+
+The model sees a flat batch of `T` tokens from any number of sequences (varlen) and their
+positions; it never sees sequence boundaries or the KV cache. Each layer calls
+
+    attn(layer_idx, q, k, v) -> (T, num_heads * head_dim)
+
+with q `(T, num_heads, head_dim)` and k, v `(T, num_kv_heads, head_dim)` after rotary (and after
+the q/k norm where the checkpoint has one). q is not pre-scaled: attention applies the scale.
+q, k and v may be non-contiguous views; attention must not write into them. The engine's
+attention writes k, v into its paged cache and attends over each sequence's cached prefix.
+``CausalLM.attention_kinds`` says, per layer, which attention its family declares (window,
+rotary, scale): the rotary is applied here, the rest is the attention's.
+
+What differs between families (norm form, activation, post-norms, embedding scale, logit
+soft cap, attention kinds, tensor names) is the family's declaration (``models/family.py``),
+read once when the model is built. How a layer's stages are computed (plain torch, or
+kvwise's fused ops for int4 / int8 weights) is its ``LayerOps`` (``models/layer_ops.py``),
+chosen once per layer when its weights are installed.
+
+Layout, chosen for memory-bound CPU decode:
+- every linear weight is stored transposed, contiguous `[in, out]`, and applied as `x @ w`;
+- q/k/v are one fused weight, gate/up are one fused weight;
+- float32 matmuls run on kvwise's ``f32mm`` where the kernels are built (a fixed order of
+  operations for every output, so a row's bits never depend on the batch; else ``torch.mm``);
+- with tied embeddings, `embed` `[vocab, hidden]` serves lookup and `lm_head` `[hidden, vocab]`
+  is a separate transposed copy for logits.
+
+Quantized weights (``models/quant.py``, installed by ``install_quantized``) replace the four
+linear weights of every layer and the embedding / LM head. The step then stays float32 where
+precision matters (the residual stream, norms, rotary, attention, logits). int4 weights (and
+the int8-block embedding / LM head) run kvwise's kernels, which quantize their float32 input
+to int8 per block of 32 as llama.cpp does; int8 per-channel weights run torch's kernel on
+bfloat16 inputs. The quantized LM head's top logits are refined in float32
+(``linear.RefinedHead``); a family's soft cap applies after that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvwise.models import checkpoint
+from kvwise.models.arch import ModelArchConfig
+from kvwise.models.family import ModelFamily
+from kvwise.models.layer_ops import LINEAR_NAMES, LayerOps, choose_layer_ops
+from kvwise.models.layers import NORMS, rope_table, soft_cap
+from kvwise.models.linear import FloatHead, FloatWeight, Linear, RefinedHead
+from kvwise.models.quant import Q8Weight, QuantWeight
+from kvwise.models.registry import family_for
+
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder block. Weights are `[in, out]`; see the module docstring."""
+
+    def __init__(self, arch: ModelArchConfig, family: type[ModelFamily], dtype: torch.dtype):
+        super().__init__()
+        hidden, inter = arch.hidden_size, arch.intermediate_size
+        self.family = family
+        self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.intermediate_size = inter
+        self.eps = arch.rms_norm_eps
+        qkv_size = self.q_size + 2 * self.kv_size
+        self.input_norm = _param(hidden, dtype=dtype)
+        self.qkv_proj = _param(hidden, qkv_size, dtype=dtype)  # [in, q | k | v]
+        self.qkv_bias = _param(qkv_size, dtype=dtype) if arch.attention_bias else None
+        # q/k norm: q's weight in rows [:num_heads], k's in rows [num_heads:].
+        self.qk_norm = (
+            _param(arch.num_heads + arch.num_kv_heads, arch.head_dim, dtype=dtype)
+            if arch.qk_norm
+            else None
+        )
+        self.o_proj = _param(self.q_size, hidden, dtype=dtype)
+        self.o_bias = _param(hidden, dtype=dtype) if arch.o_proj_bias else None
+        # post-norm families norm the attention and MLP outputs before their residual adds
+        self.attn_out_norm = _param(hidden, dtype=dtype) if family.post_norms else None
+        self.mlp_norm = _param(hidden, dtype=dtype)  # the MLP's input norm
+        self.gate_up_proj = _param(hidden, 2 * inter, dtype=dtype)  # [in, gate | up]
+        self.down_proj = _param(inter, hidden, dtype=dtype)
+        self.mlp_out_norm = _param(hidden, dtype=dtype) if family.post_norms else None
+        self.quant: dict[str, QuantWeight] | None = None  # LINEAR_NAMES name -> weight
+        self.ops: LayerOps = choose_layer_ops(self)
+
+    @property
+    def post_attention_norm(self) -> torch.Tensor:
+        """``mlp_norm`` under HF Llama's name (post_attention_layernorm)."""
+        return self.mlp_norm
+
+    def linear(self, name: str) -> Linear:
+        """The linear weight ``name`` (one of ``LINEAR_NAMES``) as the ops apply it."""
+        if self.quant is not None:
+            return self.quant[name]
+        return FloatWeight(getattr(self, name))
+
+    def part_sizes(self) -> dict[str, tuple[int, ...]]:
+        """Each fused linear weight's output columns per HF part, in the family's order."""
+        q, kv, inter = self.q_size, self.kv_size, self.intermediate_size
+        hidden = self.input_norm.shape[0]
+        return {"qkv_proj": (q, kv, kv), "o_proj": (hidden,),
+                "gate_up_proj": (inter, inter), "down_proj": (hidden,)}  # fmt: skip
+
+    def install_quantized(self, weights: dict[str, QuantWeight], ops: str | None = None) -> None:
+        """Replace the four linear weights with quantized ones (their float parameters go) and
+        choose the layer's ops again (``use_ops``)."""
+        if set(weights) != set(LINEAR_NAMES):
+            raise ValueError(f"weights: expected {sorted(LINEAR_NAMES)}, got {sorted(weights)}")
+        for name, weight in weights.items():
+            expected = tuple(getattr(self, name).shape[::-1])  # [in, out] -> (out, in)
+            if (weight.out_features, weight.in_features) != expected:
+                raise ValueError(f"weights: {name} is {weight.out_features}x"
+                                 f"{weight.in_features}, expected {expected[0]}x{expected[1]}")  # fmt: skip
+        for name in weights:
+            setattr(self, name, None)
+        self.quant = dict(weights)
+        self.use_ops(ops)
+
+    def use_ops(self, ops: str | None = None) -> None:
+        """Compute this layer with ``ops``: "fused" (kvwise's fused ops; int4 or int8 weights,
+        the kernels, a family they compute), "torch" (plain torch ops, any weights, any family)
+        or None (the fastest that can). The same arithmetic up to float rounding.
+
+        Raises:
+            ValueError: a value other than these, or "fused" where it cannot run (the layer
+                keeps the ops it had).
+        """
+        self.ops = choose_layer_ops(self, ops)
+
+    def forward(
+        self,
+        layer_idx: int,
+        residual: torch.Tensor,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        attn: AttentionFn,
+    ) -> torch.Tensor:
+        """Update `residual` `(T, hidden)` IN PLACE with this block's attention and MLP output."""
+        ops = self.ops
+        q, k, v = ops.qkv_rope(ops.norm_qkv(residual), rope_cos, rope_sin)
+        ops.add_mlp(residual, ops.o_proj(attn(layer_idx, q, k, v)))
+        return residual
+
+
+class CausalLM(nn.Module):
+    """A causal LM of any registered family. Weights start uninitialized: fill them with
+    `load_weights` (and `install_quantized`)."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype = torch.float32,
+        family: type[ModelFamily] | None = None,
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.family = family = family or family_for(arch.architecture)
+        self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)  # [vocab, hidden]
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, family, dtype) for _ in range(arch.num_layers)
+        )
+        self.norm = _param(arch.hidden_size, dtype=dtype)
+        self.lm_head = _param(arch.hidden_size, arch.vocab_size, dtype=dtype)  # [hidden, vocab]
+        self._final_norm = NORMS[family.norm]
+        scale = family.embedding_scale(arch)
+        self.embed_scale = None if scale is None else torch.tensor(scale, dtype=dtype)
+        self.logit_softcap = family.logit_softcap(arch)
+        self.attention_kinds = family.attention_kinds(arch)
+        if len(self.attention_kinds) != arch.num_layers:
+            raise ValueError(f"family {family.__name__}: {len(self.attention_kinds)} attention "
+                             f"kinds for {arch.num_layers} layers")  # fmt: skip
+        self._init_rope(arch)
+        self.head: FloatHead | RefinedHead = FloatHead(self.lm_head)
+        # quantized embedding (its rows) and LM head; tied: the same weight
+        self.embed_quant: Q8Weight | None = None
+        self.lm_head_quant: Q8Weight | None = None
+
+    def _init_rope(self, arch: ModelArchConfig) -> None:
+        """One rotary table per distinct (base, scaling) of the layers' attention kinds."""
+        ropes = list(dict.fromkeys((k.rope_theta, k.rope_scaling) for k in self.attention_kinds))
+        for i, (theta, scaling) in enumerate(ropes):
+            table = rope_table(arch.max_position_embeddings, arch.head_dim, theta, scaling)
+            self.register_buffer(f"rope{i or ''}", table.to(self.dtype), persistent=False)
+        self.rope_names = [f"rope{i or ''}" for i in range(len(ropes))]  # (P, 2, D) each
+        # each layer's table, by index into rope_names
+        self.layer_rope = [
+            ropes.index((k.rope_theta, k.rope_scaling)) for k in self.attention_kinds
+        ]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        """Run the decoder over a flat batch of tokens.
+
+        Args:
+            input_ids: `(T,)` int64 token ids, tokens of all sequences concatenated.
+            positions: `(T,)` int64 position of each token in its sequence,
+                `< arch.max_position_embeddings`.
+            attn: called once per layer, see the module docstring.
+
+        Returns:
+            `(T, hidden)` final-normed hidden states; pass the rows to sample to `compute_logits`.
+        """
+        ropes = []
+        for name in self.rope_names:
+            rope = getattr(self, name)[positions]  # (T, 2, D)
+            ropes.append((rope[:, 0:1], rope[:, 1:2]))  # cos, signed sin (T, 1, D) each
+        if self.embed_quant is not None:
+            residual = self.embed_quant.rows(input_ids)  # (T, hidden), a fresh tensor we own
+        else:
+            residual = F.embedding(input_ids, self.embed)  # (T, hidden), a fresh tensor we own
+        if self.embed_scale is not None:
+            residual.mul_(self.embed_scale)
+        for layer_idx, (layer, rope) in enumerate(zip(self.layers, self.layer_rope)):
+            rope_cos, rope_sin = ropes[rope]
+            layer.forward(layer_idx, residual, rope_cos, rope_sin, attn)
+        return self._final_norm(residual, self.norm, self.arch.rms_norm_eps)  # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`(N, hidden)` -> `(N, vocab)` float32 logits."""
+        logits = self.head.logits(hidden)  # (N, vocab)
+        if self.logit_softcap is not None:
+            logits = soft_cap(logits, self.logit_softcap)
+        return logits
+
+    def use_ops(self, ops: str | None = None) -> None:
+        """``DecoderLayer.use_ops`` for every layer (raises before changing any)."""
+        chosen = [choose_layer_ops(layer, ops) for layer in self.layers]
+        for layer, layer_ops in zip(self.layers, chosen):
+            layer.ops = layer_ops
+
+    def install_quantized(
+        self,
+        layers: list[dict[str, QuantWeight]],
+        embed: Q8Weight,
+        lm_head: Q8Weight,
+        ops: str | None = None,
+    ) -> None:
+        """Replace every layer's linear weights, the embedding and the LM head with quantized
+        ones (their float parameters go), computed with ``ops`` (``DecoderLayer.use_ops``).
+        The norms (and biases) stay float parameters."""
+        if len(layers) != len(self.layers):
+            raise ValueError(f"weights: {len(layers)} quantized layers for {len(self.layers)}")
+        vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
+        for name, weight in (("embed", embed), ("lm_head", lm_head)):
+            if (weight.out_features, weight.in_features) != (vocab, hidden):
+                raise ValueError(f"weights: {name} is {weight.out_features}x"
+                                 f"{weight.in_features}, expected {vocab}x{hidden}")  # fmt: skip
+        for layer, weights in zip(self.layers, layers):
+            layer.install_quantized(weights, ops)  # type: ignore[operator]
+        self.embed_quant, self.lm_head_quant = embed, lm_head
+        self.head = RefinedHead(lm_head)
+        self.embed = self.lm_head = None  # type: ignore[assignment]
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take (quantized ones at their packed size)."""
+        total = sum(p.nbytes for p in self.parameters())
+        for layer in self.layers:
+            total += sum(w.nbytes for w in (layer.quant or {}).values())
+        for head in {id(w): w for w in (self.embed_quant, self.lm_head_quant) if w}.values():
+            total += head.nbytes
+        return total
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], quantized: bool = False
+    ) -> None:
+        """``checkpoint.load_weights``: HF-named, HF-layout tensors into the parameters."""
+        checkpoint.load_weights(self, weights, quantized)
+
+    def expected_weight_names(self, quantized: bool = False) -> list[str]:
+        """``checkpoint.expected_weight_names``: the HF names ``load_weights`` needs."""
+        return checkpoint.expected_weight_names(self, quantized)

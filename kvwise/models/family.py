@@ -1,0 +1,182 @@
+"""Model families: what a decoder family computes differently from the one decoder step.
+
+Every supported model runs the same step (``models/decoder.py``): embed, then per layer
+norm -> q/k/v -> (q/k norm) -> rotary -> attention -> output projection -> residual, norm ->
+gated MLP -> residual, then a final norm and the LM head. A family is a small class that
+declares where its models differ from that outline; the decoder, its weight formats
+(``models/layer_ops.py``) and the loader read the declaration once, when the model is built:
+
+- ``norm``: every RMSNorm of the model, ``"rms"`` (``w * x_hat``) or ``"rms_one_plus"``
+  (``(1 + w) * x_hat``, Gemma's, computed in float32 and cast back);
+- ``activation``: the gate of the GLU MLP, ``"silu"`` or ``"gelu_tanh"``;
+- ``post_norms``: an extra norm on the attention output and on the MLP output, each before
+  its residual add (Gemma 2/3: four norms a layer);
+- ``embedding_scale``: a factor on the embedded tokens (Gemma: sqrt(hidden)), or None;
+- ``logit_softcap``: ``cap * tanh(logits / cap)`` on the final logits, or None;
+- ``attention_kinds``: per layer, the attention it runs (full or a sliding window of W
+  tokens, its rotary base and scaling, its softmax scale): see ``AttentionKind``;
+- the HF tensor names of its weights (``norm_names``, ``linear_parts``, ...), which the
+  loader maps onto the fused parameters;
+- ``hf_flags``: the per-checkpoint flags its config.json sets (q/k/v biases, q/k norm, the
+  sliding window), and ``hf_activations``: the config's names for its activation.
+
+Biases and the q/k norm stay per checkpoint (``ModelArchConfig`` flags, set by ``hf_flags``):
+within the Llama family Qwen2 has q/k/v biases and Qwen3 a q/k norm. A family whose choices
+are not Llama's (``fused_ops_apply`` False) runs the plain torch composition of the step for
+every weight format; kvwise's fused layer ops compute only Llama's choices.
+
+Pure Python (no torch): ``ModelArchConfig`` and ``kvwise size`` read families without loading
+a model. Families are registered by architecture name in ``models/registry.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from kvwise.models.arch import ModelArchConfig, RopeScaling
+
+NORMS = ("rms", "rms_one_plus")
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+# the linear weights of a Llama layer, by the HF names of their parts (fused in this order)
+LLAMA_LINEAR_PARTS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o_proj": ("self_attn.o_proj.weight",),
+    "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down_proj": ("mlp.down_proj.weight",),
+}
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """The attention one layer runs.
+
+    sliding_window: a query at position p sees keys at ``p - window < pos <= p``; None: all.
+    rope_theta, rope_scaling: the rotary base and scaling of this layer's q and k.
+    softmax_scale: the score scale; None: ``head_dim ** -0.5``.
+
+    NOTE: the model applies the rotary of each layer's kind; the attention backend does not
+    read the window or the scale yet (every supported checkpoint has the default scale, and
+    the engine caps the context at a sliding window): the hybrid KV cache will.
+    """
+
+    sliding_window: int | None
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    softmax_scale: float | None = None
+
+
+class ModelFamily:
+    """A decoder family: the class attributes say what its models compute (see the module
+    docstring); the defaults are Llama's. Subclass it, set what differs, register it."""
+
+    architectures: ClassVar[tuple[str, ...]] = ()  # HF class names (config.json)
+    hf_model_types: ClassVar[dict[str, str]] = {}  # config.json model_type -> architecture
+    gguf_architectures: ClassVar[dict[str, str]] = {}  # general.architecture -> architecture
+    hf_activations: ClassVar[tuple[str, ...]] = ("silu",)  # config.json hidden_act values
+
+    norm: ClassVar[str] = "rms"
+    activation: ClassVar[str] = "silu"
+    post_norms: ClassVar[bool] = False
+
+    # HF tensor names (the GGUF loader renames its tensors to these)
+    embed_name: ClassVar[str] = "model.embed_tokens.weight"
+    final_norm_name: ClassVar[str] = "model.norm.weight"
+    lm_head_name: ClassVar[str] = "lm_head.weight"
+    layer_prefix: ClassVar[str] = "model.layers."
+    # a layer's norm parameter -> its HF name; post_norms adds "attn_out_norm", "mlp_out_norm"
+    norm_names: ClassVar[dict[str, str]] = {
+        "input_norm": "input_layernorm.weight",
+        "mlp_norm": "post_attention_layernorm.weight",
+    }
+    linear_parts: ClassVar[dict[str, tuple[str, ...]]] = LLAMA_LINEAR_PARTS
+    qk_norm_names: ClassVar[tuple[str, str]] = (
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+    )
+    ignored_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+
+    @classmethod
+    def check(cls) -> None:
+        """Raises ValueError when the declaration is inconsistent (called at registration)."""
+        if not cls.architectures:
+            raise ValueError(f"family {cls.__name__}: architectures is empty")
+        if cls.norm not in NORMS:
+            raise ValueError(
+                f"family {cls.__name__}: norm must be one of {NORMS}, got {cls.norm!r}"
+            )
+        if cls.activation not in ACTIVATIONS:
+            raise ValueError(f"family {cls.__name__}: activation must be one of {ACTIVATIONS}, "
+                             f"got {cls.activation!r}")  # fmt: skip
+        slots = {"input_norm", "mlp_norm"} | (
+            {"attn_out_norm", "mlp_out_norm"} if cls.post_norms else set()
+        )
+        if set(cls.norm_names) != slots:
+            raise ValueError(f"family {cls.__name__}: norm_names must name {sorted(slots)}")
+        if set(cls.linear_parts) != set(LLAMA_LINEAR_PARTS):
+            raise ValueError(
+                f"family {cls.__name__}: linear_parts must fuse {sorted(LLAMA_LINEAR_PARTS)}"
+            )
+
+    @classmethod
+    def fused_ops_apply(cls) -> bool:
+        """Whether kvwise's fused layer ops compute this family's layer: they hard-wire plain
+        RMSNorm, a SiLU gate and the residual adds right after attention and the MLP."""
+        return cls.norm == "rms" and cls.activation == "silu" and not cls.post_norms
+
+    @classmethod
+    def embedding_scale(cls, arch: ModelArchConfig) -> float | None:
+        """The factor on embedded tokens (rounded to the model's dtype); None: none."""
+        return None
+
+    @classmethod
+    def logit_softcap(cls, arch: ModelArchConfig) -> float | None:
+        """The final logits' soft cap (after the quantized head's refinement); None: none."""
+        return None
+
+    @classmethod
+    def attention_kinds(cls, arch: ModelArchConfig) -> tuple[AttentionKind, ...]:
+        """One ``AttentionKind`` a layer. Default: every layer alike, the config's rotary and
+        sliding window."""
+        kind = AttentionKind(arch.sliding_window, arch.rope_theta, arch.rope_scaling)
+        return (kind,) * arch.num_layers
+
+    @classmethod
+    def hf_flags(cls, architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+        """The ``ModelArchConfig`` flags a config.json of this family sets: attention_bias,
+        o_proj_bias, qk_norm, sliding_window."""
+        bias = bool(config.get("attention_bias", False))
+        return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=False,
+                    sliding_window=config.get("sliding_window"))  # fmt: skip
+
+
+class LlamaFamily(ModelFamily):
+    """Llama (SmolLM2, Llama 2/3), Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k norm)."""
+
+    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                     "Qwen3ForCausalLM")  # fmt: skip
+    hf_model_types = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }
+    gguf_architectures = {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }
+
+    @classmethod
+    def hf_flags(cls, architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+        qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        use_window = config.get("use_sliding_window", True) if qwen else True
+        bias = bool(config.get("attention_bias", False))
+        return dict(
+            attention_bias=True if architecture == "Qwen2ForCausalLM" else bias,
+            o_proj_bias=bias and architecture not in ("MistralForCausalLM", "Qwen2ForCausalLM"),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=config.get("sliding_window") if use_window else None,
+        )

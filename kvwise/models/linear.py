@@ -1,0 +1,107 @@
+"""The one interface of a linear weight, the float one, and the LM heads.
+
+A decoder layer's four linear weights (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+``down_proj``) are each a ``Linear``: ``FloatWeight`` (a float ``[in, out]`` parameter of the
+layer), or ``Int8Weight`` / ``Int4Weight`` (``models/quant.py``). The step's plain
+composition (``layer_ops.TorchLayerOps``) calls only ``mm``; the fused ops read the
+quantized weights' packed bytes.
+
+The LM head is a ``FloatHead`` or, on quantized weights, a ``RefinedHead``: the int8-block
+matmul, then the top ``EXACT_TOP_K`` logits of each row recomputed in float32 from the exact
+rows, so greedy picks and the head of the distribution are as precise as the float path's.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvwise import kernels
+from kvwise.models.quant import Q8Weight
+
+# the logits recomputed in float32 after the quantized LM head (per row)
+EXACT_TOP_K = 64
+
+
+class _FusedOps:
+    """The kernels' overloads, looked up once (``torch.ops`` attribute access per call costs)."""
+
+    def __getattr__(self, name: str):
+        op = getattr(torch.ops.kvwise, name).default
+        setattr(self, name, op)
+        return op
+
+
+FUSED = _FusedOps()
+
+
+class Linear(Protocol):
+    """A linear weight `(out, in)` applied to rows: ``mm(x)`` is `x @ W.T`."""
+
+    out_features: int
+    in_features: int
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` `(T, in)` -> `(T, out)`, in the weight's output dtype."""
+        ...
+
+    def dequantize(self) -> torch.Tensor:
+        """The float `(out, in)` weight it computes with."""
+        ...
+
+
+def float_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for float weights: float32 on kvwise's ``f32mm`` where the kernels are built
+    (each output one fma chain down k: a row's bits do not depend on the other rows, where a
+    BLAS picks other kernels for other row counts), else ``torch.mm``."""
+    if w.dtype == torch.float32 and x.dtype == torch.float32 and kernels.available():
+        return FUSED.f32mm(x, w)
+    return torch.mm(x, w)
+
+
+class FloatWeight:
+    """A float weight held transposed, ``[in, out]`` contiguous (a parameter of the layer,
+    or a view of one: it is filled in place), applied as ``x @ w``. Its bytes are counted with
+    the model's parameters."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight  # [in, out]
+        self.in_features, self.out_features = weight.shape
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return float_mm(x, self.weight)  # (T, out) in the weight's dtype
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.t().float()
+
+
+class FloatHead:
+    """The LM head on a float ``[hidden, vocab]`` weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`(N, hidden)` -> `(N, vocab)` float32."""
+        return float_mm(hidden, self.weight).float()
+
+
+class RefinedHead:
+    """The LM head on int8 blocks (``Q8Weight``), its top ``EXACT_TOP_K`` logits of each row
+    recomputed in float32 from the exact rows."""
+
+    def __init__(self, weight: Q8Weight) -> None:
+        self.weight = weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`(N, hidden)` -> `(N, vocab)` float32."""
+        head = self.weight
+        logits = head.mm(hidden)  # (N, vocab), int8-activation precision
+        k = min(EXACT_TOP_K, logits.shape[-1])
+        if kernels.available():
+            top = FUSED.top_k_ids(logits, k)  # (N, k), one pass a row
+        else:
+            top = logits.topk(k, dim=-1).indices  # (N, k)
+        exact = head.dot_rows(hidden, top)  # (N, k)
+        return logits.scatter_(1, top, exact)
