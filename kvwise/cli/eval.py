@@ -23,8 +23,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default="none",
         help="the reference's weights; equal to --quantization: the comparison is skipped",
     )
-    # the pool's formats, and int4-pt: int4 with keys per token, which eval alone measures
-    kv_choices = (*kv_formats(), "int4-pt")
+    kv_choices = kv_formats("eval")  # the pool's, and int4-pt (int4, keys per token)
     p.add_argument("--kv-cache-dtype", choices=kv_choices, default="float32",
                    help="the KV format the candidate attends over (default float32; int4: keys "
                    "per channel over blocks of --kv-block-size tokens; int4-pt: keys per token, "

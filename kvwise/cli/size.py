@@ -8,7 +8,7 @@ import argparse
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from kvwise.perf.sizing import DTYPE_BYTES
+    from kvwise.core.kv_spec import kv_formats
 
     p.add_argument(
         "--model",
@@ -20,8 +20,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=None, help="query heads")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: = heads)")
     p.add_argument("--head-dim", type=int, default=None)
-    # every KV format the pool holds, and fp8 (a size only): the dtypes KVShape sizes
-    p.add_argument("--dtype", default="float16", choices=tuple(DTYPE_BYTES))
+    # the formats that can be sized: the pool's and fp8 (a size only)
+    p.add_argument("--dtype", default="float16", choices=kv_formats("size"))
     p.add_argument("--tokens", type=int, default=4096, help="tokens per request")
     p.add_argument("--batch", type=int, default=16, help="requests per batch")
     p.add_argument("--memory", default=None, help="how many tokens fit in this, e.g. 24GiB")
