@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwise.models.llama import LINEAR_PARTS
+from kvwise import kernels
+from kvwise.models.layer_ops import LINEAR_NAMES, Int4FusedOps, Int8FusedOps, TorchLayerOps
 from kvwise.models.loader import load_model
 from tests.model.test_models_tiny import CASES, SEQ_LEN, _dense, _run, _save_random_model
 from tests.tiers_util import evict_device, run
@@ -28,32 +29,39 @@ def _dequantized_reference(directory, quantized):
     reference = load_model(directory, progress=False, quantization="none").model
     with torch.no_grad():
         for layer, qlayer in zip(reference.layers, quantized.layers):
-            for name in LINEAR_PARTS:
+            for name in LINEAR_NAMES:
                 getattr(layer, name).copy_(qlayer.quant[name].dequantize().t())
         reference.embed.copy_(quantized.embed_quant.dequantize())
         reference.lm_head.copy_(quantized.lm_head_quant.dequantize().t())
     return reference
 
 
-@pytest.mark.parametrize("step", ["int4ops", "fused", "torch"])
+# the ops each weight format runs when asked for (the int4 and int8 fused ops differ)
+OPS_CLASSES = {
+    ("int4", "fused"): Int4FusedOps,
+    ("int8", "fused"): Int8FusedOps,
+    ("int4", "torch"): TorchLayerOps,
+    ("int8", "torch"): TorchLayerOps,
+}
+
+
+@pytest.mark.parametrize("ops", ["fused", "torch"])
 @pytest.mark.parametrize("weight_format", ["int4", "int8"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_quantized_tiny_models_match_a_dequantized_reference(tmp_path, name, weight_format, step):
+def test_quantized_tiny_models_match_a_dequantized_reference(tmp_path, name, weight_format, ops):
     config_name, overrides = CASES[name]
     _save_random_model(config_name, overrides, tmp_path)
     loaded = load_model(tmp_path, progress=False, quantization=weight_format)
     assert loaded.weight_format == weight_format
     model = loaded.model
     assert all(layer.quant is not None for layer in model.layers)
-    if step != "torch" and not all(layer.step != "torch" for layer in model.layers):
+    if ops == "fused" and not kernels.available():
         pytest.skip("the kvwise kernels are unavailable here")
-    if step == "int4ops" and weight_format != "int4":
-        pytest.skip("the int4 ops run int4 weights only")
-    if step == "fused" and weight_format == "int4":
-        pytest.skip("the fused step runs int8 weights only")
-    for layer in model.layers:  # "torch": the plain-torch quantized step (no compiler)
-        assert (layer.int4_args is not None) == (weight_format == "int4")
-        layer.select_step({"int4ops": "int4", "fused": "fused", "torch": "torch"}[step])
+    # installed: the fastest ops there are, so the fused ones where the kernels are built
+    assert all(layer.ops.name == ("fused" if kernels.available() else "torch")
+               for layer in model.layers)  # fmt: skip
+    model.use_ops(ops)  # "torch": the plain-torch quantized step (no compiler)
+    assert all(type(layer.ops) is OPS_CLASSES[weight_format, ops] for layer in model.layers)
     reference = _dequantized_reference(tmp_path, model)
     torch.manual_seed(1)
     input_ids = torch.randint(0, 128, (SEQ_LEN,))
@@ -79,6 +87,8 @@ def test_the_default_gguf_runs_its_q4_1_weights_natively(quantized, smollm2):
     assert quantized.fingerprint != smollm2.fingerprint  # KV of one is never served to other
     layer = quantized.model.layers[0]
     assert layer.qkv_proj is None and layer.quant["qkv_proj"].group_size == 32
+    if kernels.available():
+        assert all(isinstance(layer.ops, Int4FusedOps) for layer in quantized.model.layers)
 
 
 def test_greedy_tokens_are_the_same_cold_from_the_device_and_from_disk(
@@ -95,8 +105,15 @@ def test_greedy_tokens_are_the_same_cold_from_the_device_and_from_disk(
     engine.close()
 
 
-def test_a_layer_refuses_a_step_it_does_not_know(quantized):
+def test_a_layer_refuses_ops_it_does_not_know_or_cannot_run(quantized, smollm2):
     layer = quantized.model.layers[0]
-    with pytest.raises(ValueError, match="step"):
-        layer.select_step("bogus")
-    assert layer.step in ("int4", "fused", "torch")  # unchanged
+    before = layer.ops
+    with pytest.raises(ValueError, match="ops: expected"):
+        layer.use_ops("bogus")
+    with pytest.raises(ValueError, match="ops: expected"):
+        quantized.model.use_ops("int4")  # the old step names are gone
+    assert layer.ops is before  # unchanged
+    float_layer = smollm2.model.layers[0]  # float weights: no fused ops
+    with pytest.raises(ValueError, match="ops: 'fused' cannot run"):
+        float_layer.use_ops("fused")
+    assert isinstance(float_layer.ops, TorchLayerOps)
