@@ -2,6 +2,7 @@
 without) running an engine.
 
 - ``sizing``: KV bytes per token, request and batch, every KV format (``kvwise size``);
+  ``gguf_meta``: a GGUF's scalar metadata read with ``struct`` (its KV shape without torch);
 - ``roofline``: step times from bytes moved and FLOPs, on hardware presets or this machine's
   calibration; ``roofline_fit``: fitting it to measurements;
 - ``predict``: TTFT against prefix length and each tier's break-even (``kvwise breakeven``);
