@@ -95,6 +95,26 @@ def test_ctx_beyond_the_model_is_refused(smollm2, corpus_ids):
         evaluate(smollm2, corpus_ids, ctx, max_windows=1)
 
 
+def test_kv_formats_cost_in_their_order_measured_through_the_pool(smollm2, corpus_ids, monkeypatch):
+    """A pool format is measured by the engine's own pool and attention (one call a window),
+    int4-pt (never stored) by its round trip; KL from float32 KV grows as the format narrows."""
+    calls = []
+
+    def counted(spec, *args):
+        calls.append(spec.dtype)
+        return sequence_attention(spec, *args)
+
+    sequence_attention = evaluate_module.sequence_attention
+    monkeypatch.setattr(evaluate_module, "sequence_attention", counted)
+    kl = {}
+    for dtype in ("bfloat16", "int8", "int4", "int4-pt"):
+        result = evaluate(smollm2, corpus_ids, CTX, max_windows=1, reference=smollm2,
+                          kv_cache_dtype=dtype)  # fmt: skip
+        kl[dtype] = result.kl_mean
+    assert calls == ["bfloat16", "int8", "int4"]  # the float32 reference: dense attention
+    assert 0 < kl["bfloat16"] < kl["int8"] < kl["int4"] < kl["int4-pt"], kl
+
+
 @pytest.mark.slow
 def test_perplexity_matches_transformers(smollm2, hf_smollm2, corpus_ids):
     ids = torch.tensor(corpus_ids[:CTX])

@@ -68,3 +68,41 @@ def test_bad_spec_names_the_field(kwargs, field):
     base = dict(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4)
     with pytest.raises(ValueError, match=f"^{field}:"):
         KVSpec(**{**base, **kwargs})
+
+
+def test_the_registry_lists_each_format_once_by_use():
+    from kvwise.core.kv_spec import kv_format, kv_formats
+
+    assert kv_formats() == ("float32", "bfloat16", "float16", "int8", "int4")  # the pool's
+    assert kv_formats("size") == (*kv_formats(), "fp8")  # fp8: a size only
+    assert kv_formats("eval") == (*kv_formats(), "int4-pt")  # int4-pt: eval's round trip only
+    int4 = kv_format("int4")
+    assert int4.sealed_keys and int4.quantized and int4.default_block_size == 32
+    assert kv_format("int8").quantized and not kv_format("float16").quantized
+    assert KVSpec(1, 1, 4, 4, "fp8").block_bytes == 2 * 4 * 4  # sized, never stored
+    with pytest.raises(ValueError, match="^kv_cache_dtype:"):
+        KVSpec(1, 1, 4, 4, "int4-pt")  # measured by eval, neither stored nor sized
+    with pytest.raises(ValueError, match="^kv_cache_dtype:"):
+        kv_format("int3")
+    with pytest.raises(ValueError, match="^use:"):
+        kv_formats("disk")
+
+
+def test_a_registered_format_needs_a_name_and_a_tag_of_its_own():
+    from kvwise.core.kv_spec import KVFormat, Scales, register_kv_format, unregister_kv_format
+
+    with pytest.raises(ValueError, match="registered already"):
+        register_kv_format(KVFormat("int8", 1))
+    with pytest.raises(ValueError, match="^tag:"):
+        register_kv_format(KVFormat("int8b", 1, tag="int8"))  # int8's entries would be its own
+    with pytest.raises(ValueError, match="^tag:"):
+        KVFormat("x", 1, tag="a-very-long-tag")  # entry headers hold 8 characters
+    with pytest.raises(ValueError, match="^per:"):
+        Scales("block", 4)
+    register_kv_format(KVFormat("i8x", 1, uses=("size",), key_scales=Scales("token", 2)))
+    try:
+        spec = KVSpec(2, 3, 8, 16, "i8x")
+        assert spec.key_scale_bytes == 16 * 3 * 2 and spec.value_scale_bytes == 0
+        assert spec.scale_bytes == spec.key_scale_bytes and spec.layout.endswith(".i8x")
+    finally:
+        unregister_kv_format("i8x")
