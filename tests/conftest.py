@@ -7,7 +7,15 @@ import tempfile
 import pytest
 
 # NOTE: engines built with default settings keep their disk tier under $XDG_CACHE_HOME; point
-# it at a fresh directory so that no test reads what an earlier run (or the user) stored.
+# it at a fresh directory so that no test reads what an earlier run (or the user) stored. torch
+# builds kvwise's kernels under the same cache root: keep that one where it was, or every
+# subprocess server would compile them again (~1-3 min each).
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions"
+    ),
+)
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvwise-test-cache-")
 
 
