@@ -73,3 +73,39 @@ def tier_engine(make_engine):
     yield make
     for engine in engines:
         engine.close()
+
+
+# ---- CI: a skip is a gap --------------------------------------------------------------------
+# Under CI=true every service and package the suite uses is installed, so a test that skips
+# hides a gap: its skip is reported as a failure. A skip that is not a gap (a combination that
+# does not exist, a check that cannot run as root) says so with a reason starting "n/a:".
+NOT_A_GAP = "n/a:"
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+def _fail_skip_in_ci(report) -> None:
+    from tests.services import in_ci
+
+    if not (in_ci() and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report).removeprefix("Skipped: ")
+    if reason.startswith(NOT_A_GAP):
+        return
+    report.outcome = "failed"
+    report.longrepr = f"CI=true: this test skipped, which hides a gap: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())

@@ -57,7 +57,7 @@ def test_a_disk_tier_whose_secret_file_is_a_directory(capsys, tmp_path):
     )
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes every file")
+@pytest.mark.skipif(os.geteuid() == 0, reason="n/a: root reads and writes every file")
 def test_paths_this_user_cannot_read(capsys, tmp_path, a_file):
     locked = tmp_path / "locked"
     locked.mkdir()

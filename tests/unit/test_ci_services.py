@@ -46,3 +46,36 @@ def test_a_missing_service_fails_in_ci(tmp_path, case):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "CI=true and a service is missing" in result.stdout
     assert "1 error" in result.stdout or "1 failed" in result.stdout
+
+
+SKIPS = '''
+import pytest
+
+def test_skips():
+    pytest.skip("a package is missing")
+
+def test_not_a_gap():
+    pytest.skip("n/a: a combination that does not exist")
+
+@pytest.mark.xfail(reason="known", strict=False)
+def test_xfails():
+    assert False
+'''
+
+
+@pytest.mark.parametrize("ci", [False, True])
+def test_under_ci_a_skip_fails_unless_it_says_it_is_not_a_gap(tmp_path, ci):
+    test = tmp_path / "test_skips.py"
+    test.write_text(SKIPS)
+    env = {k: v for k, v in os.environ.items() if k != "CI"} | ({"CI": "true"} if ci else {})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+           "--rootdir", str(tmp_path), str(test)]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    summary = result.stdout.strip().splitlines()[-1]
+    if ci:
+        assert result.returncode == 1, result.stdout
+        assert "1 failed, 1 skipped, 1 xfailed" in summary
+        assert "hides a gap: a package is missing" in result.stdout
+    else:
+        assert result.returncode == 0, result.stdout
+        assert "2 skipped, 1 xfailed" in summary
