@@ -46,7 +46,7 @@ from torch import nn
 from kvwise.models import checkpoint
 from kvwise.models.arch import ModelArchConfig
 from kvwise.models.family import ModelFamily
-from kvwise.models.layer_ops import LINEAR_NAMES, LayerOps, choose_layer_ops
+from kvwise.models.layer_ops import LINEAR_NAMES, LayerOps, TorchLayerOps, choose_layer_ops
 from kvwise.models.layers import NORMS, rope_table, soft_cap
 from kvwise.models.linear import FloatHead, FloatWeight, Linear, RefinedHead
 from kvwise.models.quant import Q8Weight, QuantWeight
@@ -124,7 +124,11 @@ class DecoderLayer(nn.Module):
         for name in weights:
             setattr(self, name, None)
         self.quant = dict(weights)
-        self.use_ops(ops)
+        try:
+            self.use_ops(ops)
+        except ValueError:
+            self.ops = TorchLayerOps(self)  # never the ops of the float weights just dropped
+            raise
 
     def use_ops(self, ops: str | None = None) -> None:
         """Compute this layer with ``ops``: "fused" (kvwise's fused ops; int4 or int8 weights,
@@ -192,9 +196,9 @@ class CausalLM(nn.Module):
         for i, (theta, scaling) in enumerate(ropes):
             table = rope_table(arch.max_position_embeddings, arch.head_dim, theta, scaling)
             self.register_buffer(f"rope{i or ''}", table.to(self.dtype), persistent=False)
-        self.rope_names = [f"rope{i or ''}" for i in range(len(ropes))]  # (P, 2, D) each
+        self._rope_names = [f"rope{i or ''}" for i in range(len(ropes))]  # (P, 2, D) each
         # each layer's table, by index into rope_names
-        self.layer_rope = [
+        self._layer_rope = [
             ropes.index((k.rope_theta, k.rope_scaling)) for k in self.attention_kinds
         ]
 
@@ -213,7 +217,7 @@ class CausalLM(nn.Module):
             `(T, hidden)` final-normed hidden states; pass the rows to sample to `compute_logits`.
         """
         ropes = []
-        for name in self.rope_names:
+        for name in self._rope_names:
             rope = getattr(self, name)[positions]  # (T, 2, D)
             ropes.append((rope[:, 0:1], rope[:, 1:2]))  # cos, signed sin (T, 1, D) each
         if self.embed_quant is not None:
@@ -222,7 +226,7 @@ class CausalLM(nn.Module):
             residual = F.embedding(input_ids, self.embed)  # (T, hidden), a fresh tensor we own
         if self.embed_scale is not None:
             residual.mul_(self.embed_scale)
-        for layer_idx, (layer, rope) in enumerate(zip(self.layers, self.layer_rope)):
+        for layer_idx, (layer, rope) in enumerate(zip(self.layers, self._layer_rope)):
             rope_cos, rope_sin = ropes[rope]
             layer.forward(layer_idx, residual, rope_cos, rope_sin, attn)
         return self._final_norm(residual, self.norm, self.arch.rms_norm_eps)  # (T, hidden)

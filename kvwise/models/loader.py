@@ -1,7 +1,10 @@
 """Load a model from a Hugging Face directory (config.json + safetensors) or a GGUF file.
 
-`load_model(None)` loads the default model (SmolLM2-135M-Instruct, Q4_1 GGUF). GGUF weights are
-dequantized to `dtype` at load time; the engine never computes on quantized weights.
+`load_model(None)` loads the default model (SmolLM2-135M-Instruct, Q4_1 GGUF). The model is the
+decoder of the architecture's family (``models/registry.py``). With ``quantization="none"``
+GGUF weights are dequantized to `dtype` at load time; "int4" / "int8" (and "auto" on a GGUF)
+install quantized linear weights (``models/quant.py``), whose layers then run the fastest
+``LayerOps`` that can compute them (``models/layer_ops.py``).
 
 The fingerprint identifies the weights a KV cache was computed with (two processes may share
 cached blocks only if their fingerprints match). It is a sha256 over: the format, the dtype, the
