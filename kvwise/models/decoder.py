@@ -93,11 +93,6 @@ class DecoderLayer(nn.Module):
         self.quant: dict[str, QuantWeight] | None = None  # LINEAR_NAMES name -> weight
         self.ops: LayerOps = choose_layer_ops(self)
 
-    @property
-    def post_attention_norm(self) -> torch.Tensor:
-        """``mlp_norm`` under HF Llama's name (post_attention_layernorm)."""
-        return self.mlp_norm
-
     def linear(self, name: str) -> Linear:
         """The linear weight ``name`` (one of ``LINEAR_NAMES``) as the ops apply it."""
         if self.quant is not None:

@@ -71,7 +71,7 @@ def test_dequantized_weights_equal_transformers(ours, theirs, layer_idx):
     assert torch.equal(mine.gate_up_proj[:, inter:].t(), ref.mlp.up_proj.weight)
     assert torch.equal(mine.down_proj.t(), ref.mlp.down_proj.weight)
     assert torch.equal(mine.input_norm, ref.input_layernorm.weight)
-    assert torch.equal(mine.post_attention_norm, ref.post_attention_layernorm.weight)
+    assert torch.equal(mine.mlp_norm, ref.post_attention_layernorm.weight)
 
 
 @pytest.mark.slow

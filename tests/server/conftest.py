@@ -21,8 +21,8 @@ from kvwise.engine.builder import build_model_parts
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.engine.tokenizer import Tokenizer
 from kvwise.models.arch import ModelArchConfig
+from kvwise.models.decoder import CausalLM
 from kvwise.models.default import default_model_path
-from kvwise.models.llama import LlamaForCausalLM
 from kvwise.models.loader import LoadedModel
 from kvwise.server import create_app
 
@@ -127,7 +127,7 @@ def tiny_loaded() -> LoadedModel:
         tie_word_embeddings=False,
     )
     generator = torch.Generator().manual_seed(0)
-    model = LlamaForCausalLM(arch, torch.float32)
+    model = CausalLM(arch, torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 1:

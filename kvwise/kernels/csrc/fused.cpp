@@ -1,6 +1,6 @@
 // The small steps between the quantized matmuls of a decoder layer, each fused into one op.
 //
-// In the quantized step (models/llama.py) a layer runs four quantized matmuls; around them, torch
+// In the quantized step (models/decoder.py, models/layer_ops.py) a layer runs four quantized matmuls; around them, torch
 // would run ~30 small ops a layer (norm, casts, slices, q/k norm, rotary, SiLU), each costing
 // more in dispatch than in arithmetic at one token. These ops do the same arithmetic in one
 // pass each, in float32, and hand an int8 weight's matmul bfloat16 (torch's int8 kernel's fast
