@@ -12,7 +12,7 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvwise.core.kv_spec import default_block_size, kv_formats
+from kvwise.core.kv_spec import default_block_size, kv_format, kv_formats
 from kvwise.core.scheduler_config import SchedulerConfig
 from kvwise.utils import check_positive_int, check_positive_or_none, parse_bytes, parse_duration
 
@@ -82,8 +82,10 @@ class CacheConfig:
         if self.block_size is None:
             object.__setattr__(self, "block_size", default_block_size(self.kv_cache_dtype))
         check_positive_int("block_size", self.block_size)
-        if self.kv_int4_group_size and self.kv_cache_dtype != "int4":
-            raise ValueError("kv_int4_group_size: only for kv_cache_dtype='int4'")
+        if self.kv_int4_group_size and (
+            self.kv_cache_dtype == "auto" or not kv_format(self.kv_cache_dtype).grouped
+        ):
+            raise ValueError("kv_int4_group_size: only for a grouped kv_cache_dtype ('int4')")
         if self.kv_cache_memory is not None:
             object.__setattr__(
                 self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory")

@@ -14,7 +14,7 @@ import torch
 
 from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
-from kvwise.worker.kv_cache import PagedKVCache
+from kvwise.worker.kv_cache import make_kv_cache
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     table = torch.randperm(num_blocks, generator=gen)[: -(-context // block_size)].unsqueeze(0)
     lens, q = torch.tensor([context]), torch.randn(1, 9, 64, generator=gen)
     for dtype in ("float32", "int8"):
-        cache = PagedKVCache(KVSpec(1, 3, 64, block_size, dtype), num_blocks)
+        cache = make_kv_cache(KVSpec(1, 3, 64, block_size, dtype), num_blocks)
         slots = torch.arange(num_blocks * block_size)
         kv = torch.randn(2, len(slots), 3, 64, generator=gen)
         cache.write(0, slots, kv[0], kv[1])

@@ -186,12 +186,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _compare_formats(args, loaded, tiers, redis_url, disk_root: str, lengths: list[int]) -> dict:
-    from kvwise.core.kv_spec import STORAGE_DTYPES
+    from kvwise.core.kv_spec import kv_formats
 
     formats = [f for f in args.kv_formats.split(",") if f]
-    bad = [f for f in formats if f not in STORAGE_DTYPES]
+    bad = [f for f in formats if f not in kv_formats()]
     if bad or not formats:
-        raise ValueError(f"kv_formats: expected some of {STORAGE_DTYPES}, got {args.kv_formats!r}")
+        raise ValueError(f"kv_formats: expected some of {kv_formats()}, got {args.kv_formats!r}")
     plot, args.plot = args.plot, None
     results = {}
     try:

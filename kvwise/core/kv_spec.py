@@ -185,12 +185,6 @@ for _fmt in (
     register_kv_format(_fmt)
 del _fmt
 
-# NOTE: the built-in formats as constants, for readers not yet moved to kv_formats() /
-# kv_format(); they do not see a format registered later.
-KV_DTYPE_BYTES: dict[str, float] = {n: kv_format(n).bytes_per_value for n in kv_formats("size")}
-STORAGE_DTYPES = kv_formats("pool")
-QUANTIZED_DTYPES = tuple(n for n in STORAGE_DTYPES if kv_format(n).quantized)
-
 
 @dataclass(frozen=True)
 class KVSpec:

@@ -10,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-from kvwise.core.kv_spec import KV_DTYPE_BYTES
+from kvwise.core.kv_spec import kv_formats
 from kvwise.perf.roofline import (
     GB,
     HARDWARE,
@@ -171,7 +171,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-fraction", type=float, default=None,
                    help="fraction of peak for attention (default: --mfu)")  # fmt: skip
     p.add_argument("--weight-dtype", default=None, choices=sorted(WEIGHT_DTYPE_BYTES))
-    p.add_argument("--kv-dtype", default=None, choices=sorted(KV_DTYPE_BYTES))
+    p.add_argument("--kv-dtype", default=None, choices=kv_formats("size"))
     p.add_argument("--gpus", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     p.add_argument("--overlap", action="store_true",
                    help="loads stream layer by layer under the forward (default: load, then "

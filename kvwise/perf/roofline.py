@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwise.core.kv_spec import KV_DTYPE_BYTES
+from kvwise.core.kv_spec import kv_format, kv_formats
 
 WEIGHT_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0,
                       "int4": 0.5}  # fmt: skip
@@ -89,7 +89,8 @@ class ModelShape:
         return self.linear_params + embeddings
 
     def kv_bytes_per_token(self, kv_dtype: str) -> float:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[kv_dtype]
+        per_value = kv_format(kv_dtype).bytes_per_value
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * per_value
 
     def linear_flops(self, q: int) -> float:
         """FLOPs of one forward's matmuls over ``q`` tokens and one token's LM head."""
@@ -173,9 +174,9 @@ class Hardware:
                 f"weight_dtype: expected one of {sorted(WEIGHT_DTYPE_BYTES)}, got "
                 f"{self.weight_dtype!r}"
             )
-        if self.kv_dtype not in KV_DTYPE_BYTES:
+        if self.kv_dtype not in kv_formats("size"):
             raise ValueError(
-                f"kv_dtype: expected one of {sorted(KV_DTYPE_BYTES)}, got {self.kv_dtype!r}"
+                f"kv_dtype: expected one of {kv_formats('size')}, got {self.kv_dtype!r}"
             )
         if self.prefill_chunk is not None and self.prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk: expected a positive number of tokens, got "

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwise.core.kv_spec import KV_DTYPE_BYTES as DTYPE_BYTES
-from kvwise.core.kv_spec import KVSpec, default_block_size
+from kvwise.core.kv_spec import KVSpec, default_block_size, kv_format, kv_formats
 
 
 @dataclass(frozen=True)
@@ -32,8 +31,8 @@ class KVShape:
             raise ValueError(
                 f"num_kv_heads: {self.num_kv_heads} must divide num_heads ({self.num_heads})"
             )
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype: expected one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.dtype not in kv_formats("size"):
+            raise ValueError(f"dtype: expected one of {kv_formats('size')}, got {self.dtype!r}")
 
     @property
     def spec(self) -> KVSpec:
@@ -140,7 +139,7 @@ def report(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None
         f"{shape.num_layers} layers, {shape.num_heads} query heads, {shape.num_kv_heads} KV "
         f"heads ({shape.attention_kind}), head_dim {shape.head_dim}, {shape.dtype}",
         f"KV per token:   2 x {shape.num_layers} x {shape.num_kv_heads} x {shape.head_dim} x "
-        f"{DTYPE_BYTES[shape.dtype]} B{_SCALES.get(shape.dtype, '')} = {per_token:,.0f} B "
+        f"{kv_format(shape.dtype).bytes_per_value:g} B{_SCALES.get(shape.dtype, '')} = {per_token:,.0f} B "
         f"({per_token / 1024:,.1f} KiB)",
         f"per request:    {num_tokens:,} tokens = {_gb(per_token * num_tokens)}",
         f"per batch:      {batch} x {num_tokens:,} tokens = {_gb(per_token * num_tokens * batch)}",

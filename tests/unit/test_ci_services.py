@@ -48,7 +48,7 @@ def test_a_missing_service_fails_in_ci(tmp_path, case):
     assert "1 error" in result.stdout or "1 failed" in result.stdout
 
 
-SKIPS = '''
+SKIPS = """
 import pytest
 
 def test_skips():
@@ -60,7 +60,7 @@ def test_not_a_gap():
 @pytest.mark.xfail(reason="known", strict=False)
 def test_xfails():
     assert False
-'''
+"""
 
 
 @pytest.mark.parametrize("ci", [False, True])

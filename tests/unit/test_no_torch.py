@@ -45,7 +45,12 @@ def _kvwise_imports(path: pathlib.Path) -> set[str]:
 def test_core_imports_no_other_layer():
     # the core is bookkeeping: the tiers, the worker and the engine depend on it, never the
     # other way round (it talks to the tiers through the KVTierPlanner protocol)
-    allowed = ("kvwise.core", "kvwise.types", "kvwise.errors", "kvwise.utils")  # not config: it composes the core's configs
+    allowed = (
+        "kvwise.core",
+        "kvwise.types",
+        "kvwise.errors",
+        "kvwise.utils",
+    )  # not config: it composes the core's configs
     for path in sorted((PACKAGE / "core").glob("*.py")):
         bad = [m for m in _kvwise_imports(path) if not m.startswith(allowed)]
         assert not bad, f"{path.name} imports {bad}"
