@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+from kvwise.store.stats import TierStats
+
 
 class FakeClock:
     """A clock the test moves by hand (``clock.t += 5``)."""
@@ -50,3 +52,35 @@ def payload(hashes: list[bytes]) -> bytes:
     """A recognisable chunk payload for ``entry_format()``: each block's 128 bytes derive
     from its hash."""
     return b"".join(h * 4 for h in hashes)
+
+
+class MemoryTier:
+    """An in-memory tier, as a plug-in would provide one: the five batched methods of
+    ``KVStore`` and ``describe``, no optional ability."""
+
+    name = "mem"
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+        self.entries: dict[bytes, bytes] = {}
+
+    def contains(self, keys):
+        return [k in self.entries for k in keys]
+
+    def get(self, keys):
+        return [self.entries.get(k) for k in keys]
+
+    def put(self, items, ttl_s=None, owner=None) -> None:
+        for key, value in items:
+            self.entries[key] = bytes(value)
+            self.stats.bytes_written += len(value)
+
+    def delete(self, keys) -> None:
+        for key in keys:
+            self.entries.pop(key, None)
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"mem ({len(self.entries)} entries)"

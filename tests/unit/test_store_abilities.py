@@ -12,7 +12,6 @@ from kvwise.store.base import (
     ReadsInPlace,
     ReportsEvictions,
     SharedTier,
-    TierStats,
     call_deadline,
 )
 from kvwise.store.disk import DiskStore
@@ -20,6 +19,7 @@ from kvwise.store.factory import load_priors, store_secret
 from kvwise.store.host import HostStore
 from kvwise.store.redis import RedisStore
 from kvwise.store.tier_events import TierEvents
+from tests.store_util import MemoryTier
 
 ABILITIES = (
     HasDeadline,
@@ -29,36 +29,6 @@ ABILITIES = (
     ReportsEvictions,
     SharedTier,
 )
-
-
-class DictTier:
-    """The five batched methods and nothing optional."""
-
-    name = "dict"
-
-    def __init__(self) -> None:
-        self.stats = TierStats()
-        self.entries: dict[bytes, bytes] = {}
-
-    def contains(self, keys):
-        return [k in self.entries for k in keys]
-
-    def get(self, keys):
-        return [self.entries.get(k) for k in keys]
-
-    def put(self, items, ttl_s=None, owner=None):
-        self.entries.update(items)
-        return True
-
-    def delete(self, keys):
-        for k in keys:
-            self.entries.pop(k, None)
-
-    def close(self):
-        pass
-
-    def describe(self):
-        return "dict"
 
 
 def abilities(tier) -> set[str]:
@@ -85,12 +55,12 @@ def test_each_tier_declares_what_it_can(tmp_path):
 
 def test_a_tier_with_no_optional_ability_gets_every_default(monkeypatch):
     monkeypatch.delenv("KVWISE_KV_SECRET", raising=False)
-    tier, host = DictTier(), HostStore(1 << 20)
+    tier, host = MemoryTier(), HostStore(1 << 20)
     assert isinstance(tier, KVStore) and abilities(tier) == set()
     assert call_deadline(tier) == DEFAULT_DEADLINE_S
-    assert load_priors([tier, host]) == {"host": HostStore.load_prior}  # dict: the default
+    assert load_priors([tier, host]) == {"host": HostStore.load_prior}  # mem: the default
     secret = store_secret(StoreConfig(kv_host_memory="1MiB", kv_disk_path="off"), [tier])
     assert len(secret) == 32  # not shared, no secret of its own: one for this process
     events = TierEvents([tier, host], block_size=4)  # tracks host only
-    events.stored("dict", [b"k"], [b"h"])
+    events.stored("mem", [b"k"], [b"h"])
     assert events.take() == [] and host.on_evict is not None and not hasattr(tier, "on_evict")

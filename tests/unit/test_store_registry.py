@@ -16,40 +16,9 @@ from kvwise.store.disk import DiskStore
 from kvwise.store.factory import build_store
 from kvwise.store.host import HostStore
 from kvwise.store.redis import RedisStore
-from tests.store_util import chain, payload
+from tests.store_util import MemoryTier, chain, payload
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, block_size=4, dtype="float32")
-
-
-class MemoryTier:
-    """An in-memory tier, as a plug-in would provide one."""
-
-    name = "mem"
-
-    def __init__(self) -> None:
-        self.stats = TierStats()
-        self.entries: dict[bytes, bytes] = {}
-
-    def contains(self, keys):
-        return [k in self.entries for k in keys]
-
-    def get(self, keys):
-        return [self.entries.get(k) for k in keys]
-
-    def put(self, items, ttl_s=None, owner=None) -> None:
-        for key, value in items:
-            self.entries[key] = bytes(value)
-            self.stats.bytes_written += len(value)
-
-    def delete(self, keys) -> None:
-        for key in keys:
-            self.entries.pop(key, None)
-
-    def close(self) -> None:
-        pass
-
-    def describe(self) -> str:
-        return f"mem ({len(self.entries)} entries)"
 
 
 @pytest.fixture
