@@ -37,18 +37,18 @@ that two models' ``(rows, vocab)`` float32 logits stay a few hundred MB at most.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from kvwise.bench.eval_windows import Corpus, check_window_settings, plan_windows
 from kvwise.core.kv_spec import KVSpec, kv_format, kv_formats
 from kvwise.models.layers import dense_causal_attention
 from kvwise.models.loader import LoadedModel, load_model
@@ -57,87 +57,6 @@ from kvwise.worker.one_sequence import sequence_attention
 
 # Rows of logits per slice: 256 x 49,152 x 4 B = 48 MiB per tensor, a few tensors per model.
 ROWS_PER_SLICE = 256
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """The text evaluated and what identifies it (the sha256 of its UTF-8 bytes)."""
-
-    name: str
-    text: str
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
-
-    @classmethod
-    def default(cls) -> Corpus:
-        """The language reference that ships with the interpreter (``pydoc_data.topics``),
-        topics joined in sorted key order: real text we did not write, fixed for a given
-        Python version."""
-        from pydoc_data.topics import topics
-
-        text = "".join(topics[key] for key in sorted(topics))
-        return cls(f"pydoc_data.topics (Python {platform.python_version()})", text)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> Corpus:
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"text: cannot read '{path}' as UTF-8 text: {e}") from None
-        return cls(str(path), text)
-
-
-@dataclass(frozen=True)
-class Window:
-    """Tokens ``[start, end)`` run through the model; those in ``[first_scored, end)`` are scored
-    (predicted from the window's tokens before them)."""
-
-    start: int
-    end: int
-    first_scored: int
-
-    @property
-    def num_scored(self) -> int:
-        return self.end - self.first_scored
-
-
-def check_window_settings(ctx: int, stride: int, max_windows: int | None) -> None:
-    """Raise ValueError unless ``ctx >= 2``, ``1 <= stride <= ctx`` and ``max_windows`` is None
-    or positive."""
-    if ctx < 2:
-        raise ValueError(f"ctx: must be at least 2 tokens, got {ctx}")
-    if not 1 <= stride <= ctx:
-        raise ValueError(f"stride: must be between 1 and ctx ({ctx}), got {stride}")
-    if max_windows is not None and max_windows < 1:
-        raise ValueError(f"max_windows: must be at least 1, got {max_windows}")
-
-
-def plan_windows(
-    num_tokens: int, ctx: int, stride: int, max_windows: int | None = None
-) -> list[Window]:
-    """The sliding windows over ``num_tokens`` tokens (see the module docstring).
-
-    Raises:
-        ValueError: bad settings (``check_window_settings``) or fewer than two tokens.
-    """
-    check_window_settings(ctx, stride, max_windows)
-    if num_tokens < 2:
-        raise ValueError(f"text: {num_tokens} tokens; need at least 2 to score one")
-    windows: list[Window] = []
-    num_scored_tokens = 0  # tokens [0, num_scored_tokens) are scored or context-only already
-    start = 0
-    while True:
-        end = min(start + ctx, num_tokens)
-        first_scored = max(num_scored_tokens, start + 1)
-        if first_scored < end:
-            windows.append(Window(start, end, first_scored))
-        num_scored_tokens = end
-        if end == num_tokens or len(windows) == max_windows:
-            return windows
-        start += stride
 
 
 @dataclass(frozen=True)
@@ -198,19 +117,11 @@ def evaluate(
     """
     stride = ctx // 2 if stride is None else stride
     _check_models(candidate, reference, ctx)
-    window = candidate.arch.sliding_window
-    if (
-        window
-        and ctx > window
-        and any(map(_through_pool, (kv_cache_dtype, reference_kv_cache_dtype)))
-    ):
-        raise ValueError(f"ctx: {ctx} exceeds the model's sliding window of {window}, which the "
-                         f"engine's attention (measuring the KV format) does not apply")  # fmt: skip
+    _check_sliding_window(candidate, ctx, (kv_cache_dtype, reference_kv_cache_dtype))
     windows = plan_windows(len(token_ids), ctx, stride, max_windows)
     tokens = torch.tensor(token_ids, dtype=torch.int64)
-    nll_sum = ref_nll_sum = 0.0
-    num_agree = num_scored = 0
-    kls: list[torch.Tensor] = []
+    kv = (kv_int4_group_size, kv_block_size)
+    totals = _Totals()
     start_time = time.perf_counter()
     bar = tqdm(windows, desc="eval", unit="window", disable=not progress)
     with torch.inference_mode():
@@ -219,44 +130,68 @@ def evaluate(
             # hidden row i predicts token start + i + 1: the scored targets' rows
             rows = slice(window.first_scored - 1 - window.start, window.end - 1 - window.start)
             targets = tokens[window.first_scored : window.end]  # (S,)
-            hidden = _hidden(candidate, ids, kv_cache_dtype, kv_int4_group_size, kv_block_size)[
-                rows
-            ]  # (S, hidden)
-            ref_hidden = (
-                _hidden(
-                    reference, ids, reference_kv_cache_dtype, kv_int4_group_size, kv_block_size
-                )[rows]  # fmt: skip
-                if reference is not None
-                else None
-            )
-            for lo in range(0, len(targets), ROWS_PER_SLICE):
-                part = slice(lo, lo + ROWS_PER_SLICE)
-                ref = None if ref_hidden is None else (reference, ref_hidden[part])
-                nll, scored = _score(candidate, hidden[part], targets[part], ref)
-                nll_sum += nll
-                if scored is not None:
-                    ref_nll, kl, agree = scored
-                    ref_nll_sum += ref_nll
-                    kls.append(kl)
-                    num_agree += agree
-            num_scored += len(targets)
-            bar.set_postfix(ppl=f"{math.exp(nll_sum / num_scored):.3f}", refresh=False)
+            hidden = _hidden(candidate, ids, kv_cache_dtype, *kv)[rows]  # (S, hidden)
+            ref_hidden = None
+            if reference is not None:
+                ref_hidden = _hidden(reference, ids, reference_kv_cache_dtype, *kv)[rows]
+            totals.add_window(candidate, hidden, targets, reference, ref_hidden)
+            bar.set_postfix(ppl=f"{totals.ppl:.3f}", refresh=False)
     seconds = time.perf_counter() - start_time
-    ppl = math.exp(nll_sum / num_scored)
-    result = EvalResult(ctx, stride, len(windows), num_scored, ppl, seconds)
-    if reference is None:
-        return result
-    kl_all = torch.cat(kls).double()  # (num_scored,)
-    reference_ppl = math.exp(ref_nll_sum / num_scored)
-    return replace(
-        result,
-        reference_ppl=reference_ppl,
-        delta_ppl_pct=100.0 * (ppl / reference_ppl - 1.0),
-        kl_mean=kl_all.mean().item(),
-        kl_p99=torch.quantile(kl_all, 0.99).item(),
-        kl_max=kl_all.max().item(),
-        top1_agreement_pct=100.0 * num_agree / num_scored,
+    return totals.result(
+        EvalResult(ctx, stride, len(windows), totals.num_scored, totals.ppl, seconds)
     )
+
+
+@dataclass
+class _Totals:
+    """Sums over the scored tokens of every window so far."""
+
+    nll_sum: float = 0.0
+    ref_nll_sum: float = 0.0
+    num_agree: int = 0
+    num_scored: int = 0
+    kls: list = field(default_factory=list)  # (rows,) float tensors, one a slice
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll_sum / self.num_scored)
+
+    def add_window(self, candidate, hidden, targets, reference, ref_hidden) -> None:
+        """Score one window's rows, ``ROWS_PER_SLICE`` at a time (the logits of a slice only)."""
+        for lo in range(0, len(targets), ROWS_PER_SLICE):
+            part = slice(lo, lo + ROWS_PER_SLICE)
+            ref = None if ref_hidden is None else (reference, ref_hidden[part])
+            nll, scored = _score(candidate, hidden[part], targets[part], ref)
+            self.nll_sum += nll
+            if scored is not None:
+                ref_nll, kl, agree = scored
+                self.ref_nll_sum += ref_nll
+                self.kls.append(kl)
+                self.num_agree += agree
+        self.num_scored += len(targets)
+
+    def result(self, result: EvalResult) -> EvalResult:
+        """``result`` with the comparison's figures when a reference was scored."""
+        if not self.kls:
+            return result
+        kl_all = torch.cat(self.kls).double()  # (num_scored,)
+        reference_ppl = math.exp(self.ref_nll_sum / self.num_scored)
+        return replace(
+            result,
+            reference_ppl=reference_ppl,
+            delta_ppl_pct=100.0 * (result.ppl / reference_ppl - 1.0),
+            kl_mean=kl_all.mean().item(),
+            kl_p99=torch.quantile(kl_all, 0.99).item(),
+            kl_max=kl_all.max().item(),
+            top1_agreement_pct=100.0 * self.num_agree / self.num_scored,
+        )
+
+
+def _check_sliding_window(candidate: LoadedModel, ctx: int, kv_dtypes: tuple[str, ...]) -> None:
+    window = candidate.arch.sliding_window
+    if window and ctx > window and any(map(_through_pool, kv_dtypes)):
+        raise ValueError(f"ctx: {ctx} exceeds the model's sliding window of {window}, which the "
+                         f"engine's attention (measuring the KV format) does not apply")  # fmt: skip
 
 
 def _check_models(candidate: LoadedModel, reference: LoadedModel | None, ctx: int) -> None:
@@ -351,25 +286,18 @@ def run(
         ValueError: a bad setting, or a model load_model refuses (named by its flag).
     """
     stride = ctx // 2 if stride is None else stride
-    check_window_settings(ctx, stride, max_windows)  # fail before loading
-    for name, dtype in (("kv_cache_dtype", kv_cache_dtype),
-                        ("reference_kv_cache_dtype", reference_kv_cache_dtype)):  # fmt: skip
-        if dtype not in kv_formats("eval"):
-            raise ValueError(f"{name}: expected one of {kv_formats('eval')}, got {dtype!r}")
-    if kv_int4_group_size and (kv_int4_group_size < 2 or kv_int4_group_size % 2):
-        raise ValueError(f"kv_int4_group_size: expected an even number, got {kv_int4_group_size}")
-    if kv_block_size < 2 or kv_block_size % 2:
-        raise ValueError(f"kv_block_size: expected an even number of tokens, got {kv_block_size}")
+    _check_settings(ctx, stride, max_windows, (kv_cache_dtype, reference_kv_cache_dtype),
+                    kv_int4_group_size, kv_block_size)  # fmt: skip
     corpus = Corpus.from_file(text) if text else Corpus.default()
     started = time.perf_counter()
     candidate = _load(model, quantization, "--quantization", progress)
+    same_weights = reference_quantization == quantization
     if self_check:
         reference, mode = candidate, "self-check"
-    elif reference_quantization == quantization:
-        if reference_kv_cache_dtype == kv_cache_dtype:
-            reference, mode = None, "skipped"
-        else:
-            reference, mode = candidate, "reference"  # the same weights, another KV format
+    elif same_weights and reference_kv_cache_dtype == kv_cache_dtype:
+        reference, mode = None, "skipped"
+    elif same_weights:
+        reference, mode = candidate, "reference"  # the same weights, another KV format
     else:
         reference = _load(model, reference_quantization, "--reference-quantization", progress)
         mode = "reference"
@@ -414,6 +342,25 @@ def run(
     if json_path:
         Path(json_path).write_text(json.dumps(record, indent=2) + "\n")
     return result
+
+
+def _check_settings(
+    ctx: int,
+    stride: int,
+    max_windows: int | None,
+    kv_dtypes: tuple[str, str],
+    kv_int4_group_size: int,
+    kv_block_size: int,
+) -> None:
+    """``run``'s settings, checked before anything loads."""
+    check_window_settings(ctx, stride, max_windows)
+    for name, dtype in zip(("kv_cache_dtype", "reference_kv_cache_dtype"), kv_dtypes):
+        if dtype not in kv_formats("eval"):
+            raise ValueError(f"{name}: expected one of {kv_formats('eval')}, got {dtype!r}")
+    if kv_int4_group_size and (kv_int4_group_size < 2 or kv_int4_group_size % 2):
+        raise ValueError(f"kv_int4_group_size: expected an even number, got {kv_int4_group_size}")
+    if kv_block_size < 2 or kv_block_size % 2:
+        raise ValueError(f"kv_block_size: expected an even number of tokens, got {kv_block_size}")
 
 
 def _load(model: str | None, quantization: str, flag: str, progress: bool) -> LoadedModel:
