@@ -41,14 +41,7 @@ class _Timed:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvwise.cli.engine_args import engine_kwargs
-
-    kw = engine_kwargs(args)
-    kw["prefill_chunk_size"] = max(kw["prefill_chunk_size"], args.prefix_len + 64)
-    kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], kw["prefill_chunk_size"])
-    kw.setdefault("kv_cache_memory", None)
-    kw["kv_cache_memory"] = kw["kv_cache_memory"] or "1GiB"
-    kw.update(kv_host_memory="off", kv_disk_path="off", kv_redis_url=None)  # the device pool only
+    kw = _engine_kwargs(args)
     loaded = load_for(EngineConfig.from_kwargs(**kw))
     on = build_engine(EngineConfig.from_kwargs(**kw), loaded=loaded)
     off = build_engine(
@@ -88,30 +81,10 @@ def main(args: argparse.Namespace) -> int:
         cold.append(c.metrics.ttft)
         warm.append(w.metrics.ttft)
         fresh = [[10 + rep] + p for p in no_share]  # never seen before: a 0% hit rate
-        # alternate which engine goes first, so drift in the machine's speed cancels out
-        for engine in (on, off) if rep % 2 == 0 else (off, on):
-            for t in timers:
-                t.seconds = 0.0
-            outs, wall = run_to_completion(engine, fresh, no_share_params)
-            assert sum(o.num_cached_tokens for o in outs) == 0
-            rate = sum(len(o.token_ids) for o in outs) / wall
-            if engine is on:
-                rate_on.append(rate)
-                bookkeeping.append(sum(t.seconds for t in timers) / wall)
-            else:
-                rate_off.append(rate)
-    util_engine = build_engine(
-        EngineConfig.from_kwargs(**{**kw, "kv_cache_memory": "128MiB"}),
-        loaded=loaded,
-        progress=False,
-    )
-    for p, sp in zip(mixed, mixed_params, strict=True):
-        util_engine.add_request(p, sp)
-    utilization = []
-    while util_engine.has_unfinished():
-        util_engine.step()
-        if util_engine.scheduler.running:
-            utilization.append(util_engine.stats().kv.utilization)
+        _no_share_rates(
+            on, off, rep, fresh, no_share_params, timers, rate_on, rate_off, bookkeeping
+        )
+    utilization, preemptions = _utilization(kw, loaded, mixed, mixed_params)
     result = {
         "reps": args.reps,
         "prefix_len": args.prefix_len,
@@ -125,13 +98,48 @@ def main(args: argparse.Namespace) -> int:
         "kv_utilization_mean": sum(utilization) / len(utilization),
         "kv_utilization_min": min(utilization),
         "kv_utilization_steps": len(utilization),
-        "preemptions_in_mixed": util_engine.scheduler.num_preemptions,
+        "preemptions_in_mixed": preemptions,
         "all": {"cold": cold, "warm": warm, "on": rate_on, "off": rate_off},
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
-    r = result
-    print(
+    print(_table(result))
+    return 0
+
+
+def _no_share_rates(on, off, rep, fresh, params, timers, rate_on, rate_off, bookkeeping) -> None:
+    """One rep of the no-shared-prefix throughput, caching on and off (each engine's rate
+    appended to its list; the on engine's bookkeeping share of the wall time too)."""
+    # alternate which engine goes first, so drift in the machine's speed cancels out
+    for engine in (on, off) if rep % 2 == 0 else (off, on):
+        for t in timers:
+            t.seconds = 0.0
+        outs, wall = run_to_completion(engine, fresh, params)
+        assert sum(o.num_cached_tokens for o in outs) == 0
+        rate = sum(len(o.token_ids) for o in outs) / wall
+        if engine is on:
+            rate_on.append(rate)
+            bookkeeping.append(sum(t.seconds for t in timers) / wall)
+        else:
+            rate_off.append(rate)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engines' settings: a prefill chunk that takes the whole prefix, the device pool only."""
+    from kvwise.cli.engine_args import engine_kwargs
+
+    kw = engine_kwargs(args)
+    kw["prefill_chunk_size"] = max(kw["prefill_chunk_size"], args.prefix_len + 64)
+    kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], kw["prefill_chunk_size"])
+    kw.setdefault("kv_cache_memory", None)
+    kw["kv_cache_memory"] = kw["kv_cache_memory"] or "1GiB"
+    kw.update(kv_host_memory="off", kv_disk_path="off", kv_redis_url=None)  # the device pool only
+    return kw
+
+
+def _table(r: dict) -> str:
+    """The figures as a Markdown table, with the targets they are held to."""
+    return (
         f"| figure | value | target |\n|---|---:|---|\n"
         f"| TTFT, {r['prefix_len']}-token prefix cold | {r['ttft_cold_s'] * 1000:.0f} ms | |\n"
         f"| TTFT, same prefix cached | {r['ttft_cached_s'] * 1000:.1f} ms | |\n"
@@ -144,4 +152,21 @@ def main(args: argparse.Namespace) -> int:
         f"steps) | {r['kv_utilization_mean'] * 100:.1f}% / {r['kv_utilization_min'] * 100:.1f}% "
         f"| >= 95% |"
     )
-    return 0
+
+
+def _utilization(kw: dict, loaded, prompts: list, params: list) -> tuple[list[float], int]:
+    """KV utilisation at every step with requests running, on a 128 MiB pool the mixed
+    prompts overflow; and the preemptions that took."""
+    engine = build_engine(
+        EngineConfig.from_kwargs(**{**kw, "kv_cache_memory": "128MiB"}),
+        loaded=loaded,
+        progress=False,
+    )
+    for p, sp in zip(prompts, params, strict=True):
+        engine.add_request(p, sp)
+    utilization = []
+    while engine.has_unfinished():
+        engine.step()
+        if engine.scheduler.running:
+            utilization.append(engine.stats().kv.utilization)
+    return utilization, engine.scheduler.num_preemptions
