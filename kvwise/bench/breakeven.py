@@ -281,19 +281,8 @@ def _measure(args, engines, tiers: list[str], lengths: list[int]) -> dict:
                 samples["recompute"][n].append(seconds)
                 bar.update()
                 for tier in tiers:
-                    engine = engines[tier]
-                    for policy in ("always", "auto"):
-                        engine.store.policy = policy
-                        _cold(engine)
-                        seconds, out = _ttft(engine, stored[(tier, n)])
-                        if policy == "always" and out.num_loaded_tokens != n:
-                            raise RuntimeError(f"{tier}: loaded {out.num_loaded_tokens} of {n}")
-                        samples[f"{tier} {'load' if policy == 'always' else 'auto'}"][n].append(
-                            seconds
-                        )
-                        if policy == "auto":
-                            chosen[tier][n].append(out.num_loaded_tokens)
-                        bar.update()
+                    _time_tier(engines[tier], tier, n, stored[(tier, n)], samples, chosen[tier])
+                    bar.update(2)
     med = {k: [median(v[n]) for n in lengths] for k, v in samples.items()}
     report = {
         "lengths": lengths,
@@ -320,6 +309,20 @@ def _measure(args, engines, tiers: list[str], lengths: list[int]) -> dict:
         _plot(args.plot, lengths, med, tiers, report["break_even_tokens"])
         print(f"plot: {args.plot}")
     return report
+
+
+def _time_tier(engine, tier: str, n: int, prompt, samples: dict, chosen: dict) -> None:
+    """One timed load of a stored ``n``-token prompt per policy: ``always`` loads every stored
+    token (checked), ``auto`` loads what the cost model chooses (recorded in ``chosen``)."""
+    for policy in ("always", "auto"):
+        engine.store.policy = policy
+        _cold(engine)
+        seconds, out = _ttft(engine, prompt)
+        if policy == "always" and out.num_loaded_tokens != n:
+            raise RuntimeError(f"{tier}: loaded {out.num_loaded_tokens} of {n}")
+        samples[f"{tier} {'load' if policy == 'always' else 'auto'}"][n].append(seconds)
+        if policy == "auto":
+            chosen[n].append(out.num_loaded_tokens)
 
 
 def _print_table(reps: int, lengths: list[int], med: dict, tiers: list[str]) -> None:
