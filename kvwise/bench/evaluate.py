@@ -290,17 +290,10 @@ def run(
                     kv_int4_group_size, kv_block_size)  # fmt: skip
     corpus = Corpus.from_file(text) if text else Corpus.default()
     started = time.perf_counter()
-    candidate = _load(model, quantization, "--quantization", progress)
-    same_weights = reference_quantization == quantization
-    if self_check:
-        reference, mode = candidate, "self-check"
-    elif same_weights and reference_kv_cache_dtype == kv_cache_dtype:
-        reference, mode = None, "skipped"
-    elif same_weights:
-        reference, mode = candidate, "reference"  # the same weights, another KV format
-    else:
-        reference = _load(model, reference_quantization, "--reference-quantization", progress)
-        mode = "reference"
+    candidate, reference, mode = _load_models(
+        model, (quantization, reference_quantization),
+        kv_cache_dtype == reference_kv_cache_dtype, self_check, progress,
+    )  # fmt: skip
     load_seconds = time.perf_counter() - started
 
     from kvwise.engine.builder import tokenizer_for
@@ -313,16 +306,31 @@ def run(
         candidate, token_ids, ctx, stride, max_windows, reference, progress,
         kv_cache_dtype, reference_kv_cache_dtype, kv_int4_group_size, kv_block_size,
     )  # fmt: skip
-    record = {
-        "model": str(candidate.source),
-        "fingerprint": candidate.fingerprint,
+    settings = {
         "quantization": quantization,
-        "weight_format": candidate.weight_format,  # what "auto" resolved to
         "reference_quantization": quantization if self_check else reference_quantization,
         "kv_cache_dtype": kv_cache_dtype,
         "reference_kv_cache_dtype": kv_cache_dtype if self_check else reference_kv_cache_dtype,
         "kv_int4_group_size": kv_int4_group_size,
         "kv_block_size": kv_block_size,
+    }
+    record = _record(candidate, reference, mode, settings, corpus, len(token_ids))
+    record.update(load_seconds=load_seconds, **asdict(result))
+    print(format_table(result, record))
+    if json_path:
+        Path(json_path).write_text(json.dumps(record, indent=2) + "\n")
+    return result
+
+
+def _record(candidate, reference, mode: str, settings: dict, corpus, num_tokens: int) -> dict:
+    """What the JSON record says besides the figures: the models, the settings, the corpus and
+    the environment, in the order the record has always had."""
+    return {
+        "model": str(candidate.source),
+        "fingerprint": candidate.fingerprint,
+        "quantization": settings["quantization"],
+        "weight_format": candidate.weight_format,  # what "auto" resolved to
+        **{k: v for k, v in settings.items() if k != "quantization"},
         "reference_weight_format": reference.weight_format if reference else None,
         "reference_fingerprint": reference.fingerprint if reference else None,
         "comparison": mode,
@@ -330,18 +338,32 @@ def run(
             "name": corpus.name,
             "sha256": corpus.sha256,
             "num_chars": len(corpus.text),
-            "num_tokens": len(token_ids),
-        },
+            "num_tokens": num_tokens,
+        },  # fmt: skip
         "python_version": platform.python_version(),
         "torch_version": torch.__version__,
         "num_threads": torch.get_num_threads(),
-        "load_seconds": load_seconds,
-        **asdict(result),
     }
-    print(format_table(result, record))
-    if json_path:
-        Path(json_path).write_text(json.dumps(record, indent=2) + "\n")
-    return result
+
+
+def _load_models(
+    model: str | None,
+    quantizations: tuple[str, str],
+    same_kv: bool,
+    self_check: bool,
+    progress: bool,
+) -> tuple[LoadedModel, LoadedModel | None, str]:
+    """The candidate, the reference (loaded only when its weights differ; the candidate itself
+    when only the KV format does; None when nothing differs) and the comparison's mode."""
+    quantization, reference_quantization = quantizations
+    candidate = _load(model, quantization, "--quantization", progress)
+    if self_check:
+        return candidate, candidate, "self-check"
+    if reference_quantization == quantization:
+        # the same weights: another KV format, or nothing to compare
+        return candidate, (None if same_kv else candidate), ("skipped" if same_kv else "reference")
+    reference = _load(model, reference_quantization, "--reference-quantization", progress)
+    return candidate, reference, "reference"
 
 
 def _check_settings(
