@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 
+from kvwise.store.host import HostStore
 from kvwise.store.stats import TierStats
+from kvwise.store.tiered import TieredStore
 
 
 class FakeClock:
@@ -84,3 +86,64 @@ class MemoryTier:
 
     def describe(self) -> str:
         return f"mem ({len(self.entries)} entries)"
+
+
+FMT = entry_format()  # 2 layers in 2 groups, 4-token blocks of 128 bytes
+
+
+class Flaky(HostStore):
+    """A host tier that can fail every call (as a dead server would)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(1 << 20)
+        self.name = name
+        self.down = False
+
+    def get(self, keys):
+        if self.down:
+            self.stats.faults += 1
+            return [None] * len(keys)
+        return super().get(keys)
+
+
+def make_store(*tiers, chunk_blocks=4, min_tokens=4, policy="always") -> TieredStore:
+    return TieredStore(
+        list(tiers),
+        FMT,
+        chunk_blocks=chunk_blocks,
+        min_tokens=min_tokens,
+        policy=policy,
+        background=False,
+    )
+
+
+def load(store: TieredStore, hashes, device: int, max_blocks: int, prompt_tokens: int,
+         dest_for=None):  # fmt: skip
+    """Plan a load and read every layer group, as the engine's loader does (without torch);
+    ``dest_for(plan)`` gives the ``dest`` to read into (None: into memory).
+
+    Returns (plan, blocks loaded, reads per group)."""
+    plan = store.plan_load("r", hashes, device, max_blocks, prompt_tokens)
+    if plan is None:
+        return None, 0, []
+    dest = dest_for(plan) if dest_for else None
+    loaded = [ch.num_blocks for ch in plan.chunks]
+    reads = []
+    for g in range(store.layer_groups):
+        got = store.read_group(plan.chunks, g, dest)
+        reads.append(got)
+        for i, r in enumerate(got):
+            loaded[i] = min(loaded[i], r.usable)
+    total = 0
+    for ch, n in zip(plan.chunks, loaded):
+        total += n
+        if n < ch.num_blocks:
+            break
+    return plan, total, reads
+
+
+def write_all(store: TieredStore, hashes: list[bytes], ttl_s=None, cuts=()) -> list:
+    writes = store.plan_writes(hashes, len(hashes), cuts)
+    for w in writes:
+        store.write(w, payload(list(w.block_hashes)), ttl_s)
+    return writes

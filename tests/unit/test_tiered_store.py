@@ -1,6 +1,6 @@
-"""TieredStore and CostModel without torch: entries keyed by their last block, lookups
-across tiers, device hits mid-entry, sequences that share a prefix, cuts, faults as misses,
-promotion, write planning and the cost model's choices."""
+"""TieredStore without torch: entries keyed by their last block, lookups across tiers, device
+hits mid-entry, sequences that share a prefix, cuts, faults as misses, promotion, write
+planning (the cost model alone: test_cost_model.py)."""
 
 from __future__ import annotations
 
@@ -10,70 +10,19 @@ import pytest
 
 from kvwise.core.kv_events import BlockRemoved, BlockStored
 from kvwise.store import serde
-from kvwise.store.costmodel import CostModel, OnlineFit
 from kvwise.store.host import HostStore
 from kvwise.store.tiered import TieredStore
-from tests.store_util import chain, entry_format, fork, payload
-
-FMT = entry_format()  # 2 layers in 2 groups, 4-token blocks of 128 bytes
-
-
-class Flaky(HostStore):
-    """A host tier that can fail every call (as a dead server would)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(1 << 20)
-        self.name = name
-        self.down = False
-
-    def get(self, keys):
-        if self.down:
-            self.stats.faults += 1
-            return [None] * len(keys)
-        return super().get(keys)
-
-
-def make_store(*tiers, chunk_blocks=4, min_tokens=4, policy="always") -> TieredStore:
-    return TieredStore(
-        list(tiers),
-        FMT,
-        chunk_blocks=chunk_blocks,
-        min_tokens=min_tokens,
-        policy=policy,
-        background=False,
-    )
-
-
-def load(store: TieredStore, hashes, device: int, max_blocks: int, prompt_tokens: int,
-         dest_for=None):  # fmt: skip
-    """Plan a load and read every layer group, as the engine's loader does (without torch);
-    ``dest_for(plan)`` gives the ``dest`` to read into (None: into memory).
-
-    Returns (plan, blocks loaded, reads per group)."""
-    plan = store.plan_load("r", hashes, device, max_blocks, prompt_tokens)
-    if plan is None:
-        return None, 0, []
-    dest = dest_for(plan) if dest_for else None
-    loaded = [ch.num_blocks for ch in plan.chunks]
-    reads = []
-    for g in range(store.layer_groups):
-        got = store.read_group(plan.chunks, g, dest)
-        reads.append(got)
-        for i, r in enumerate(got):
-            loaded[i] = min(loaded[i], r.usable)
-    total = 0
-    for ch, n in zip(plan.chunks, loaded):
-        total += n
-        if n < ch.num_blocks:
-            break
-    return plan, total, reads
-
-
-def write_all(store: TieredStore, hashes: list[bytes], ttl_s=None, cuts=()) -> list:
-    writes = store.plan_writes(hashes, len(hashes), cuts)
-    for w in writes:
-        store.write(w, payload(list(w.block_hashes)), ttl_s)
-    return writes
+from tests.store_util import (
+    FMT,
+    Flaky,
+    chain,
+    entry_format,
+    fork,
+    load,
+    make_store,
+    payload,
+    write_all,
+)
 
 
 def test_writes_are_aligned_entries_keyed_by_their_last_block():
@@ -356,37 +305,6 @@ def test_num_stored_blocks_counts_the_leading_stored_run():
     assert store.num_stored_blocks(h, 9) == 8  # the last entry ends at block 9
     host.delete([FMT.entry_key(h[7], 1)])
     assert store.num_stored_blocks(h, 10) == 4
-
-
-# ---- cost model -------------------------------------------------------------------------
-
-
-def test_online_fit_recovers_a_linear_law():
-    fit = OnlineFit([0.0, 0.0, 0.0], prior_var=1e6, forget=1.0)
-    for i in range(200):
-        x = (1.0, (i % 17) / 3, (i % 5) ** 2 / 7)
-        fit.update(x, 0.03 + 1.5 * x[1] + 0.2 * x[2])
-    assert fit.w == pytest.approx([0.03, 1.5, 0.2], abs=1e-6)
-
-
-def test_recompute_time_sums_prefill_chunks():
-    cost = CostModel(prefill_chunk_size=512)
-    cost.step.w = [0.01, 1.0, 0.0]  # 10 ms a step + 1 ms a token
-    assert cost.t_recompute(0, 1024) == pytest.approx(2 * 0.01 + 1.024)
-    assert cost.t_recompute(100, 100) == 0.0
-
-
-def test_choose_loads_only_what_beats_recomputing():
-    cost = CostModel(prefill_chunk_size=512)
-    cost.step.w = [0.0, 1.0, 0.0]  # 1 ms a token
-    cost.copy.w = [0.0, 0.0]
-    cost.tier_fit("disk").w = [0.0, 0.0, 0.0]
-    cost.tier_fit("redis").w = [0.2, 0.0, 0.0]  # 200 ms a read: dearer than 128 tokens
-    ends, tiers, sizes = [128, 256, 384], ["disk", "disk", "redis"], [1000, 1000, 1000]
-    m, t_load, t_rec = cost.choose(0, ends, tiers, sizes, 10.0, 400)
-    assert m == 2 and t_load == 0.0 and t_rec == pytest.approx(0.256)
-    cost.tier_fit("redis").w = [0.0, 0.0, 0.0]
-    assert cost.choose(0, ends, tiers, sizes, 10.0, 400)[0] == 3
 
 
 # ---- the facade: KVTierPlanner, roll back, forgetting corrupt chunks, typed stats --------
