@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvwise.store import disk_files
-from kvwise.store.base import BuffersFor, EvictionReports, FaultLog, TierStats
+from kvwise.store.base import BuffersFor, EvictionReports, FaultLog
 from kvwise.store.index import KeepLog, LruIndex, check_key, check_value, kept_cap
+from kvwise.store.stats import TierStats
 from kvwise.utils import format_bytes
 
 if TYPE_CHECKING:

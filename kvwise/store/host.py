@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvwise.store.base import EvictionReports, TierStats
+from kvwise.store.base import EvictionReports
 from kvwise.store.index import KeepLog, LruIndex, check_key, check_value, kept_cap
+from kvwise.store.stats import TierStats
 from kvwise.utils import format_bytes
 
 if TYPE_CHECKING:

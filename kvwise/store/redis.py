@@ -60,8 +60,9 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvwise.store.base import FaultLog, TierStats
+from kvwise.store.base import FaultLog
 from kvwise.store.index import check_key, check_value
+from kvwise.store.stats import TierStats
 
 if TYPE_CHECKING:
     from kvwise.config import StoreConfig

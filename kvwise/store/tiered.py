@@ -38,7 +38,7 @@ from kvwise.store.stats import StoreStats
 from kvwise.store.tier_events import TierEvents
 from kvwise.store.writer import Promote, WriteChunk, Writer
 
-__all__ = ["GroupRead", "StoreStats", "TieredStore"]
+__all__ = ["GroupRead", "TieredStore"]
 
 
 class TieredStore:

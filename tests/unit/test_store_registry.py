@@ -11,11 +11,12 @@ import pytest
 from kvwise.config import StoreConfig
 from kvwise.core.kv_spec import KVSpec
 from kvwise.store import registry
-from kvwise.store.base import KVStore, TierStats
+from kvwise.store.base import KVStore
 from kvwise.store.disk import DiskStore
 from kvwise.store.factory import build_store
 from kvwise.store.host import HostStore
 from kvwise.store.redis import RedisStore
+from kvwise.store.stats import TierStats
 from tests.store_util import MemoryTier, chain, payload
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=2, block_size=4, dtype="float32")
