@@ -30,6 +30,25 @@ With ``stride == ctx`` the windows do not overlap and each window's first token 
 The text is tokenized without special tokens (no BOS per window): the figures compare models
 on the same token stream, which is what a numeric change is judged by.
 
+``windows="llama.cpp"`` scores what ``llama-perplexity`` (and its ``--kl-divergence``) scores,
+so the two engines' figures cover the same tokens (``bench/eval_windows.py``): chunks of ``ctx``
+tokens end to end, the second half of each scored but its first token, over the text as
+llama.cpp tokenizes it (BOS first when the model adds one; each chunk's first token replaced by
+BOS); the tail that fills no chunk is not read::
+
+    tokens    0 ....................................................... n
+    chunk 0   [b c c c c c c c c s s s s s s s]          b: BOS (when the model adds one)
+    chunk 1                   [b c c c c c c c c s s s s s s s]
+              |<------------ ctx ------------>|
+                               |<- ctx/2 + 1 ->|
+
+The reference is the candidate's model file at other settings, or another file
+(``reference_model``: e.g. the f32 or f16 GGUF a Q4_K_M was made from, or an HF directory),
+loaded with ``reference_quantization`` ("none": the file's own exact dequantization in float32).
+Only logits are compared, so the two need the same vocabulary: the same number of logits and
+the same token string at every id (``check_comparable``); their families, depths and widths may
+differ. The text is tokenized once, by the candidate's tokenizer.
+
 The model runs directly (no engine, no scheduler): ``model.forward`` over the window with dense
 causal attention (or the pool's, above), logits only for the scored rows, in slices of rows so
 that two models' ``(rows, vocab)`` float32 logits stay a few hundred MB at most.
@@ -48,7 +67,16 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from kvwise.bench.eval_windows import Corpus, check_window_settings, plan_windows
+from kvwise.bench.eval_windows import (
+    Corpus,
+    TextTokenizer,
+    check_window_settings,
+    default_stride,
+    llama_cpp_tokens,
+    plan,
+    token_ids_sha256,
+    vocabulary_mismatch,
+)
 from kvwise.core.kv_spec import KVSpec, kv_format, kv_formats
 from kvwise.models.layers import dense_causal_attention
 from kvwise.models.loader import LoadedModel, load_model
@@ -94,39 +122,49 @@ def evaluate(
     reference_kv_cache_dtype: str = "float32",
     kv_int4_group_size: int = 0,
     kv_block_size: int = KEY_BLOCK,
+    windows: str = "sliding",
+    chunk_bos_id: int | None = None,
 ) -> EvalResult:
-    """Sliding-window perplexity of ``candidate`` on ``token_ids`` and, with ``reference``, its
+    """Perplexity of ``candidate`` on ``token_ids`` over windows and, with ``reference``, its
     KL divergence from and top-1 agreement with the reference at every scored token.
 
     Args:
         candidate: the model judged.
         token_ids: the text, tokenized by the model's tokenizer.
         ctx: window length in tokens, at most the model's ``max_position_embeddings``.
-        stride: tokens between window starts; default ``ctx // 2``.
+        stride: tokens between window starts; default ``ctx // 2`` (``ctx`` for llama.cpp's).
         max_windows: stop after this many windows (default: the whole text).
         reference: the model compared against; may be ``candidate`` itself (a self-check: both
-            forwards run, so KL ~ 0 and 100% agreement confirm the comparison path).
+            forwards run, so KL ~ 0 and 100% agreement confirm the comparison path), or another
+            model with the same vocabulary (``check_comparable``).
         progress: a tqdm bar over windows.
         kv_cache_dtype, reference_kv_cache_dtype: the KV format each side attends over
             (``kv_int4_group_size``: int4's group, 0 for its default; ``kv_block_size``:
             int4's tokens per key block, the pool's block size).
+        windows: "sliding" or "llama.cpp" (``bench/eval_windows.py``; the module docstring).
+        chunk_bos_id: the id every window's first token is replaced with (llama.cpp's BOS per
+            chunk: ``llama_cpp_tokens``), or None to read the tokens as they are.
 
     Raises:
-        ValueError: bad ``ctx`` / ``stride`` / ``max_windows``, or models that disagree on the
-            vocabulary.
+        ValueError: bad ``windows`` / ``ctx`` / ``stride`` / ``max_windows``, or models that
+            disagree on the number of logits.
     """
-    stride = ctx // 2 if stride is None else stride
+    stride = default_stride(windows, ctx) if stride is None else stride
     _check_models(candidate, reference, ctx)
-    _check_sliding_window(candidate, ctx, (kv_cache_dtype, reference_kv_cache_dtype))
-    windows = plan_windows(len(token_ids), ctx, stride, max_windows)
+    _check_sliding_window(candidate, ctx, (kv_cache_dtype,))
+    _check_sliding_window(reference or candidate, ctx, (reference_kv_cache_dtype,))
+    plan_ = plan(windows, len(token_ids), ctx, stride, max_windows)
     tokens = torch.tensor(token_ids, dtype=torch.int64)
     kv = (kv_int4_group_size, kv_block_size)
     totals = _Totals()
     start_time = time.perf_counter()
-    bar = tqdm(windows, desc="eval", unit="window", disable=not progress)
+    bar = tqdm(plan_, desc="eval", unit="window", disable=not progress)
     with torch.inference_mode():
         for window in bar:
             ids = tokens[window.start : window.end]  # (T,)
+            if chunk_bos_id is not None:
+                ids = ids.clone()  # the targets read `tokens`, never this copy
+                ids[0] = chunk_bos_id
             # hidden row i predicts token start + i + 1: the scored targets' rows
             rows = slice(window.first_scored - 1 - window.start, window.end - 1 - window.start)
             targets = tokens[window.first_scored : window.end]  # (S,)
@@ -138,7 +176,7 @@ def evaluate(
             bar.set_postfix(ppl=f"{totals.ppl:.3f}", refresh=False)
     seconds = time.perf_counter() - start_time
     return totals.result(
-        EvalResult(ctx, stride, len(windows), totals.num_scored, totals.ppl, seconds)
+        EvalResult(ctx, stride, len(plan_), totals.num_scored, totals.ppl, seconds)
     )
 
 
@@ -187,24 +225,44 @@ class _Totals:
         )
 
 
-def _check_sliding_window(candidate: LoadedModel, ctx: int, kv_dtypes: tuple[str, ...]) -> None:
-    window = candidate.arch.sliding_window
+def _check_sliding_window(model: LoadedModel, ctx: int, kv_dtypes: tuple[str, ...]) -> None:
+    window = model.arch.sliding_window
     if window and ctx > window and any(map(_through_pool, kv_dtypes)):
         raise ValueError(f"ctx: {ctx} exceeds the model's sliding window of {window}, which the "
                          f"engine's attention (measuring the KV format) does not apply")  # fmt: skip
 
 
 def _check_models(candidate: LoadedModel, reference: LoadedModel | None, ctx: int) -> None:
-    arch = candidate.arch
-    if ctx > arch.max_position_embeddings:
-        raise ValueError(
-            f"ctx: {ctx} exceeds the model's context of {arch.max_position_embeddings} tokens"
-        )
-    if reference is not None and reference.arch.vocab_size != arch.vocab_size:
+    for name, loaded in (("the model's", candidate), ("the reference's", reference)):
+        if loaded is not None and ctx > loaded.arch.max_position_embeddings:
+            raise ValueError(f"ctx: {ctx} exceeds {name} context of "
+                             f"{loaded.arch.max_position_embeddings} tokens")  # fmt: skip
+    if reference is not None and reference.arch.vocab_size != candidate.arch.vocab_size:
         raise ValueError(
             f"reference: vocabulary of {reference.arch.vocab_size} tokens, the candidate's "
-            f"has {arch.vocab_size}"
+            f"has {candidate.arch.vocab_size}"
         )
+
+
+def check_comparable(
+    candidate: LoadedModel,
+    reference: LoadedModel,
+    tokenizer: TextTokenizer,
+    reference_tokenizer: TextTokenizer,
+    flag: str = "--reference-model",
+) -> None:
+    """Raise ValueError (naming ``flag`` and the reference's file) unless the reference's
+    logits mean what the candidate's mean: as many of them, and the same token string at every
+    id of the two tokenizers. Families, depths and widths may differ: only logits are compared.
+    """
+    mismatch = None
+    if reference.arch.vocab_size != candidate.arch.vocab_size:
+        mismatch = (f"{reference.arch.vocab_size} logits a token, the candidate's "
+                    f"{candidate.arch.vocab_size}")  # fmt: skip
+    mismatch = mismatch or vocabulary_mismatch(tokenizer, reference_tokenizer)
+    if mismatch:
+        raise ValueError(f"{flag} {reference.source}: {mismatch}; only models with the same "
+                         "vocabulary can be compared")  # fmt: skip
 
 
 def _score(candidate: LoadedModel, hidden: torch.Tensor, targets: torch.Tensor, reference):
@@ -275,36 +333,48 @@ def run(
     reference_kv_cache_dtype: str = "float32",
     kv_int4_group_size: int = 0,
     kv_block_size: int = KEY_BLOCK,
+    reference_model: str | None = None,
+    windows: str = "sliding",
 ) -> EvalResult:
     """``kvwise eval``: load the model(s), tokenize the corpus, evaluate, print a table and
     write ``json_path``. The candidate is loaded once; the reference is loaded too when its
     quantization differs, shares the candidate's weights when only the KV format differs, and
     the comparison is skipped when both settings are equal, unless ``self_check`` compares the
-    candidate with itself.
+    candidate with itself. With ``reference_model`` the reference is that file at
+    ``reference_quantization`` (the candidate itself only when it is the same file at the same
+    quantization), always compared, and checked to share the candidate's vocabulary.
 
     Raises:
-        ValueError: a bad setting, or a model load_model refuses (named by its flag).
+        ValueError: a bad setting, a model load_model refuses (named by its flag), or a
+            reference model of another vocabulary (naming ``--reference-model``).
     """
-    stride = ctx // 2 if stride is None else stride
-    _check_settings(ctx, stride, max_windows, (kv_cache_dtype, reference_kv_cache_dtype),
+    stride = default_stride(windows, ctx) if stride is None else stride
+    _check_settings(ctx, stride, max_windows, windows, (kv_cache_dtype, reference_kv_cache_dtype),
                     kv_int4_group_size, kv_block_size)  # fmt: skip
+    if self_check and reference_model is not None:
+        raise ValueError("self_check: compares the candidate with itself, not with "
+                         f"--reference-model {reference_model}")  # fmt: skip
     corpus = Corpus.from_file(text) if text else Corpus.default()
     started = time.perf_counter()
     candidate, reference, mode = _load_models(
-        model, (quantization, reference_quantization),
+        (model, reference_model), (quantization, reference_quantization),
         kv_cache_dtype == reference_kv_cache_dtype, self_check, progress,
     )  # fmt: skip
     load_seconds = time.perf_counter() - started
 
     from kvwise.engine.builder import tokenizer_for
 
-    token_ids = tokenizer_for(candidate).encode(corpus.text, add_special_tokens=False)
+    tokenizer = tokenizer_for(candidate)
+    if reference is not None and reference is not candidate:
+        check_comparable(candidate, reference, tokenizer, tokenizer_for(reference))
+    token_ids, chunk_bos_id = _tokenize(tokenizer, corpus.text, windows)
     if kv_int4_group_size and candidate.arch.head_dim % kv_int4_group_size:
         raise ValueError(f"kv_int4_group_size: {kv_int4_group_size} does not divide head_dim "
                          f"{candidate.arch.head_dim}")  # fmt: skip
     result = evaluate(
         candidate, token_ids, ctx, stride, max_windows, reference, progress,
         kv_cache_dtype, reference_kv_cache_dtype, kv_int4_group_size, kv_block_size,
+        windows, chunk_bos_id,
     )  # fmt: skip
     settings = {
         "quantization": quantization,
@@ -313,8 +383,10 @@ def run(
         "reference_kv_cache_dtype": kv_cache_dtype if self_check else reference_kv_cache_dtype,
         "kv_int4_group_size": kv_int4_group_size,
         "kv_block_size": kv_block_size,
+        "windows": windows,
     }
-    record = _record(candidate, reference, mode, settings, corpus, len(token_ids))
+    num_tokens_read = plan(windows, len(token_ids), ctx, stride, max_windows)[-1].end
+    record = _record(candidate, reference, mode, settings, corpus, (token_ids, num_tokens_read))
     record.update(load_seconds=load_seconds, **asdict(result))
     print(format_table(result, record))
     if json_path:
@@ -322,11 +394,22 @@ def run(
     return result
 
 
-def _record(candidate, reference, mode: str, settings: dict, corpus, num_tokens: int) -> dict:
+def _tokenize(tokenizer: TextTokenizer, text: str, windows: str) -> tuple[list[int], int | None]:
+    """The token stream and the id each window starts with (None: the tokens as they are)."""
+    if windows == "llama.cpp":
+        return llama_cpp_tokens(tokenizer, text)
+    return tokenizer.encode(text, add_special_tokens=False), None
+
+
+def _record(candidate, reference, mode: str, settings: dict, corpus, tokens: tuple) -> dict:
     """What the JSON record says besides the figures: the models, the settings, the corpus and
-    the environment, in the order the record has always had."""
+    the environment, in the order the record has always had. ``tokens``: the text's token ids
+    and how many of them the windows read (the tokens llama.cpp's logits file holds, whose
+    int32 ids' sha256 the record gives)."""
+    token_ids, num_tokens_read = tokens
     return {
         "model": str(candidate.source),
+        "reference_model": str(reference.source) if reference else None,
         "fingerprint": candidate.fingerprint,
         "quantization": settings["quantization"],
         "weight_format": candidate.weight_format,  # what "auto" resolved to
@@ -338,7 +421,9 @@ def _record(candidate, reference, mode: str, settings: dict, corpus, num_tokens:
             "name": corpus.name,
             "sha256": corpus.sha256,
             "num_chars": len(corpus.text),
-            "num_tokens": num_tokens,
+            "num_tokens": len(token_ids),
+            "num_tokens_read": num_tokens_read,
+            "tokens_read_sha256": token_ids_sha256(token_ids[:num_tokens_read]),
         },  # fmt: skip
         "python_version": platform.python_version(),
         "torch_version": torch.__version__,
@@ -347,18 +432,29 @@ def _record(candidate, reference, mode: str, settings: dict, corpus, num_tokens:
 
 
 def _load_models(
-    model: str | None,
+    models: tuple[str | None, str | None],
     quantizations: tuple[str, str],
     same_kv: bool,
     self_check: bool,
     progress: bool,
 ) -> tuple[LoadedModel, LoadedModel | None, str]:
     """The candidate, the reference (loaded only when its weights differ; the candidate itself
-    when only the KV format does; None when nothing differs) and the comparison's mode."""
-    quantization, reference_quantization = quantizations
+    when only the KV format does; None when nothing differs) and the comparison's mode.
+    ``models``: the candidate's path and the reference model's (None: the candidate's file)."""
+    (model, reference_model), (quantization, reference_quantization) = models, quantizations
     candidate = _load(model, quantization, "--quantization", progress)
     if self_check:
         return candidate, candidate, "self-check"
+    if reference_model is not None:
+        same_file = Path(reference_model).expanduser().resolve() == candidate.source.resolve()
+        if same_file and reference_quantization == quantization:
+            return candidate, candidate, "reference-model"  # the same weights: both forwards run
+        flag = f"--reference-model {reference_model}: --reference-quantization"
+        return (
+            candidate,
+            _load(reference_model, reference_quantization, flag, progress),
+            ("reference-model"),
+        )
     if reference_quantization == quantization:
         # the same weights: another KV format, or nothing to compare
         return candidate, (None if same_kv else candidate), ("skipped" if same_kv else "reference")
@@ -370,12 +466,13 @@ def _check_settings(
     ctx: int,
     stride: int,
     max_windows: int | None,
+    windows: str,
     kv_dtypes: tuple[str, str],
     kv_int4_group_size: int,
     kv_block_size: int,
 ) -> None:
     """``run``'s settings, checked before anything loads."""
-    check_window_settings(ctx, stride, max_windows)
+    check_window_settings(ctx, stride, max_windows, windows)
     for name, dtype in zip(("kv_cache_dtype", "reference_kv_cache_dtype"), kv_dtypes):
         if dtype not in kv_formats("eval"):
             raise ValueError(f"{name}: expected one of {kv_formats('eval')}, got {dtype!r}")
@@ -410,11 +507,22 @@ def format_table(result: EvalResult, record: dict) -> str:
 
         q += kv_label(kv)
         ref_q += kv_label(ref_kv)
+    name = Path(record["model"]).name
+    models = f"model {name}"
+    reference_model = record.get("reference_model")
+    if reference_model and reference_model != record["model"]:  # name both files
+        ref_name = Path(reference_model).name
+        models = f"model {name} vs reference {ref_name}"
+        q, ref_q = f"{name}, {q}", f"{ref_name}, {ref_q}"
     corpus = record["corpus"]
+    if record.get("windows") == "llama.cpp":
+        plan_ = f"llama.cpp chunks (tokens {result.ctx // 2 + 1}.. of each scored)"
+    else:
+        plan_ = f"stride {result.stride}"
     lines = [
-        f"model {Path(record['model']).name}; corpus {corpus['name']}: "
+        f"{models}; corpus {corpus['name']}: "
         f"{corpus['num_tokens']:,} tokens, sha256 {corpus['sha256'][:12]}",
-        f"ctx {result.ctx}, stride {result.stride}, {result.num_windows} windows, "
+        f"ctx {result.ctx}, {plan_}, {result.num_windows} windows, "
         f"{result.num_scored_tokens:,} scored tokens, {result.seconds:.1f} s",
         "",
         "| metric | value |",
