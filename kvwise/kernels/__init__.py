@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "fused.cpp", "kv_int4.cpp", "dense.cpp")
+    for name in ("paged_attention.cpp", "fused.cpp", "kv_int4.cpp", "dense.cpp", "kquant.cpp")
 ]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -103,10 +103,12 @@ def block_isas() -> list[str]:
 
 
 def _header_stamp() -> str:
-    """A define that changes with the shared header: torch rebuilds when sources or flags
-    change, and would not notice an edit to the header alone."""
-    digest = hashlib.sha256((_SOURCES[0].parent / "vec.h").read_bytes()).hexdigest()[:12]
-    return f"-DKVWISE_VEC_H={digest}"
+    """A define that changes with the shared headers: torch rebuilds when sources or flags
+    change, and would not notice an edit to a header alone."""
+    digest = hashlib.sha256()
+    for header in sorted(_SOURCES[0].parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    return f"-DKVWISE_VEC_H={digest.hexdigest()[:12]}"
 
 
 def available() -> bool:

@@ -1,0 +1,449 @@
+// GGUF's other block types run at the file's own precision: Q5_0, Q5_1 and the K-quants Q2_K,
+// Q3_K, Q4_K, Q5_K, Q6_K weights x int8 activations.
+//
+//   qkmm(x, W, kind)   -> x @ W.T, x quantized to int8 per block of 32 (qact.h), as q4mm does
+//
+// Every one of these types is, per block of 32 weights of an output column, unsigned codes q of
+// 2..6 bits with one or two scales (sub-blocks of 32 or 16), an optional minimum and an
+// optional integer offset:  w = scale * (q - offset) - minimum.  The K-quants hold each scale
+// as a small integer times a float16 per super-block of 256 (`scale = D * sc`, `minimum = Dmin *
+// mn`); Q5_0 / Q5_1 hold float16 `d` (and `m`) per block. Packed as models/gguf_blocks.py
+// packs it, the kernel keeps exactly those numbers: the integer parts stay integers and the
+// float16 parts float16, so the block sums are exact integers and each block adds, per row,
+//
+//   K-quants:   acc = fma(D dx, sum_h sc_h (isum_h - offset xsum_h), acc)
+//               acc = fma(-Dmin dx, sum_h mn_h xsum_h, acc)             (types with minimums)
+//   Q5_0/Q5_1:  acc = fma(d dx, isum - offset xsum, acc)
+//               acc = fma(m, dx xsum, acc)                              (Q5_1)
+//
+// with isum_h = sum q qx over a sub-block h and xsum_h = sum qx (exact integers: at most
+// ~5 10^7). The float steps are the same operations in the same order on every path (AVX-512
+// VNNI, AVX2, scalar), so they give the same bits, and every row's result is independent of
+// the other rows of the batch.
+//
+// Layout: (N / 8, super-blocks, bytes) uint8, a group of 8 output columns by one super-block
+// (8 blocks of 32 for the K-quants, 1 for Q5_x): a header (K-quants: D, then Dmin, as 8
+// float16 each), then per block
+//   128 bytes of low nibbles: in chunk j, byte 4 c + t holds column c's code bits 0..3 for
+//       k = 4 j + t in its low nibble and for k = 16 + 4 j + t in its high one (as q4mm);
+//   5-bit codes: 32 bytes, byte 4 c + t holding bit 4 of k = 4 j + t in bit j and of
+//       k = 16 + 4 j + t in bit 4 + j;
+//   6-bit codes: 64 bytes, bytes 4 c + t (k < 16) and 32 + 4 c + t (k >= 16) holding bits 4..5
+//       of chunk j's code in bits 2 j .. 2 j + 1;
+//   then the scales: K-quants int8 sc (8, or 16 for sub-blocks of 16: the first half's 8
+//   then the second's), then mn likewise; Q5_x float16 d (8), then m (8).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+#include "qact.h"
+
+namespace {
+
+template <int Bits, bool KScales, bool Halves, bool Mins, int Offset>
+struct Layout {
+  static constexpr int bits = Bits;
+  static constexpr bool kscales = KScales, halves = Halves, mins = Mins;
+  static constexpr int offset = Offset;
+  static constexpr int64_t plane_bytes = 32 * (Bits - 4);
+  static constexpr int64_t sc_bytes = KScales ? 8 * (Halves ? 2 : 1) : 16;  // per scale kind
+  static constexpr int64_t block_bytes = 128 + plane_bytes + sc_bytes * (Mins ? 2 : 1);
+  static constexpr int64_t blocks = KScales ? 8 : 1;  // blocks of 32 a super-block
+  static constexpr int64_t header_bytes = KScales ? 16 * (Mins ? 2 : 1) : 0;
+  static constexpr int64_t super_bytes = header_bytes + blocks * block_bytes;
+};
+
+// the kinds, in models/gguf_blocks.py's order
+using Q5_0 = Layout<5, false, false, false, 16>;
+using Q5_1 = Layout<5, false, false, true, 0>;
+using Q4_K = Layout<4, true, false, true, 0>;
+using Q5_K = Layout<5, true, false, true, 0>;
+using Q6_K = Layout<6, true, true, false, 32>;
+using Q3_K = Layout<4, true, true, false, 4>;
+using Q2_K = Layout<4, true, true, true, 0>;
+
+// where block b of a column group starts, and its super-block's header
+template <class L>
+inline const uint8_t* block_at(const uint8_t* group, int64_t b) {
+  return group + (b / L::blocks) * L::super_bytes + L::header_bytes + (b % L::blocks) * L::block_bytes;
+}
+template <class L>
+inline const uint8_t* header_at(const uint8_t* group, int64_t b) {
+  return group + (b / L::blocks) * L::super_bytes;
+}
+
+// column c's code for k of a block (scalar; the reference the vector paths match)
+template <class L>
+inline int32_t code_at(const uint8_t* p, int c, int k) {
+  const int hi = k >= 16, j = (k % 16) / 4, t = k % 4;
+  int32_t q = hi ? p[32 * j + 4 * c + t] >> 4 : p[32 * j + 4 * c + t] & 15;
+  if constexpr (L::bits == 5) q |= ((p[128 + 4 * c + t] >> (4 * hi + j)) & 1) << 4;
+  if constexpr (L::bits == 6) q |= ((p[128 + 32 * hi + 4 * c + t] >> (2 * j)) & 3) << 4;
+  return q;
+}
+
+inline float half_at(const uint8_t* p, int c) {
+  return static_cast<float>(reinterpret_cast<const at::Half*>(p)[c]);
+}
+
+// one block's share of column c's output for activation block i (scalar)
+template <class L>
+inline float add_block(float acc, const uint8_t* head, const uint8_t* p, int c, const int8_t* xr,
+                       int64_t i, const float* dx, const float* sx, const int32_t* xs,
+                       const int32_t* xh) {
+  int32_t s[2] = {0, 0};
+  for (int k = 0; k < 32; ++k) s[k >= 16] += code_at<L>(p, c, k) * xr[k];
+  const uint8_t* sc = p + 128 + L::plane_bytes;
+  if constexpr (L::kscales) {
+    int32_t iv, im = 0;
+    if constexpr (L::halves) {
+      const auto* v = reinterpret_cast<const int8_t*>(sc);
+      iv = v[c] * (s[0] - L::offset * xh[2 * i]) + v[8 + c] * (s[1] - L::offset * xh[2 * i + 1]);
+      if constexpr (L::mins) im = v[16 + c] * xh[2 * i] + v[24 + c] * xh[2 * i + 1];
+    } else {
+      const auto* v = reinterpret_cast<const int8_t*>(sc);
+      iv = v[c] * (s[0] + s[1] - L::offset * xs[i]);
+      if constexpr (L::mins) im = v[8 + c] * xs[i];
+    }
+    acc = std::fma(half_at(head, c) * dx[i], static_cast<float>(iv), acc);
+    if constexpr (L::mins) acc = std::fma(-(half_at(head + 16, c) * dx[i]), static_cast<float>(im), acc);
+  } else {
+    const int32_t isum = s[0] + s[1] - L::offset * xs[i];
+    acc = std::fma(half_at(sc, c) * dx[i], static_cast<float>(isum), acc);
+    if constexpr (L::mins) acc = std::fma(half_at(sc + 16, c), sx[i], acc);
+  }
+  return acc;
+}
+
+template <class L>
+void scalar_group(const uint8_t* w, int64_t nb, int64_t r, const int8_t* xq, const float* dx,
+                  const float* sx, const int32_t* xs, const int32_t* xh, float* out) {
+  const int64_t K = nb * kQ4Block;
+  for (int c = 0; c < 8; ++c) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i = r * nb + b;
+      acc = add_block<L>(acc, header_at<L>(w, b), block_at<L>(w, b), c, xq + r * K + b * kQ4Block,
+                         i, dx, sx, xs, xh);
+    }
+    out[c] = acc;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// AVX2: R rows x one group of 8 columns; the same integers, the same float steps as scalar
+template <class L, int R>
+inline void avx2_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float* dx,
+                      const float* sx, const int32_t* xs, const int32_t* xh, float* out,
+                      int64_t ldo) {
+  const int64_t K = nb * kQ4Block;
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i top = _mm256_set1_epi8(L::bits == 5 ? 0x10 : 0x30);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = block_at<L>(w, b);
+    const uint8_t* head = header_at<L>(w, b);
+    __m256i planes[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int h = 0; h < L::bits - 4; ++h)
+      planes[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+    __m256i s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j));
+      __m256i lo = _mm256_and_si256(c, mask);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+      if constexpr (L::bits == 5) {  // bit j -> 4 (lo), bit 4 + j -> 4 (hi)
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_sll_epi16(planes[0], _mm_cvtsi32_si128(4 - j)), top));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srl_epi16(planes[0], _mm_cvtsi32_si128(j)), top));
+      }
+      if constexpr (L::bits == 6) {  // bits 2j..2j+1 -> 4..5
+        const __m128i n = _mm_cvtsi32_si128(j < 2 ? 4 - 2 * j : 2 * j - 4);
+        const __m256i a = j < 2 ? _mm256_sll_epi16(planes[0], n) : _mm256_srl_epi16(planes[0], n);
+        const __m256i e = j < 2 ? _mm256_sll_epi16(planes[1], n) : _mm256_srl_epi16(planes[1], n);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(a, top));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(e, top));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * K + b * kQ4Block;
+        int32_t xl, xhh;
+        std::memcpy(&xl, xr + 4 * j, 4);
+        std::memcpy(&xhh, xr + 16 + 4 * j, 4);
+        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)), ones));
+        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(xhh)), ones));
+      }
+    }
+    const uint8_t* sc = p + 128 + L::plane_bytes;
+    auto i8 = [](const uint8_t* q) {
+      return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    };
+    auto ph = [](const uint8_t* q) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    };
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = r * nb + b;
+      const __m256 dxv = _mm256_set1_ps(dx[i]);
+      if constexpr (L::kscales) {
+        __m256i iv, im = _mm256_setzero_si256();
+        if constexpr (L::halves) {
+          const __m256i a = _mm256_sub_epi32(s[r][0], _mm256_set1_epi32(L::offset * xh[2 * i]));
+          const __m256i e = _mm256_sub_epi32(s[r][1], _mm256_set1_epi32(L::offset * xh[2 * i + 1]));
+          iv = _mm256_add_epi32(_mm256_mullo_epi32(i8(sc), a), _mm256_mullo_epi32(i8(sc + 8), e));
+          if constexpr (L::mins)
+            im = _mm256_add_epi32(_mm256_mullo_epi32(i8(sc + 16), _mm256_set1_epi32(xh[2 * i])),
+                                  _mm256_mullo_epi32(i8(sc + 24), _mm256_set1_epi32(xh[2 * i + 1])));
+        } else {
+          const __m256i t = _mm256_sub_epi32(_mm256_add_epi32(s[r][0], s[r][1]),
+                                             _mm256_set1_epi32(L::offset * xs[i]));
+          iv = _mm256_mullo_epi32(i8(sc), t);
+          if constexpr (L::mins) im = _mm256_mullo_epi32(i8(sc + 8), _mm256_set1_epi32(xs[i]));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ph(head), dxv), _mm256_cvtepi32_ps(iv), acc[r]);
+        if constexpr (L::mins)
+          acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(ph(head + 16), dxv), _mm256_cvtepi32_ps(im), acc[r]);
+      } else {
+        const __m256i t = _mm256_sub_epi32(_mm256_add_epi32(s[r][0], s[r][1]),
+                                           _mm256_set1_epi32(L::offset * xs[i]));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ph(sc), dxv), _mm256_cvtepi32_ps(t), acc[r]);
+        if constexpr (L::mins) acc[r] = _mm256_fmadd_ps(ph(sc + 16), _mm256_set1_ps(sx[i]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+#endif
+
+#if defined(KVWISE_AVX512VNNI)
+inline __m512i pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+inline __m512 ph_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+inline __m512i i8_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+}
+inline __m512i x4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// AVX-512 VNNI: R rows x two groups of 8 columns (w0, w1) side by side
+template <class L, int R>
+inline void vnni_rows(const uint8_t* w0, const uint8_t* w1, int64_t nb, const int8_t* xq,
+                      const float* dx, const float* sx, const int32_t* xs, const int32_t* xh,
+                      float* out, int64_t ldo) {
+  const int64_t K = nb * kQ4Block;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i top = _mm512_set1_epi8(L::bits == 5 ? 0x10 : 0x30);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *p0 = block_at<L>(w0, b), *p1 = block_at<L>(w1, b);
+    __m512i planes[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int h = 0; h < L::bits - 4; ++h) planes[h] = pair(p0 + 128 + 32 * h, p1 + 128 + 32 * h);
+    __m512i s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i c = pair(p0 + 32 * j, p1 + 32 * j);
+      __m512i lo = _mm512_and_si512(c, mask);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
+      if constexpr (L::bits == 5) {
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_sll_epi16(planes[0], _mm_cvtsi32_si128(4 - j)), top));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srl_epi16(planes[0], _mm_cvtsi32_si128(j)), top));
+      }
+      if constexpr (L::bits == 6) {
+        const __m128i n = _mm_cvtsi32_si128(j < 2 ? 4 - 2 * j : 2 * j - 4);
+        const __m512i a = j < 2 ? _mm512_sll_epi16(planes[0], n) : _mm512_srl_epi16(planes[0], n);
+        const __m512i e = j < 2 ? _mm512_sll_epi16(planes[1], n) : _mm512_srl_epi16(planes[1], n);
+        lo = _mm512_or_si512(lo, _mm512_and_si512(a, top));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(e, top));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * K + b * kQ4Block;
+        s[r][0] = _mm512_dpbusd_epi32(s[r][0], lo, x4(xr + 4 * j));
+        s[r][1] = _mm512_dpbusd_epi32(s[r][1], hi, x4(xr + 16 + 4 * j));
+      }
+    }
+    const uint8_t *c0 = p0 + 128 + L::plane_bytes, *c1 = p1 + 128 + L::plane_bytes;
+    const uint8_t *h0 = header_at<L>(w0, b), *h1 = header_at<L>(w1, b);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = r * nb + b;
+      const __m512 dxv = _mm512_set1_ps(dx[i]);
+      if constexpr (L::kscales) {
+        __m512i iv, im = _mm512_setzero_si512();
+        if constexpr (L::halves) {
+          const __m512i a = _mm512_sub_epi32(s[r][0], _mm512_set1_epi32(L::offset * xh[2 * i]));
+          const __m512i e = _mm512_sub_epi32(s[r][1], _mm512_set1_epi32(L::offset * xh[2 * i + 1]));
+          iv = _mm512_add_epi32(_mm512_mullo_epi32(i8_pair(c0, c1), a),
+                                _mm512_mullo_epi32(i8_pair(c0 + 8, c1 + 8), e));
+          if constexpr (L::mins)
+            im = _mm512_add_epi32(
+                _mm512_mullo_epi32(i8_pair(c0 + 16, c1 + 16), _mm512_set1_epi32(xh[2 * i])),
+                _mm512_mullo_epi32(i8_pair(c0 + 24, c1 + 24), _mm512_set1_epi32(xh[2 * i + 1])));
+        } else {
+          const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(s[r][0], s[r][1]),
+                                             _mm512_set1_epi32(L::offset * xs[i]));
+          iv = _mm512_mullo_epi32(i8_pair(c0, c1), t);
+          if constexpr (L::mins) im = _mm512_mullo_epi32(i8_pair(c0 + 8, c1 + 8), _mm512_set1_epi32(xs[i]));
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ph_pair(h0, h1), dxv), _mm512_cvtepi32_ps(iv), acc[r]);
+        if constexpr (L::mins)
+          acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(ph_pair(h0 + 16, h1 + 16), dxv),
+                                    _mm512_cvtepi32_ps(im), acc[r]);
+      } else {
+        const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(s[r][0], s[r][1]),
+                                           _mm512_set1_epi32(L::offset * xs[i]));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ph_pair(c0, c1), dxv), _mm512_cvtepi32_ps(t), acc[r]);
+        if constexpr (L::mins)
+          acc[r] = _mm512_fmadd_ps(ph_pair(c0 + 16, c1 + 16), _mm512_set1_ps(sx[i]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+template <class L, int R>
+void vnni_tile(const uint8_t* w0, const uint8_t* w1, int64_t nb, int64_t rows, const int8_t* xq,
+               const float* dx, const float* sx, const int32_t* xs, const int32_t* xh,
+               float* out, int64_t ldo) {
+  if constexpr (R > 0) {
+    if (rows == R) return vnni_rows<L, R>(w0, w1, nb, xq, dx, sx, xs, xh, out, ldo);
+    vnni_tile<L, R - 1>(w0, w1, nb, rows, xq, dx, sx, xs, xh, out, ldo);
+  }
+}
+#endif
+
+// which path qkmm runs: 2 AVX-512 VNNI, 1 AVX2, 0 scalar (the same bits on each)
+int g_path = -1;
+
+int best_path() {
+#if defined(KVWISE_AVX512VNNI)
+  return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+template <class L>
+at::Tensor qk_mm(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "qkmm: x must be a contiguous float32 (T, K) tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == L::super_bytes &&
+                  packed.size(1) * L::blocks * kQ4Block == x.size(1),
+              "qkmm: packed must be uint8 (N / 8, K / ", L::blocks * kQ4Block, ", ",
+              L::super_bytes, ") for K = ", x.size(1));
+  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0), nb = K / kQ4Block;
+  const int64_t N = G * 8, gb = packed.size(1) * L::super_bytes;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  std::vector<int32_t> xs(M * nb), xh(2 * M * nb);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 15) / (4 * K)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_row_q8(xp + m * K, K, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
+                      xs.data() + m * nb);
+      for (int64_t b = 0; b < nb; ++b) {  // the halves' sums (sub-blocks of 16)
+        int32_t lo = 0;
+        for (int k = 0; k < 16; ++k) lo += xq[m * K + b * kQ4Block + k];
+        xh[2 * (m * nb + b)] = lo;
+        xh[2 * (m * nb + b) + 1] = xs[m * nb + b] - lo;
+      }
+    }
+  });
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int path = g_path < 0 ? best_path() : g_path;
+  auto narrow_groups = [&](int64_t g0, int64_t g1) {  // AVX2 or scalar, one group at a time
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* w = wp + g * gb;
+      if (g + 1 < g1)
+        for (int64_t byte = 0; byte < gb; byte += 64) __builtin_prefetch(w + gb + byte, 0, 3);
+      int64_t m = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if (path >= 1) {
+        for (; m + 4 <= M; m += 4)
+          avx2_rows<L, 4>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
+                          xs.data() + m * nb, xh.data() + 2 * m * nb, op + m * N + g * 8, N);
+        for (; m < M; ++m)
+          avx2_rows<L, 1>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
+                          xs.data() + m * nb, xh.data() + 2 * m * nb, op + m * N + g * 8, N);
+      }
+#endif
+      for (; m < M; ++m)
+        scalar_group<L>(w, nb, m, xq.data(), dx.data(), sx.data(), xs.data(), xh.data(),
+                        op + m * N + g * 8);
+    }
+  };
+#if defined(KVWISE_AVX512VNNI)
+  if (path == 2) {
+    constexpr int64_t kRows = 8;
+    at::parallel_for(0, G / 2, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* w0 = wp + 2 * p * gb;
+        const uint8_t* w1 = w0 + gb;
+        if (p + 1 < p1)
+          for (int64_t byte = 0; byte < 2 * gb; byte += 64) __builtin_prefetch(w1 + gb + byte, 0, 3);
+        for (int64_t m = 0; m < M; m += kRows)
+          vnni_tile<L, kRows>(w0, w1, nb, std::min(kRows, M - m), xq.data() + m * K,
+                              dx.data() + m * nb, sx.data() + m * nb, xs.data() + m * nb,
+                              xh.data() + 2 * m * nb, op + m * N + p * 16, N);
+      }
+    });
+    if (G % 2) narrow_groups(G - 1, G);
+    return out;
+  }
+#endif
+  at::parallel_for(0, G, 1, narrow_groups);
+  return out;
+}
+
+at::Tensor qkmm(const at::Tensor& x, const at::Tensor& packed, int64_t kind) {
+  switch (kind) {
+    case 0: return qk_mm<Q5_0>(x, packed);
+    case 1: return qk_mm<Q5_1>(x, packed);
+    case 2: return qk_mm<Q4_K>(x, packed);
+    case 3: return qk_mm<Q5_K>(x, packed);
+    case 4: return qk_mm<Q6_K>(x, packed);
+    case 5: return qk_mm<Q3_K>(x, packed);
+    case 6: return qk_mm<Q2_K>(x, packed);
+    default: TORCH_CHECK(false, "qkmm: kind must be 0..6, got ", kind);
+  }
+}
+
+// the path qkmm runs: "avx512vnni", "avx2" or "scalar"; `path` non-empty switches (tests)
+std::string qk_path(c10::string_view path) {
+  const char* names[] = {"scalar", "avx2", "avx512vnni"};
+  if (!path.empty()) {
+    int want = -1;
+    for (int i = 0; i < 3; ++i)
+      if (path == names[i]) want = i;
+    TORCH_CHECK(want >= 0 && want <= best_path(), "qk_path: this build runs at most '",
+                names[best_path()], "', got '", std::string(path), "'");
+    g_path = want;
+  }
+  return names[g_path < 0 ? best_path() : g_path];
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvwise, m) {
+  m.def("qkmm(Tensor x, Tensor packed, int kind) -> Tensor");
+  m.def("qk_path(str path='') -> str", &qk_path);
+}
+
+TORCH_LIBRARY_IMPL(kvwise, CPU, m) { m.impl("qkmm", &qkmm); }
