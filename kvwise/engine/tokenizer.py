@@ -12,9 +12,9 @@ Contract:
 Sources, picked by `Tokenizer.from_path`:
 - a Hugging Face model directory: tokenizer.json, tokenizer_config.json, generation_config.json
   and an optional chat_template.jinja;
-- a GGUF file with a byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``). A GGUF has no
-  tokenizer.json, so the tokenizer is rebuilt from the vocabulary and merges, with the split rule
-  llama.cpp uses for ``tokenizer.ggml.pre``.
+- a GGUF file: a byte-level BPE (``tokenizer.ggml.model == "gpt2"``) or SentencePiece (``"llama"``)
+  vocabulary. A GGUF has no tokenizer.json, so the tokenizer is rebuilt from the vocabulary by
+  `kvwise.engine.gguf_tokenizer` (as transformers rebuilds it from the same file).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from kvwise.engine.chat_template import (
@@ -35,31 +34,8 @@ from kvwise.engine.chat_template import (
     compile_template,
     pick_template,
 )
+from kvwise.engine.gguf_tokenizer import read_gguf_tokenizer
 from kvwise.errors import InvalidRequest
-
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # values of tokenizer.ggml.token_type
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# `tokenizer.ggml.pre` -> how llama.cpp splits text before BPE (llama-vocab.cpp). "gpt2" is
-# ByteLevel's own regex; "digits+gpt2" first isolates every digit (\p{N}), as the original
-# tokenizer.json of these models does with `Digits(individual_digits=True)`.
-_GGUF_PRE_SPLITS = {
-    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais"), "gpt2"),
-    **dict.fromkeys(
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
-        "digits+gpt2",
-    ),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), "llama3"),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), "qwen2"),
-}
 
 
 class Tokenizer:
@@ -174,36 +150,14 @@ class Tokenizer:
         import gguf
 
         reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(source)
-
-        def field(key: str, default: Any = None) -> Any:
-            f = reader.get_field(key)
-            return default if f is None else f.contents()
-
-        model = field("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(
-                f"path: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
-            )
-        pre = field("tokenizer.ggml.pre", "gpt-2")
-        if pre not in _GGUF_PRE_SPLITS:
-            raise ValueError(
-                f"path: GGUF pre-tokenizer {pre!r} is not supported; known: {sorted(_GGUF_PRE_SPLITS)}"
-            )
-        tokens: list[str] | None = field("tokenizer.ggml.tokens")
-        if not tokens:
-            raise ValueError("path: the GGUF file has no tokenizer.ggml.tokens")
-        merges: list[str] = field("tokenizer.ggml.merges", [])
-        token_types: list[int] = field("tokenizer.ggml.token_type", [])
-        backend = build_byte_level_bpe(tokens, merges, token_types, pre)
-        eos_token_id = field("tokenizer.ggml.eos_token_id")
-        extra_eos = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+        spec = read_gguf_tokenizer(reader)
         return cls(
-            backend,
-            bos_token_id=field("tokenizer.ggml.bos_token_id"),
-            eos_token_id=eos_token_id,
-            extra_eos_token_ids=[i for i in extra_eos if i is not None],
-            add_bos_token=bool(field("tokenizer.ggml.add_bos_token", False)),
-            chat_template=field("tokenizer.chat_template"),
+            spec.backend,
+            bos_token_id=spec.bos_token_id,
+            eos_token_id=spec.eos_token_id,
+            extra_eos_token_ids=spec.extra_eos_token_ids,
+            add_bos_token=spec.add_bos_token,
+            chat_template=spec.chat_template,
         )
 
     # ---- properties ---------------------------------------------------------------------------
@@ -320,83 +274,6 @@ class Tokenizer:
             for name, i in names.items()
             if i is not None and self._backend.id_to_token(i) is not None
         }
-
-
-def build_byte_level_bpe(
-    tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int], pre: str
-) -> Backend:
-    """A byte-level BPE `tokenizers.Tokenizer` from llama.cpp-style vocabulary data.
-
-    Args:
-        tokens: vocabulary, index = token id, in the byte-level alphabet (``"Ġthe"``).
-        merges: ``"left right"`` pairs, best first.
-        token_types: llama.cpp token types; control (3) tokens become special added tokens and
-            user-defined (4) ones plain added tokens, so that they match whole in text.
-        pre: a ``tokenizer.ggml.pre`` value listed in `_GGUF_PRE_SPLITS`.
-    """
-    alphabet = _BYTE_ALPHABET
-    vocab = {
-        t if set(t) <= alphabet else "".join(_BYTE_SPELLING[b] for b in t.encode("utf-8")): i
-        for i, t in enumerate(tokens)
-    }
-    split = _GGUF_PRE_SPLITS[pre]
-    bpe = models.BPE(
-        vocab=vocab,
-        merges=[tuple(m.split(" ", 1)) for m in merges],
-        continuing_subword_prefix="",
-        end_of_word_suffix="",
-        fuse_unk=False,
-        ignore_merges=split == "llama3",  # llama.cpp sets ignore_merges for these
-    )
-    backend = Backend(bpe)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split.endswith("gpt2"))
-    if split == "gpt2":
-        backend.pre_tokenizer = byte_level
-    elif split == "digits+gpt2":
-        digits = pre_tokenizers.Digits(individual_digits=True)
-        backend.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-    else:
-        regex = _LLAMA3_SPLIT if split == "llama3" else _QWEN2_SPLIT
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(regex), behavior="isolated"), byte_level]
-        )
-    backend.decoder = decoders.ByteLevel()
-    # A "control" token spelled outside the byte alphabet is a converter's mislabel, and adding
-    # it would grow the vocabulary past the model's; transformers skips those too.
-    typed = list(zip(tokens, token_types))
-    backend.add_special_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, kind in typed
-            if kind == _GGUF_CONTROL and set(t) <= alphabet
-        ]
-    )
-    backend.add_tokens(
-        [
-            AddedToken(t, special=False, normalized=False)
-            for t, kind in typed
-            if kind == _GGUF_USER_DEFINED and t in vocab
-        ]
-    )
-    return backend
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
-    printable |= set(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_BYTE_SPELLING = _bytes_to_unicode()
-_BYTE_ALPHABET = frozenset(_BYTE_SPELLING.values())
 
 
 def _read_json(path: Path) -> dict[str, Any]:
