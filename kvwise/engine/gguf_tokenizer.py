@@ -26,12 +26,15 @@ transformers, except that the file's own ``add_space_prefix`` and ``unknown_toke
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
+
+_log = logging.getLogger(__name__)
 
 # values of tokenizer.ggml.token_type (llama.cpp's llama_token_type)
 GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNUSED, GGUF_BYTE = range(1, 7)
@@ -267,8 +270,8 @@ def build_sentencepiece(vocab: SentencePieceVocab) -> Backend:
     """
     gemma = vocab.architecture in _GEMMA_FAMILY
     tokens = [_respell_spaces(t) for t in vocab.tokens] if gemma else list(vocab.tokens)
-    # NOTE: gemma files' scores disagree with their merge order; their position in the file is
-    # the order (transformers ranks them so, and the ids must match its).
+    # NOTE: transformers ranks a gemma file's merges by position, not score (their control
+    # tokens score -1000, amid the rest); the ids must match its.
     ranks = [-i for i in range(len(tokens))] if gemma else vocab.scores
     ids = {t: i for i, t in enumerate(tokens)}  # a repeated piece keeps its last id
     special = _named_special_tokens(vocab, tokens)
@@ -328,16 +331,23 @@ def _respell_spaces(token: str) -> str:
 
 
 def _named_special_tokens(vocab: SentencePieceVocab, tokens: Sequence[str]) -> dict[str, int]:
+    """The named ids to use. An unknown or padding id outside the vocabulary (some converters
+    write one) is dropped with a warning, as llama.cpp drops it; a bad BOS or EOS is an error."""
+    special = {}
     for key, token_id in vocab.special_ids.items():
-        if not 0 <= token_id < len(tokens):
+        if 0 <= token_id < len(tokens):
+            special[key] = token_id
+        elif key in ("unknown", "padding"):
+            _log.warning("tokenizer.ggml.%s_token_id %d is not in the vocabulary", key, token_id)
+        else:
             raise ValueError(
                 f"path: tokenizer.ggml.{key}_token_id {token_id} is not in the vocabulary of "
                 f"{len(tokens)}"
             )
     for key, asked in (("bos", vocab.add_bos_token), ("eos", vocab.add_eos_token)):
-        if asked and key not in vocab.special_ids:
+        if asked and key not in special:
             raise ValueError(f"path: the GGUF asks for add_{key}_token but names no {key} token")
-    return dict(vocab.special_ids)
+    return special
 
 
 def _add_sentencepiece_tokens(

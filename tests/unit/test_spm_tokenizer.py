@@ -108,7 +108,15 @@ def _token_type(sp, i: int) -> int:
 
 
 def _write_gguf(
-    path, sp, *, arch="llama", add_space_prefix=None, add_eos=False, add_bos=True, bos_id=1
+    path,
+    sp,
+    *,
+    arch="llama",
+    add_space_prefix=None,
+    add_eos=False,
+    add_bos=True,
+    bos_id=1,
+    pad_id=None,
 ):
     """A one-layer `arch` model (random weights) with `sp`'s vocabulary, as llama.cpp writes it."""
     num_tokens, hidden = sp.get_piece_size(), 8
@@ -131,6 +139,8 @@ def _write_gguf(
         writer.add_bos_token_id(bos_id)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
+    if pad_id is not None:
+        writer.add_pad_token_id(pad_id)
     writer.add_add_bos_token(add_bos)
     writer.add_add_eos_token(add_eos)
     if add_space_prefix is not None:
@@ -296,6 +306,11 @@ def test_refusals(sp, tmp_path) -> None:
     bad_bos = _write_gguf(tmp_path / "bad-bos.gguf", sp, bos_id=10**6)
     with pytest.raises(ValueError, match="^path: tokenizer.ggml.bos_token_id 1000000 is not in"):
         Tokenizer.from_path(bad_bos)
+    # a padding id past the vocabulary (some converters write one) is dropped, as llama.cpp does
+    tok = Tokenizer.from_path(_write_gguf(tmp_path / "bad-pad.gguf", sp, pad_id=10**6))
+    assert tok.encode("Hello") == Tokenizer.from_path(_write_gguf(tmp_path / "ok.gguf", sp)).encode(
+        "Hello"
+    )
     no_bos = _write_gguf(tmp_path / "no-bos.gguf", sp, bos_id=None)
     with pytest.raises(ValueError, match="^path: the GGUF asks for add_bos_token but names no"):
         Tokenizer.from_path(no_bos)
