@@ -48,8 +48,8 @@ from kvwise.models.arch import ModelArchConfig
 from kvwise.models.family import ModelFamily
 from kvwise.models.layer_ops import LINEAR_NAMES, LayerOps, TorchLayerOps, choose_layer_ops
 from kvwise.models.layers import NORMS, rope_table, soft_cap
-from kvwise.models.linear import FloatHead, FloatWeight, Linear, RefinedHead
-from kvwise.models.quant import Q8Weight, QuantWeight
+from kvwise.models.linear import FloatHead, FloatWeight, HeadWeight, Linear, RefinedHead
+from kvwise.models.quant import QuantWeight
 from kvwise.models.registry import family_for
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -182,8 +182,8 @@ class CausalLM(nn.Module):
         self._init_rope(arch)
         self.head: FloatHead | RefinedHead = FloatHead(self.lm_head)
         # quantized embedding (its rows) and LM head; tied: the same weight
-        self.embed_quant: Q8Weight | None = None
-        self.lm_head_quant: Q8Weight | None = None
+        self.embed_quant: HeadWeight | None = None
+        self.lm_head_quant: HeadWeight | None = None
 
     def _init_rope(self, arch: ModelArchConfig) -> None:
         """One rotary table per distinct (base, scaling) of the layers' attention kinds."""
@@ -242,8 +242,8 @@ class CausalLM(nn.Module):
     def install_quantized(
         self,
         layers: list[dict[str, QuantWeight]],
-        embed: Q8Weight,
-        lm_head: Q8Weight,
+        embed: HeadWeight,
+        lm_head: HeadWeight,
         ops: str | None = None,
     ) -> None:
         """Replace every layer's linear weights, the embedding and the LM head with quantized
@@ -251,16 +251,31 @@ class CausalLM(nn.Module):
         The norms (and biases) stay float parameters."""
         if len(layers) != len(self.layers):
             raise ValueError(f"weights: {len(layers)} quantized layers for {len(self.layers)}")
-        vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
-        for name, weight in (("embed", embed), ("lm_head", lm_head)):
-            if (weight.out_features, weight.in_features) != (vocab, hidden):
-                raise ValueError(f"weights: {name} is {weight.out_features}x"
-                                 f"{weight.in_features}, expected {vocab}x{hidden}")  # fmt: skip
+        self._check_heads(embed, lm_head)
         for layer, weights in zip(self.layers, layers):
             layer.install_quantized(weights, ops)  # type: ignore[operator]
-        self.embed_quant, self.lm_head_quant = embed, lm_head
-        self.head = RefinedHead(lm_head)
-        self.embed = self.lm_head = None  # type: ignore[assignment]
+        self.install_heads(embed, lm_head)
+
+    def _check_heads(self, embed, lm_head) -> None:
+        vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
+        for name, weight in (("embed", embed), ("lm_head", lm_head)):
+            if weight is not None and (weight.out_features, weight.in_features) != (vocab, hidden):
+                raise ValueError(f"weights: {name} is {weight.out_features}x"
+                                 f"{weight.in_features}, expected {vocab}x{hidden}")  # fmt: skip
+
+    def install_heads(self, embed: HeadWeight | None, lm_head: HeadWeight | None) -> None:
+        """The embedding and the LM head as quantized weights with exact rows (``Q8Weight``,
+        ``BlockWeight``; their float parameters go), or None to keep that one float (a tied
+        float head then copies the float embedding)."""
+        self._check_heads(embed, lm_head)
+        if embed is not None:
+            self.embed_quant, self.embed = embed, None  # type: ignore[assignment]
+        if lm_head is not None:
+            self.lm_head_quant, self.lm_head = lm_head, None  # type: ignore[assignment]
+            self.head = RefinedHead(lm_head)
+        elif self.arch.tie_word_embeddings and self.embed is not None:
+            with torch.no_grad():
+                self.lm_head.copy_(self.embed.t())
 
     def weight_bytes(self) -> int:
         """Bytes the weights take (quantized ones at their packed size)."""

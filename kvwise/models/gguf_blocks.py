@@ -172,6 +172,31 @@ def pack(spec: BlockSpec, d: Decoded) -> torch.Tensor:
     """The kernel's layout (kquant.cpp) of a decoded tensor: `(rows / 8, super-blocks, bytes)`."""
     codes = torch.from_numpy(np.ascontiguousarray(d.codes))
     rows, cols = codes.shape
+    nb, G = cols // QK, -(-rows // 8)
+    tail = []  # each block's scale bytes, then each super-block's header
+    if spec.kscales:
+        for ints in (d.sc, d.mn) if spec.mins else (d.sc,):
+            t = _groups(torch.from_numpy(np.ascontiguousarray(ints)))  # (G, nb, [2,] 8)
+            tail.append(t.contiguous().view(torch.uint8).reshape(G, nb, -1))
+        floats = [f for f in (d.scale, d.minimum) if f is not None]
+        heads = torch.cat([_float16_bytes(torch.from_numpy(f)) for f in floats], dim=-1)
+    else:
+        for floats in (d.scale, d.minimum) if spec.mins else (d.scale,):
+            tail.append(_float16_bytes(torch.from_numpy(floats)))
+        heads = torch.zeros(G, nb, 0, dtype=torch.uint8)
+    tail_bytes = torch.cat(tail, dim=-1).contiguous()
+    if kernels.available():
+        return torch.ops.kvwise.qk_pack(codes, spec.bits, tail_bytes, heads.contiguous(),
+                                        spec.blocks)  # fmt: skip
+    blocks = torch.cat((_code_planes(spec, codes), tail_bytes), dim=-1)  # (G, nb, block bytes)
+    nsb = nb // spec.blocks
+    return torch.cat((heads, blocks.reshape(G, nsb, -1)), dim=-1).contiguous()
+
+
+def _code_planes(spec: BlockSpec, codes: torch.Tensor) -> torch.Tensor:
+    """Codes `(rows, cols)` -> each block's nibbles and bit planes `(G, nb, bytes)` (torch; the
+    kernels' ``qk_pack`` makes the same bytes faster)."""
+    rows, cols = codes.shape
     nb = cols // QK
     c = _groups(codes.reshape(rows, nb, QK)).permute(0, 1, 3, 2)  # (G, nb, 8 columns, 32)
     G = c.shape[0]
@@ -186,19 +211,7 @@ def pack(spec: BlockSpec, d: Decoded) -> torch.Tensor:
         for half in (lo, hi):
             plane = (((half >> 4) & 3) * (weights * weights)).sum(3)
             parts.append(plane.to(torch.uint8).reshape(G, nb, 32))
-    if spec.kscales:
-        for ints in (d.sc, d.mn) if spec.mins else (d.sc,):
-            t = _groups(torch.from_numpy(np.ascontiguousarray(ints)))  # (G, nb, [2,] 8)
-            parts.append(t.contiguous().view(torch.uint8).reshape(G, nb, -1))
-    else:
-        for floats in (d.scale, d.minimum) if spec.mins else (d.scale,):
-            parts.append(_float16_bytes(torch.from_numpy(floats)))
-    blocks = torch.cat(parts, dim=-1)  # (G, nb, block bytes)
-    if not spec.kscales:
-        return blocks.contiguous()
-    nsb = nb // spec.blocks
-    heads = [_float16_bytes(torch.from_numpy(f)) for f in (d.scale, d.minimum) if f is not None]
-    return torch.cat((*heads, blocks.reshape(G, nsb, -1)), dim=-1).contiguous()
+    return torch.cat(parts, dim=-1)
 
 
 def unpack(spec: BlockSpec, packed: torch.Tensor) -> torch.Tensor:

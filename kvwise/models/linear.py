@@ -18,7 +18,6 @@ from typing import Protocol
 import torch
 
 from kvwise import kernels
-from kvwise.models.quant import Q8Weight
 
 # the logits recomputed in float32 after the quantized LM head (per row)
 EXACT_TOP_K = 64
@@ -87,11 +86,26 @@ class FloatHead:
         return float_mm(hidden, self.weight).float()
 
 
-class RefinedHead:
-    """The LM head on int8 blocks (``Q8Weight``), its top ``EXACT_TOP_K`` logits of each row
-    recomputed in float32 from the exact rows."""
+class HeadWeight(Linear, Protocol):
+    """A quantized embedding / LM head (``Q8Weight``, ``gguf_blocks.BlockWeight``): a linear
+    weight whose rows it can also give exactly."""
 
-    def __init__(self, weight: Q8Weight) -> None:
+    nbytes: int
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) as float32 `(*ids.shape, in)`, exact."""
+        ...
+
+    def dot_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`x` `(N, in)`, `ids` `(N, k)` -> `(N, k)` float32: x[n] . row ids[n][i]."""
+        ...
+
+
+class RefinedHead:
+    """The LM head on quantized blocks (a ``HeadWeight``), its top ``EXACT_TOP_K`` logits of
+    each row recomputed in float32 from the exact rows."""
+
+    def __init__(self, weight: HeadWeight) -> None:
         self.weight = weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

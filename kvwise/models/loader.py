@@ -31,6 +31,7 @@ from kvwise.models.arch import ModelArchConfig
 from kvwise.models.decoder import CausalLM
 from kvwise.models.default import default_model_path
 from kvwise.models.family import ModelFamily
+from kvwise.models.gguf_load import GGUFWeightLoader, WeightRow
 from kvwise.models.gguf_weights import iter_gguf_weights, open_gguf
 from kvwise.models.layer_ops import LINEAR_NAMES
 from kvwise.models.quant import Int4Weight, Int8Weight, Q8Weight, QuantWeight
@@ -54,7 +55,9 @@ class LoadedModel:
     generation_config: dict[str, Any] = field(default_factory=dict)
     is_gguf: bool = False
     gguf_reader: Any = None  # the open GGUF, so the tokenizer need not parse it again
-    weight_format: str = "none"  # "none" (float `dtype`), "int4" or "int8"
+    weight_format: str = "none"  # "none" (float `dtype`), "int4", "int8" or "gguf"
+    # "gguf": what each GGUF type's tensors run as (``gguf_load.WeightRow``), for the start-up
+    weight_report: list = field(default_factory=list)
 
 
 def load_model(
@@ -104,23 +107,35 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, quantization: str
     arch = ModelArchConfig.from_gguf(reader)
     model = CausalLM(arch, dtype)
     tensors = _progress(reader.tensors, len(reader.tensors), path.name, progress)
-    weight_format = "int4" if quantization == "auto" else quantization
-    if weight_format == "int4":  # Q4_0 / Q4_1 map onto the kernel as they are
+    report: list[WeightRow] = []
+    if quantization == "auto":  # every tensor at its own type's precision (gguf_load.py)
+        report = GGUFWeightLoader(model, reader).load(tensors)
+        weight_format = _auto_format(model)
+    elif quantization == "int4":  # Q4_0 / Q4_1 map onto the kernel as they are
         family = model.family
         linear = {f"{family.layer_prefix}{i}.{part}" for i in range(arch.num_layers)
                   for part in _linear_suffixes(family)}  # fmt: skip
         _load_quantized(model, iter_gguf_weights(reader, arch, tensors, linear), "int4")
+        weight_format = "int4"
     else:
         model.load_weights(iter_gguf_weights(reader, arch, tensors))
-        if weight_format == "int8":
+        if quantization == "int8":
             _quantize_loaded(model, "int8")
+        weight_format = quantization
     fingerprint = _fingerprint(
         f"gguf+{_FORMAT_TAGS.get(weight_format, weight_format)}", dtype, [path], b""
     )
     return LoadedModel(
         model.eval(), arch, path, fingerprint, {}, is_gguf=True, gguf_reader=reader,
-        weight_format=weight_format,
+        weight_format=weight_format, weight_report=report,
     )  # fmt: skip
+
+
+def _auto_format(model: CausalLM) -> str:
+    """ "int4" where every linear weight is int4 blocks (a Q4_0 / Q4_1 file: the arithmetic of
+    ``quantization="int4"``), else "gguf" (each tensor in its own type)."""
+    linear = [w for layer in model.layers for w in (layer.quant or {}).values()]
+    return "int4" if linear and all(isinstance(w, Int4Weight) for w in linear) else "gguf"
 
 
 def _linear_suffixes(family: type[ModelFamily]) -> set[str]:
@@ -247,7 +262,7 @@ def _progress(items: Iterable[_T], total: int, label: str, enabled: bool) -> Ite
 # what a format's arithmetic is, in the fingerprint (and so in the prefix-cache hash root and
 # every tier entry): KV computed by an older arithmetic (int4 with bfloat16 activations, an
 # embedding with one scale per row) never loads
-_FORMAT_TAGS = {"int4": "int4-q8act", "int8": "int8-q8head"}
+_FORMAT_TAGS = {"int4": "int4-q8act", "int8": "int8-q8head", "gguf": "gguf-native-q8act"}
 
 
 def _fingerprint(kind: str, dtype: torch.dtype, files: list[Path], config: bytes) -> str:

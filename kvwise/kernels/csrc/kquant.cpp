@@ -439,11 +439,67 @@ std::string qk_path(c10::string_view path) {
   return names[g_path < 0 ? best_path() : g_path];
 }
 
+// codes (rows, K) uint8 -> the layout above: each block's nibbles and bit planes made here, its
+// scale bytes `tail` (G, K / 32, T) and each super-block's `heads` (G, super-blocks, H; H may
+// be 0) copied in (models/gguf_blocks.py `pack` makes those; rows past the end are zeros)
+at::Tensor qk_pack(const at::Tensor& codes, int64_t bits, const at::Tensor& tail,
+                   const at::Tensor& heads, int64_t blocks_per_super) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(1) % (kQ4Block * blocks_per_super) == 0,
+              "qk_pack: codes must be contiguous uint8 (rows, K), K whole super-blocks");
+  TORCH_CHECK(bits >= 4 && bits <= 6, "qk_pack: bits must be 4, 5 or 6");
+  const int64_t rows = codes.size(0), K = codes.size(1), nb = K / kQ4Block, G = (rows + 7) / 8;
+  const int64_t nsb = nb / blocks_per_super;
+  TORCH_CHECK(tail.dim() == 3 && tail.size(0) == G && tail.size(1) == nb && tail.is_contiguous() &&
+                  tail.scalar_type() == at::kByte, "qk_pack: tail must be uint8 (G, nb, T)");
+  TORCH_CHECK(heads.dim() == 3 && heads.size(0) == G && heads.size(1) == nsb &&
+                  heads.is_contiguous() && heads.scalar_type() == at::kByte,
+              "qk_pack: heads must be uint8 (G, super-blocks, H)");
+  const int64_t T = tail.size(2), H = heads.size(2), code_bytes = 128 + 32 * (bits - 4);
+  const int64_t block = code_bytes + T, super = H + blocks_per_super * block;
+  at::Tensor out = at::empty({G, nsb, super}, codes.options());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* tp = tail.data_ptr<uint8_t>();
+  const uint8_t* hp = heads.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* sb = op + (g * nsb + b / blocks_per_super) * super;
+        if (b % blocks_per_super == 0) std::memcpy(sb, hp + (g * nsb + b / blocks_per_super) * H, H);
+        uint8_t* p = sb + H + (b % blocks_per_super) * block;
+        std::memset(p, 0, code_bytes);
+        for (int c = 0; c < 8; ++c) {
+          const int64_t row = 8 * g + c;
+          if (row >= rows) continue;
+          const uint8_t* q = cp + row * K + b * kQ4Block;
+          for (int j = 0; j < 4; ++j)
+            for (int t = 0; t < 4; ++t) {
+              const uint8_t lo = q[4 * j + t], hi = q[16 + 4 * j + t];
+              p[32 * j + 4 * c + t] = (lo & 15) | ((hi & 15) << 4);
+              if (bits == 5)
+                p[128 + 4 * c + t] |= (((lo >> 4) & 1) << j) | (((hi >> 4) & 1) << (4 + j));
+              if (bits == 6) {
+                p[128 + 4 * c + t] |= ((lo >> 4) & 3) << (2 * j);
+                p[160 + 4 * c + t] |= ((hi >> 4) & 3) << (2 * j);
+              }
+            }
+        }
+        std::memcpy(p + code_bytes, tp + (g * nb + b) * T, T);
+      }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def("qkmm(Tensor x, Tensor packed, int kind) -> Tensor");
   m.def("qk_path(str path='') -> str", &qk_path);
+  m.def("qk_pack(Tensor codes, int bits, Tensor tail, Tensor heads, int blocks_per_super) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvwise, CPU, m) { m.impl("qkmm", &qkmm); }
+TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
+  m.impl("qkmm", &qkmm);
+  m.impl("qk_pack", &qk_pack);
+}

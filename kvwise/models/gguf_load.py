@@ -1,0 +1,258 @@
+"""A GGUF's weights at the file's own precision, built one tensor at a time from the mapped file.
+
+``quantization="auto"`` on a GGUF runs every linear weight, the embedding and the LM head in
+the format its tensor has in the file, never below it:
+
+- Q4_0 / Q4_1: kvwise's int4 blocks (``Int4Weight``), exactly;
+- Q8_0: int8 blocks (``Q8Weight``), exactly;
+- Q5_0, Q5_1, Q2_K .. Q6_K: ``BlockWeight`` (``gguf_blocks.py``), exactly;
+- F32 / F16 / BF16: float32, exactly;
+- any other type (IQ*, TQ*, MXFP4, ...): dequantized, then int8 blocks (Q8_0, 8.5 bits a weight)
+  where the type has fewer bits than that, float32 otherwise ("converted" in the report).
+
+The embedding and LM head take the same rule, except that Q4_0 / Q4_1 ones become int8
+blocks (above their precision; the head's refinement needs exact rows, which int4 blocks do not
+give). Each weight is built straight from its tensor's bytes in the memory map (numpy views,
+no float copy of the model), the tensors in file order; a fused weight (q/k/v, gate/up) is
+built once its parts are all read. Parts of one type are packed as one weight, parts of
+different types (Q4_K_M mixes them) run side by side (``ConcatWeight``). The mapped pages of a
+tensor are released once it is built, so the peak memory is the built weights plus one tensor.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from kvwise.models.gguf_blocks import SPECS, BlockWeight
+from kvwise.models.gguf_weights import hf_name, unpermute_rope_rows
+from kvwise.models.linear import float_mm
+from kvwise.models.quant import QK, Int4Weight, Q8Weight, q4_groups
+
+_FLOATS = ("F32", "F16", "BF16")
+_Q8_BITS = 8.5  # bits a weight of int8 blocks of 32 with a float16 scale
+
+
+@dataclass(frozen=True)
+class WeightRow:
+    """One line of the start-up report: the tensors of a GGUF type and what they run as."""
+
+    gguf_type: str
+    tensors: int
+    runs_as: str  # "Q4_K (exact)", "Q8_0 (converted)", ...
+    resident_bytes: int
+
+
+class Float32Linear:
+    """A float linear weight held `[in, out]` float32 (F32 / F16 / BF16 tensors, exactly)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:  # (out, in)
+        self.weight = weight.float().t().contiguous()
+        self.in_features, self.out_features = self.weight.shape
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return float_mm(x.float().contiguous(), self.weight)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.t()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+class ConcatWeight:
+    """Row blocks of a fused weight in different formats: each part's ``mm``, side by side."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.mm(x).float() for p in self.parts], dim=1)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def bits_per_weight(gguf_type: str) -> float:
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]]
+    return 8 * size / block
+
+
+def runs_as(gguf_type: str, head: bool = False) -> str:
+    """What a tensor of ``gguf_type`` runs as (see the module docstring)."""
+    if gguf_type in _FLOATS:
+        return "float32 (exact)"
+    if gguf_type in ("Q4_0", "Q4_1"):
+        return "Q8_0 (converted)" if head else "int4 (exact)"
+    if gguf_type == "Q8_0" or gguf_type in SPECS:
+        return f"{gguf_type} (exact)"
+    return "Q8_0 (converted)" if bits_per_weight(gguf_type) < _Q8_BITS else "float32 (converted)"
+
+
+def q8_groups(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes `(out, in)` int8 and float32 scales `(out, in / 32)` of a Q8_0 tensor's blocks."""
+    out_features, in_features = shape
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, 34)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+    codes = blocks[:, 2:].view(np.int8).reshape(out_features, in_features)
+    return torch.from_numpy(codes.copy()), torch.from_numpy(d.reshape(out_features, -1))
+
+
+def build_weight(raw: np.ndarray, gguf_type: str, shape: tuple[int, int], head: bool = False):
+    """The run-time weight of one `(out, in)` tensor's raw data (rows in HF order)."""
+    how = runs_as(gguf_type, head)
+    if gguf_type in ("Q4_0", "Q4_1") and not head:
+        return Int4Weight(*q4_groups(raw, gguf_type, shape))
+    if gguf_type == "Q8_0":
+        return Q8Weight(*q8_groups(raw, shape))
+    if gguf_type in SPECS:
+        return BlockWeight.from_gguf(raw, gguf_type, shape)
+    floats = torch.from_numpy(
+        np.asarray(dequantize(raw, gguf.GGMLQuantizationType[gguf_type]), np.float32)
+    ).reshape(shape)
+    if how.startswith("Q8_0") and shape[1] % QK == 0:
+        return Q8Weight.quantize(floats)
+    return Float32Linear(floats)
+
+
+def _release(reader: gguf.GGUFReader, tensor: gguf.ReaderTensor) -> None:
+    """Drop the mapped pages of ``tensor`` from this process (the page cache keeps them)."""
+    base = reader.data
+    while base is not None and not isinstance(getattr(base, "_mmap", None), mmap.mmap):
+        base = base.base
+    if base is None:
+        return
+    start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
+    end = tensor.data_offset + tensor.n_bytes
+    try:
+        base._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError, AttributeError):
+        pass  # only memory, never the result
+
+
+class GGUFWeightLoader:
+    """Streams a GGUF's tensors into a ``CausalLM`` (see the module docstring)."""
+
+    def __init__(self, model, reader: gguf.GGUFReader) -> None:
+        self.model, self.reader, self.arch = model, reader, model.arch
+        self.family = model.family
+        self.permuted = str(reader.fields["general.architecture"].contents()) == "llama"
+        # hf part name -> (layer, fused target); the parts each target waits for
+        self.part_of: dict[str, tuple[int, str]] = {}
+        for i in range(self.arch.num_layers):
+            for target, parts in self.family.linear_parts.items():
+                for part in parts:
+                    self.part_of[f"{self.family.layer_prefix}{i}.{part}"] = (i, target)
+        self.pending: dict[tuple[int, str], dict[str, tuple]] = defaultdict(dict)
+        self.layers: dict[int, dict] = defaultdict(dict)
+        self.rest: list[tuple[str, torch.Tensor]] = []
+        self.heads: dict[str, object] = {}
+        self.report: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def load(self, tensors: Iterable[gguf.ReaderTensor]) -> list[WeightRow]:
+        for tensor in tensors:
+            name = hf_name(tensor.name)
+            if name is not None:
+                self._take(name, tensor)
+        self._finish()
+        return [WeightRow(t, n, how, self.bytes[t, how]) for (t, how), n in self.report.items()]
+
+    def _raw(self, name: str, tensor: gguf.ReaderTensor) -> np.ndarray:
+        """The tensor's rows (raw blocks or floats) in HF order (``gguf_weights`` on q / k)."""
+        raw = tensor.data
+        heads = self._rope_heads(name)
+        if heads is None:
+            return raw
+        rows = raw.shape[0]  # llama.cpp's rows per head as interleaved pairs, undone
+        return raw.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(raw.shape)
+
+    def _rope_heads(self, name: str) -> int | None:
+        if self.permuted and ".self_attn.q_proj." in name:
+            return self.arch.num_heads
+        if self.permuted and ".self_attn.k_proj." in name:
+            return self.arch.num_kv_heads
+        return None
+
+    def _take(self, name: str, tensor: gguf.ReaderTensor) -> None:
+        gguf_type = tensor.tensor_type.name
+        shape = (int(tensor.shape[1]), int(tensor.shape[0])) if len(tensor.shape) == 2 else None
+        family = self.family
+        if name in self.part_of and shape is not None:
+            layer, target = self.part_of[name]
+            self.pending[layer, target][name] = (self._raw(name, tensor), gguf_type, shape)
+            self._count(gguf_type, runs_as(gguf_type))
+            parts = family.linear_parts[target]
+            waiting = self.pending[layer, target]
+            if len(waiting) == len(parts):
+                prefix = f"{family.layer_prefix}{layer}."
+                self._build_fused(layer, target, [waiting.pop(prefix + p) for p in parts])
+                del self.pending[layer, target]
+        elif name in (family.embed_name, family.lm_head_name) and gguf_type not in _FLOATS:
+            tied = self.arch.tie_word_embeddings
+            if name == family.lm_head_name and tied:
+                return
+            how = runs_as(gguf_type, head=True)
+            weight = build_weight(self._raw(name, tensor), gguf_type, shape, head=True)
+            self.heads[name] = weight
+            self._count(gguf_type, how, weight.nbytes)
+        else:
+            self.rest.append((name, self._float(name, tensor)))
+            if gguf_type in _FLOATS and shape is not None:
+                self._count(gguf_type, runs_as(gguf_type), 4 * shape[0] * shape[1])
+        _release(self.reader, tensor)
+
+    def _float(self, name: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
+        raw = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32)
+        t = torch.from_numpy(raw.reshape(tuple(int(d) for d in reversed(tensor.shape))).copy())
+        heads = self._rope_heads(name)
+        return t if heads is None else unpermute_rope_rows(t, heads)
+
+    def _count(self, gguf_type: str, how: str, nbytes: int = 0) -> None:
+        self.report[gguf_type, how] += 1
+        self.bytes[gguf_type, how] += nbytes
+
+    def _build_fused(self, layer: int, target: str, parts: list[tuple]) -> None:
+        types = {t for _, t, _ in parts}
+        if len(types) == 1 and all(shape[0] % 8 == 0 for _, _, shape in parts):
+            gguf_type = types.pop()
+            raw = np.concatenate([np.asarray(r) for r, _, _ in parts])
+            shape = (sum(s[0] for _, _, s in parts), parts[0][2][1])
+            weight = build_weight(raw, gguf_type, shape)
+            self.bytes[gguf_type, runs_as(gguf_type)] += weight.nbytes
+        else:
+            built = []
+            for raw, gguf_type, shape in parts:
+                built.append(build_weight(raw, gguf_type, shape))
+                self.bytes[gguf_type, runs_as(gguf_type)] += built[-1].nbytes
+            weight = ConcatWeight(built)
+        self.layers[layer][target] = weight
+        if len(self.layers[layer]) == len(self.family.linear_parts):
+            self.model.layers[layer].install_quantized(self.layers.pop(layer))
+
+    def _finish(self) -> None:
+        family, model = self.family, self.model
+        if self.pending or self.layers:
+            missing = sorted(n for parts in self.pending.values() for n in parts) or sorted(
+                f"layer {i}" for i in self.layers
+            )
+            raise ValueError(f"weights: the file lacks parts of fused weights, e.g. {missing[:3]}")
+        model.load_weights(self.rest, quantized=True)
+        embed = self.heads.get(family.embed_name)
+        tied = self.arch.tie_word_embeddings
+        head = embed if tied else self.heads.get(family.lm_head_name)
+        model.install_heads(embed, head)

@@ -1,0 +1,81 @@
+"""Make the GGUF files issue 27 measures, as a user would with llama.cpp's own tools.
+
+  python scripts/make_gguf_variants.py --out DIR --llama-cpp SRC --quantize BIN [--big]
+
+1. The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) loaded by transformers and saved as an
+   HF directory (DIR/smollm2-hf), or with --big a random Llama-shaped 1B model (16 layers,
+   hidden 2048, 32/8 heads, intermediate 8192, the default model's tokenizer; DIR/llama1b-hf).
+2. llama.cpp's ``convert_hf_to_gguf.py --outtype f32`` (from SRC) -> NAME-f32.gguf.
+3. ``llama-quantize`` (BIN) -> NAME-{Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0,...}.gguf.
+A benchmark tool: nothing here runs in the test suite. Files that exist are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+TYPES = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K", "Q5_0", "Q5_1")
+
+
+def hf_dir(out: Path, big: bool) -> Path:
+    import torch
+    import transformers
+
+    from kvwise.models.default import default_model_path
+
+    target = out / ("llama1b-hf" if big else "smollm2-hf")
+    if (target / "config.json").is_file():
+        return target
+    gguf = default_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if big:
+        config = transformers.LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=8192,
+            num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+            max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    else:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        config = loaded.config  # a GGUF-loaded model will not save: the same weights, anew
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree")
+    p.add_argument("--quantize", type=Path, required=True, help="the llama-quantize binary")
+    p.add_argument("--big", action="store_true", help="the random 1B Llama-shaped model")
+    p.add_argument("--types", default=",".join(TYPES))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    source = hf_dir(args.out, args.big)
+    name = "llama1b" if args.big else "smollm2"
+    f32 = args.out / f"{name}-f32.gguf"
+    if not f32.is_file():
+        subprocess.run([sys.executable, str(args.llama_cpp / "convert_hf_to_gguf.py"),
+                        str(source), "--outtype", "f32", "--outfile", str(f32)], check=True)  # fmt: skip
+    for kind in args.types.split(","):
+        target = args.out / f"{name}-{kind}.gguf"
+        if not target.is_file():
+            subprocess.run([str(args.quantize), str(f32), str(target), kind], check=True,
+                           capture_output=True)  # fmt: skip
+        print(f"{target}  {target.stat().st_size / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
