@@ -153,12 +153,12 @@ def evaluate(
     _check_models(candidate, reference, ctx)
     _check_sliding_window(candidate, ctx, (kv_cache_dtype,))
     _check_sliding_window(reference or candidate, ctx, (reference_kv_cache_dtype,))
-    plan_ = plan(windows, len(token_ids), ctx, stride, max_windows)
+    planned = plan(windows, len(token_ids), ctx, stride, max_windows)
     tokens = torch.tensor(token_ids, dtype=torch.int64)
     kv = (kv_int4_group_size, kv_block_size)
     totals = _Totals()
     start_time = time.perf_counter()
-    bar = tqdm(plan_, desc="eval", unit="window", disable=not progress)
+    bar = tqdm(planned, desc="eval", unit="window", disable=not progress)
     with torch.inference_mode():
         for window in bar:
             ids = tokens[window.start : window.end]  # (T,)
@@ -176,7 +176,7 @@ def evaluate(
             bar.set_postfix(ppl=f"{totals.ppl:.3f}", refresh=False)
     seconds = time.perf_counter() - start_time
     return totals.result(
-        EvalResult(ctx, stride, len(plan_), totals.num_scored, totals.ppl, seconds)
+        EvalResult(ctx, stride, len(planned), totals.num_scored, totals.ppl, seconds)
     )
 
 
@@ -516,13 +516,13 @@ def format_table(result: EvalResult, record: dict) -> str:
         q, ref_q = f"{name}, {q}", f"{ref_name}, {ref_q}"
     corpus = record["corpus"]
     if record.get("windows") == "llama.cpp":
-        plan_ = f"llama.cpp chunks (tokens {result.ctx // 2 + 1}.. of each scored)"
+        planned = f"llama.cpp chunks (tokens {result.ctx // 2 + 1}.. of each scored)"
     else:
-        plan_ = f"stride {result.stride}"
+        planned = f"stride {result.stride}"
     lines = [
         f"{models}; corpus {corpus['name']}: "
         f"{corpus['num_tokens']:,} tokens, sha256 {corpus['sha256'][:12]}",
-        f"ctx {result.ctx}, {plan_}, {result.num_windows} windows, "
+        f"ctx {result.ctx}, {planned}, {result.num_windows} windows, "
         f"{result.num_scored_tokens:,} scored tokens, {result.seconds:.1f} s",
         "",
         "| metric | value |",
