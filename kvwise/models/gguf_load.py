@@ -37,6 +37,7 @@ from kvwise.models.linear import float_mm
 from kvwise.models.quant import QK, Int4Weight, Q8Weight, q4_groups
 
 _FLOATS = ("F32", "F16", "BF16")
+_REFUSED = ("F64", "I8", "I16", "I32", "I64")
 _Q8_BITS = 8.5  # bits a weight of int8 blocks of 32 with a float16 scale
 
 
@@ -93,7 +94,16 @@ def bits_per_weight(gguf_type: str) -> float:
 
 
 def runs_as(gguf_type: str, head: bool = False) -> str:
-    """What a tensor of ``gguf_type`` runs as (see the module docstring)."""
+    """What a tensor of ``gguf_type`` runs as (see the module docstring).
+
+    Raises:
+        ValueError: an integer or float64 tensor (no format here holds it without loss).
+    """
+    if gguf_type in _REFUSED:
+        raise ValueError(
+            f"weights: {gguf_type} tensors are not supported (float64 would run "
+            f"below its precision, integers are no weights); convert the file to F32"
+        )
     if gguf_type in _FLOATS:
         return "float32 (exact)"
     if gguf_type in ("Q4_0", "Q4_1"):
