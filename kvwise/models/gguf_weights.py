@@ -20,6 +20,7 @@ import torch
 from gguf.quants import dequantize
 
 from kvwise.models.arch import ModelArchConfig
+from kvwise.models.gguf_file import GGUFFile
 from kvwise.models.quant import q4_groups
 
 NATIVE_INT4 = ("Q4_0", "Q4_1")  # GGUF types that map exactly onto the int4 kernel's groups
@@ -50,26 +51,14 @@ _PER_LAYER = {
 _SKIPPED = {"rope_freqs.weight"}
 
 
-class _PlainReader(gguf.GGUFReader):
-    """`GGUFReader` over a plain ndarray view of its memmap.
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Open a GGUF file for reading: metadata parsed (milliseconds; string arrays decoded on
+    first use), tensor data memory-mapped. A `gguf.GGUFReader` (``models/gguf_file.py``).
 
-    NOTE: parsing the metadata makes ~10^6 tiny slices; on an `np.memmap` each pays for
-    `memmap.__array_finalize__`, which makes opening a file with a 49k-token vocabulary take
-    ~3.5 s. A base-class view of the same mapping parses in ~1 s; the data stays memory-mapped.
+    Raises:
+        ValueError: (naming the file) not a little-endian GGUF v2/v3, or corrupt.
     """
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._plain_data
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain_data = np.asarray(value)
-
-
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """Open a GGUF file for reading (metadata parsed, tensor data memory-mapped)."""
-    return _PlainReader(path)
+    return GGUFFile(path)
 
 
 def hf_name(gguf_name: str) -> str | None:
