@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--llama-bench", default=None,
                    help="path of llama.cpp's llama-bench (without it: kvwise alone, ratios "
                    "against its first setting)")  # fmt: skip
+    p.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     p.add_argument("--formats", default="auto,none", help="kvwise quantization settings")
     p.add_argument("--kv-dtypes", default="auto", help="kvwise kv_cache_dtype settings")
     p.add_argument("--contexts", default="32,2048", help="context lengths before decoding")
@@ -69,7 +70,7 @@ def main() -> None:
         loaded = None
         for kv_dtype in kv_dtypes:
             config = EngineConfig.from_kwargs(
-                quantization=fmt, kv_cache_dtype=kv_dtype, kv_cache_memory="1GiB",
+                model=args.model, quantization=fmt, kv_cache_dtype=kv_dtype, kv_cache_memory="1GiB",
                 kv_host_memory="off", kv_disk_path="off", enable_prefix_caching=False,
                 prefill_chunk_size=2048, max_num_batched_tokens=2048,
             )  # fmt: skip

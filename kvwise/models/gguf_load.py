@@ -21,6 +21,8 @@ tensor are released once it is built, so the peak memory is the built weights pl
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import mmap
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -131,27 +133,68 @@ def build_weight(raw: np.ndarray, gguf_type: str, shape: tuple[int, int], head: 
         return Q8Weight(*q8_groups(raw, shape))
     if gguf_type in SPECS:
         return BlockWeight.from_gguf(raw, gguf_type, shape)
-    floats = torch.from_numpy(
-        np.asarray(dequantize(raw, gguf.GGMLQuantizationType[gguf_type]), np.float32)
-    ).reshape(shape)
     if how.startswith("Q8_0") and shape[1] % QK == 0:
-        return Q8Weight.quantize(floats)
-    return Float32Linear(floats)
+        return _converted_q8(raw, gguf_type, shape)
+    return Float32Linear(_dequantized(raw, gguf_type, shape))
 
 
-def _release(reader: gguf.GGUFReader, tensor: gguf.ReaderTensor) -> None:
-    """Drop the mapped pages of ``tensor`` from this process (the page cache keeps them)."""
+def _dequantized(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> torch.Tensor:
+    floats = dequantize(np.asarray(raw), gguf.GGMLQuantizationType[gguf_type])
+    return torch.from_numpy(np.asarray(floats, np.float32)).reshape(shape)
+
+
+_CONVERT_ROWS = 2048  # rows converted at a time: a float copy of a whole embedding is 400 MB
+
+
+def _converted_q8(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> Q8Weight:
+    """Int8 blocks of a tensor of another type, converted a slice of rows at a time."""
+    rows, cols = shape
+    parts = [
+        Q8Weight.quantize(_dequantized(raw[at : at + _CONVERT_ROWS], gguf_type,
+                                       (min(_CONVERT_ROWS, rows - at), cols))).packed
+        for at in range(0, rows, _CONVERT_ROWS)
+    ]  # fmt: skip
+    return Q8Weight.from_packed(parts[0] if len(parts) == 1 else torch.cat(parts), rows, cols)
+
+
+def _release(reader: gguf.GGUFReader, tensor: gguf.ReaderTensor | None = None) -> None:
+    """Drop the mapped pages of ``tensor`` (None: of the whole file) from this process: the
+    page cache keeps them, and a later read (the tokenizer's metadata) maps them again."""
+    mapped = getattr(reader, "mmap", None)
     base = reader.data
-    while base is not None and not isinstance(getattr(base, "_mmap", None), mmap.mmap):
+    while mapped is None and base is not None:
+        mapped = getattr(base, "_mmap", None)
         base = base.base
-    if base is None:
+    if not isinstance(mapped, mmap.mmap):
         return
-    start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
-    end = tensor.data_offset + tensor.n_bytes
+    start, end = (0, len(mapped)) if tensor is None else (
+        tensor.data_offset, tensor.data_offset + tensor.n_bytes
+    )  # fmt: skip
+    start -= start % mmap.PAGESIZE
     try:
-        base._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
-    except (OSError, ValueError, AttributeError):
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):
         pass  # only memory, never the result
+
+
+@contextlib.contextmanager
+def returned_to_the_system():
+    """While loading, glibc's malloc hands every allocation of 1 MiB or more back to the system
+    when it is freed (its default raises that bound as big blocks are freed, and keeps up to
+    32 MiB blocks in its heap: the loader's temporaries would stay resident); afterwards the
+    bound is 32 MiB and the heap is trimmed. A no-op where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        yield
+        return
+    threshold = -3  # M_MMAP_THRESHOLD
+    libc.mallopt(threshold, 1 << 20)
+    try:
+        yield
+    finally:
+        libc.mallopt(threshold, 32 << 20)
+        libc.malloc_trim(0)
 
 
 class GGUFWeightLoader:
@@ -175,11 +218,13 @@ class GGUFWeightLoader:
         self.bytes: Counter = Counter()
 
     def load(self, tensors: Iterable[gguf.ReaderTensor]) -> list[WeightRow]:
-        for tensor in tensors:
-            name = hf_name(tensor.name)
-            if name is not None:
-                self._take(name, tensor)
-        self._finish()
+        with returned_to_the_system():
+            for tensor in tensors:
+                name = hf_name(tensor.name)
+                if name is not None:
+                    self._take(name, tensor)
+            self._finish()
+        _release(self.reader)
         return [WeightRow(t, n, how, self.bytes[t, how]) for (t, how), n in self.report.items()]
 
     def _raw(self, name: str, tensor: gguf.ReaderTensor) -> np.ndarray:

@@ -158,6 +158,13 @@ class Q8Weight:
         self.packed = torch.cat((code_bytes, _float16_bytes(scales)), dim=-1).contiguous()
 
     @classmethod
+    def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int) -> Q8Weight:
+        """A weight of packed groups made already (e.g. slices' ``packed``, end to end)."""
+        weight = cls.__new__(cls)
+        weight.packed, weight.out_features, weight.in_features = packed, out_features, in_features
+        return weight
+
+    @classmethod
     def quantize(cls, weight: torch.Tensor) -> Q8Weight:
         """Symmetric quantization per block of 32 (`d = max|w| / 127`, held as float16), as
         llama.cpp makes Q8_0: a weight dequantized from Q8_0 quantizes back to the same blocks."""
