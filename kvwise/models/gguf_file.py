@@ -376,8 +376,8 @@ def _walk(buf, pos: int, count: int, limit: int) -> tuple[np.ndarray, np.ndarray
     for _ in range(count):
         starts.append(pos)
         pos += 8 + unpack(buf, pos)[0]
-    if pos > limit:
-        raise struct.error("a string runs past the end of the file")
+        if pos > limit:  # checked each time: a corrupt length may be near 2**64
+            raise struct.error("a string runs past the end of the file")
     found = np.array(starts, np.int64)
     return found, np.append(found[1:], pos)
 
