@@ -68,6 +68,9 @@ def build_model_parts(
         _WEIGHT_FORMATS.get(loaded.weight_format, config.model.dtype),
         format_bytes(loaded.model.weight_bytes()),
     )
+    for row in loaded.weight_report:  # quantization="auto" on a GGUF: each type as it runs
+        logger.info("weights: %d %s tensors as %s, %s", row.tensors, row.gguf_type, row.runs_as,
+                    format_bytes(row.resident_bytes))  # fmt: skip
     arch = loaded.arch
     tokenizer = tokenizer_for(loaded)
     kv_dtype = config.cache.kv_cache_dtype
@@ -95,6 +98,8 @@ def build_model_parts(
 
 
 _WEIGHT_FORMATS = {
+    "gguf": "every GGUF tensor at its own type's precision (per type below), norms float32, "
+    "activations into the block kernels int8 per block of 32",
     "int4": "linear layers int4 (blocks of 32, float16 scale and minimum; GGUF Q4_0/Q4_1 as "
     "they are), embedding and LM head int8 in blocks of 32 (GGUF Q8_0 as it is), norms "
     "float32, activations into the kernels int8 per block of 32",

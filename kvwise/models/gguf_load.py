@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import mmap
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -38,6 +39,7 @@ from kvwise.models.gguf_weights import hf_name, unpermute_rope_rows
 from kvwise.models.linear import float_mm
 from kvwise.models.quant import QK, Int4Weight, Q8Weight, q4_groups
 
+logger = logging.getLogger("kvwise")
 _FLOATS = ("F32", "F16", "BF16")
 _REFUSED = ("F64", "I8", "I16", "I32", "I64")
 _Q8_BITS = 8.5  # bits a weight of int8 blocks of 32 with a float16 scale
@@ -225,7 +227,13 @@ class GGUFWeightLoader:
                     self._take(name, tensor)
             self._finish()
         _release(self.reader)
-        return [WeightRow(t, n, how, self.bytes[t, how]) for (t, how), n in self.report.items()]
+        rows = [WeightRow(t, n, how, self.bytes[t, how]) for (t, how), n in self.report.items()]
+        for row in rows:
+            if row.runs_as.endswith("(converted)"):
+                logger.warning("weights: %d %s tensors run as %s: no kernel holds %s exactly "
+                               "(never below its precision)", row.tensors, row.gguf_type,
+                               row.runs_as.split()[0], row.gguf_type)  # fmt: skip
+        return rows
 
     def _raw(self, name: str, tensor: gguf.ReaderTensor) -> np.ndarray:
         """The tensor's rows (raw blocks or floats) in HF order (``gguf_weights`` on q / k)."""
@@ -266,9 +274,9 @@ class GGUFWeightLoader:
             self.heads[name] = weight
             self._count(gguf_type, how, weight.nbytes)
         else:
-            self.rest.append((name, self._float(name, tensor)))
-            if gguf_type in _FLOATS and shape is not None:
-                self._count(gguf_type, runs_as(gguf_type), 4 * shape[0] * shape[1])
+            floats = self._float(name, tensor)  # norms, biases (a float embedding): exact
+            self.rest.append((name, floats))
+            self._count(gguf_type, "float32 (exact)", floats.nbytes)
         _release(self.reader, tensor)
 
     def _float(self, name: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
