@@ -26,7 +26,14 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "fused.cpp", "kv_int4.cpp", "dense.cpp", "kquant.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "fused.cpp",
+        "kv_int4.cpp",
+        "dense.cpp",
+        "kquant.cpp",
+        "gguf_pack.cpp",
+    )
 ]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}

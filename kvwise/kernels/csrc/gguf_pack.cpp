@@ -26,6 +26,8 @@
 #include <cstring>
 #include <string>
 
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "gguf_pack reads GGUF's little-endian words");
+
 namespace {
 
 constexpr int64_t kBlock = 32;  // weights a block (and a kernel block)
@@ -42,9 +44,14 @@ inline uint32_t load32(const uint8_t* p) {
   return v;
 }
 
-// Q4_0's minimum -8 d as a float16, rounded as torch rounds float32 -> float16
+// Q4_0's minimum -8 d as a float16: float16(-8 * float(d)) as the Python path rounds it. For a
+// normal d whose -8 d stays normal that is d with its sign flipped and 3 added to its exponent;
+// zeros, subnormals, overflows, infinities and NaNs take the float route.
 inline uint16_t minus_8d(const uint8_t* d) {
-  const at::Half h = c10::Half(load16(d), c10::Half::from_bits());
+  const uint16_t bits = load16(d);
+  const int exponent = (bits >> 10) & 31;
+  if (exponent >= 1 && exponent <= 27) return static_cast<uint16_t>((bits ^ 0x8000) + (3 << 10));
+  const at::Half h = c10::Half(bits, c10::Half::from_bits());
   return at::Half(-8.f * static_cast<float>(h)).x;
 }
 
@@ -54,86 +61,98 @@ inline uint16_t minus_8d(const uint8_t* d) {
 // chunk j, byte 4 c + t wants weight 4 j + t low and 16 + 4 j + t high: the same byte, so a
 // column's 16 code bytes move as four 4-byte pieces. Q8_0's 32 codes move the same way.
 
-struct SimpleType {
-  int64_t src_bytes;  // a GGUF block
-  int64_t qs_at;      // where its codes start
-  int64_t code_bytes; // codes a column: 16 (int4) or 32 (int8)
-  int64_t out_bytes;  // a kernel block of 8 columns
-  int min_kind;       // 0: no minimum (Q8_0), 1: m = -8 d (Q4_0), 2: m in the file (Q4_1)
+template <int SrcBytes, int QsAt, int CodeBytes, int MinKind>
+struct Simple {
+  static constexpr int64_t src_bytes = SrcBytes;  // a GGUF block
+  static constexpr int64_t qs_at = QsAt;          // where its codes start
+  static constexpr int64_t code_bytes = CodeBytes;  // codes a column: 16 (int4) or 32 (int8)
+  static constexpr int64_t at_d = 8 * CodeBytes;  // the 8 columns' d (then m) after the codes
+  static constexpr int64_t out_bytes = at_d + (MinKind ? 32 : 16);  // a kernel block
+  static constexpr int min_kind = MinKind;  // 0: none (Q8_0), 1: m = -8 d (Q4_0), 2: m (Q4_1)
 };
 
-constexpr SimpleType kQ4_0{18, 2, 16, 160, 1};
-constexpr SimpleType kQ4_1{20, 4, 16, 160, 2};
-constexpr SimpleType kQ8_0{34, 2, 32, 272, 0};
+using Q4_0 = Simple<18, 2, 16, 1>;
+using Q4_1 = Simple<20, 4, 16, 2>;
+using Q8_0 = Simple<34, 2, 32, 0>;
 
-void pack_simple_group(const SimpleType& s, const uint8_t* raw, int64_t pitch, int64_t rows,
-                       int64_t nb, int64_t g, uint8_t* out) {
-  const int64_t columns = std::min<int64_t>(8, rows - 8 * g);
-  uint8_t* dst = out + g * nb * s.out_bytes;
-  if (columns < 8) std::memset(dst, 0, nb * s.out_bytes);
-  const int64_t at_d = 8 * s.code_bytes;  // 128 or 256
-  for (int64_t c = 0; c < columns; ++c) {
-    const uint8_t* src = raw + (8 * g + c) * pitch;
-    for (int64_t b = 0; b < nb; ++b, src += s.src_bytes) {
-      uint8_t* p = dst + b * s.out_bytes;
-      for (int64_t j = 0; j < s.code_bytes / 4; ++j) std::memcpy(p + 32 * j + 4 * c, src + s.qs_at + 4 * j, 4);
-      std::memcpy(p + at_d + 2 * c, src, 2);
-      if (s.min_kind == 1) {
-        const uint16_t m = minus_8d(src);
-        std::memcpy(p + at_d + 16 + 2 * c, &m, 2);
-      } else if (s.min_kind == 2) {
-        std::memcpy(p + at_d + 16 + 2 * c, src + 2, 2);
-      }
-    }
+// column c's GGUF block `blk` into the group's kernel block `dst`
+template <class S>
+inline void put_simple(const uint8_t* blk, int64_t c, uint8_t* dst) {
+  for (int64_t j = 0; j < S::code_bytes / 4; ++j)
+    std::memcpy(dst + 32 * j + 4 * c, blk + S::qs_at + 4 * j, 4);
+  std::memcpy(dst + S::at_d + 2 * c, blk, 2);
+  if constexpr (S::min_kind == 1) {
+    const uint16_t m = minus_8d(blk);
+    std::memcpy(dst + S::at_d + 16 + 2 * c, &m, 2);
+  } else if constexpr (S::min_kind == 2) {
+    std::memcpy(dst + S::at_d + 16 + 2 * c, blk + 2, 2);
   }
+}
+
+template <class S>
+void pack_simple_group(const uint8_t* raw, int64_t pitch, int64_t rows, int64_t nb, int64_t g,
+                       uint8_t* out) {
+  const int64_t columns = std::min<int64_t>(8, rows - 8 * g);
+  uint8_t* dst = out + g * nb * S::out_bytes;
+  const uint8_t* src = raw + 8 * g * pitch;
+  if (columns == 8) {  // the output in order, the 8 rows' blocks side by side
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t c = 0; c < 8; ++c)
+        put_simple<S>(src + c * pitch + b * S::src_bytes, c, dst + b * S::out_bytes);
+    return;
+  }
+  std::memset(dst, 0, nb * S::out_bytes);  // the last group: zero columns past the rows
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t c = 0; c < columns; ++c)
+      put_simple<S>(src + c * pitch + b * S::src_bytes, c, dst + b * S::out_bytes);
 }
 
 // ---- Q5_x and the K-quants: kquant.cpp's layout --------------------------------------------
 //
-// Per (super-)block of a column: the codes q[0 .. 32 blocks) (one byte each, 2..6 bits used),
-// the integer sub-block scales and minimums of the K-quants, and the float16 fields' bytes;
-// then written into the group's kernel block at column c. The decoding follows ggml's block
-// structs (as models/gguf_blocks.py's `_decode_blocks` does).
+// Per (super-)block of a column: its codes q[32 b + k] (a byte each, 2..6 bits used), the
+// integer sub-block scales and minimums of the K-quants, and where its float16 fields are; then
+// written into the group's kernel blocks at column c. The decoding follows ggml's block structs
+// (as models/gguf_blocks.py's `_decode_blocks` does), 8 codes at a time in a uint64 (x86 is
+// little-endian: byte i of the word is byte i of memory; every shift-and-mask below keeps the
+// bits inside their byte).
+
+constexpr uint64_t kLow4 = 0x0F0F0F0F0F0F0F0FULL, kLow2 = 0x0303030303030303ULL;
+constexpr uint64_t kBit0 = 0x0101010101010101ULL;
+
+inline uint64_t load64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+inline void store64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
+inline void store32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
 
 struct Column {
-  uint8_t q[256];
+  alignas(8) uint8_t q[256];
   int8_t sc[16], mn[16];  // per block of 32 (8) or per sub-block of 16 (16: 2 b + half)
   const uint8_t* f16[2];  // d / D, then m / Dmin where the type has them
 };
 
-struct BlockType {
-  int64_t src_bytes;   // a GGUF (super-)block
-  int64_t blocks;      // blocks of 32 a (super-)block: 8 for the K-quants, 1 for Q5_x
-  int bits;            // bits a code as stored in the kernel layout: 4, 5 or 6
-  bool kscales, halves, mins;
-  void (*decode)(const uint8_t* src, Column& col);
-
-  int64_t plane_bytes() const { return 32 * (bits - 4); }
-  int64_t sc_bytes() const { return kscales ? 8 * (halves ? 2 : 1) : 16; }
-  int64_t block_bytes() const { return 128 + plane_bytes() + sc_bytes() * (mins ? 2 : 1); }
-  int64_t header_bytes() const { return kscales ? 16 * (mins ? 2 : 1) : 0; }
-  int64_t super_bytes() const { return header_bytes() + blocks * block_bytes(); }
+// kSpread[v]: the 8 bits of v as 8 bytes of 0 / 1 (bit i -> byte i)
+struct SpreadTable {
+  uint64_t v[256];
+  constexpr SpreadTable() : v() {
+    for (int x = 0; x < 256; ++x)
+      for (int i = 0; i < 8; ++i) v[x] |= static_cast<uint64_t>((x >> i) & 1) << (8 * i);
+  }
 };
+constexpr SpreadTable kSpread;
 
-void decode_q5_0(const uint8_t* s, Column& col) {
-  const uint32_t qh = load32(s + 2);
-  const uint8_t* qs = s + 6;
-  for (int k = 0; k < 16; ++k) {
-    col.q[k] = (qs[k] & 15) | (((qh >> k) & 1) << 4);
-    col.q[16 + k] = (qs[k] >> 4) | (((qh >> (16 + k)) & 1) << 4);
-  }
-  col.f16[0] = s;
-}
+inline uint64_t spread8(uint32_t bits) { return kSpread.v[bits & 255]; }
 
-void decode_q5_1(const uint8_t* s, Column& col) {
-  const uint32_t qh = load32(s + 4);
-  const uint8_t* qs = s + 8;
-  for (int k = 0; k < 16; ++k) {
-    col.q[k] = (qs[k] & 15) | (((qh >> k) & 1) << 4);
-    col.q[16 + k] = (qs[k] >> 4) | (((qh >> (16 + k)) & 1) << 4);
+// Q5_0 / Q5_1: qh bit k is bit 4 of code k; qs byte i holds codes i (low) and 16 + i (high)
+inline void q5_codes(const uint8_t* qh_at, const uint8_t* qs, Column& col) {
+  const uint32_t qh = load32(qh_at);
+  for (int h = 0; h < 2; ++h) {
+    const uint64_t v = load64(qs + 8 * h);
+    store64(col.q + 8 * h, (v & kLow4) | (spread8(qh >> (8 * h)) << 4));
+    store64(col.q + 16 + 8 * h, ((v >> 4) & kLow4) | (spread8(qh >> (16 + 8 * h)) << 4));
   }
-  col.f16[0] = s;
-  col.f16[1] = s + 2;
 }
 
 // Q4_K / Q5_K's 12 bytes: 8 six-bit scales and 8 six-bit minimums
@@ -146,138 +165,174 @@ inline void k_scales(const uint8_t* s, Column& col) {
   }
 }
 
-void decode_q4_k(const uint8_t* s, Column& col) {
-  k_scales(s + 4, col);
-  const uint8_t* qs = s + 16;  // 32 bytes hold blocks 2 i (low nibbles) and 2 i + 1 (high)
-  for (int i = 0; i < 4; ++i)
-    for (int k = 0; k < 32; ++k) {
-      col.q[64 * i + k] = qs[32 * i + k] & 15;
-      col.q[64 * i + 32 + k] = qs[32 * i + k] >> 4;
-    }
-  col.f16[0] = s;
-  col.f16[1] = s + 2;
-}
+// one type: its GGUF (super-)block, its kernel layout and its decoder (in SPECS' order)
+template <int SrcBytes, int Blocks, int Bits, bool KScales, bool Halves, bool Mins>
+struct Kind {
+  static constexpr int64_t src_bytes = SrcBytes, blocks = Blocks;
+  static constexpr int bits = Bits;  // as stored: 2- and 3-bit codes ride in the nibbles
+  static constexpr bool kscales = KScales, halves = Halves, mins = Mins;
+  static constexpr int64_t plane_bytes = 32 * (Bits - 4);
+  static constexpr int64_t sc_bytes = KScales ? 8 * (Halves ? 2 : 1) : 16;
+  static constexpr int64_t block_bytes = 128 + plane_bytes + sc_bytes * (Mins ? 2 : 1);
+  static constexpr int64_t header_bytes = KScales ? 16 * (Mins ? 2 : 1) : 0;
+  static constexpr int64_t super_bytes = header_bytes + Blocks * block_bytes;
+};
 
-void decode_q5_k(const uint8_t* s, Column& col) {
-  k_scales(s + 4, col);
-  const uint8_t *qh = s + 16, *qs = s + 48;  // bit b of qh[k]: bit 4 of block b's code k
-  for (int i = 0; i < 4; ++i)
-    for (int k = 0; k < 32; ++k) {
-      col.q[64 * i + k] = (qs[32 * i + k] & 15) | (((qh[k] >> (2 * i)) & 1) << 4);
-      col.q[64 * i + 32 + k] = (qs[32 * i + k] >> 4) | (((qh[k] >> (2 * i + 1)) & 1) << 4);
-    }
-  col.f16[0] = s;
-  col.f16[1] = s + 2;
-}
+struct Q5_0 : Kind<22, 1, 5, false, false, false> {
+  static void decode(const uint8_t* s, Column& col) {
+    q5_codes(s + 2, s + 6, col);
+    col.f16[0] = s;
+  }
+};
 
-void decode_q6_k(const uint8_t* s, Column& col) {
-  const uint8_t *ql = s, *qh = s + 128;
-  for (int h = 0; h < 2; ++h)  // halves of 128: blocks 4 h + p, p = 2 n + l
-    for (int p = 0; p < 4; ++p)
-      for (int k = 0; k < 32; ++k) {
-        const uint8_t low = (ql[64 * h + 32 * (p % 2) + k] >> (4 * (p / 2))) & 15;
-        col.q[32 * (4 * h + p) + k] = low | (((qh[32 * h + k] >> (2 * p)) & 3) << 4);
+struct Q5_1 : Kind<24, 1, 5, false, false, true> {
+  static void decode(const uint8_t* s, Column& col) {
+    q5_codes(s + 4, s + 8, col);
+    col.f16[0] = s;
+    col.f16[1] = s + 2;
+  }
+};
+
+struct Q4_K : Kind<144, 8, 4, true, false, true> {
+  static void decode(const uint8_t* s, Column& col) {
+    k_scales(s + 4, col);
+    const uint8_t* qs = s + 16;  // 32 bytes hold blocks 2 i (low nibbles) and 2 i + 1 (high)
+    for (int i = 0; i < 4; ++i)
+      for (int k = 0; k < 32; k += 8) {
+        const uint64_t v = load64(qs + 32 * i + k);
+        store64(col.q + 64 * i + k, v & kLow4);
+        store64(col.q + 64 * i + 32 + k, (v >> 4) & kLow4);
       }
-  std::memcpy(col.sc, s + 192, 16);
-  col.f16[0] = s + 208;
-}
+    col.f16[0] = s;
+    col.f16[1] = s + 2;
+  }
+};
 
-void decode_q3_k(const uint8_t* s, Column& col) {
-  const uint8_t *hmask = s, *qs = s + 32, *sc = s + 96;
-  for (int h = 0; h < 2; ++h)
-    for (int p = 0; p < 4; ++p) {
-      const int b = 4 * h + p;
-      for (int k = 0; k < 32; ++k)
-        col.q[32 * b + k] = ((qs[32 * h + k] >> (2 * p)) & 3) | (((hmask[k] >> b) & 1) << 2);
+struct Q5_K : Kind<176, 8, 5, true, false, true> {
+  static void decode(const uint8_t* s, Column& col) {
+    k_scales(s + 4, col);
+    const uint8_t *qh = s + 16, *qs = s + 48;  // bit b of qh[k]: bit 4 of block b's code k
+    for (int i = 0; i < 4; ++i)
+      for (int k = 0; k < 32; k += 8) {
+        const uint64_t v = load64(qs + 32 * i + k), h = load64(qh + k);
+        store64(col.q + 64 * i + k, (v & kLow4) | (((h >> (2 * i)) & kBit0) << 4));
+        store64(col.q + 64 * i + 32 + k, ((v >> 4) & kLow4) | (((h >> (2 * i + 1)) & kBit0) << 4));
+      }
+    col.f16[0] = s;
+    col.f16[1] = s + 2;
+  }
+};
+
+struct Q6_K : Kind<210, 8, 6, true, true, false> {
+  static void decode(const uint8_t* s, Column& col) {
+    const uint8_t *ql = s, *qh = s + 128;
+    for (int h = 0; h < 2; ++h)  // halves of 128 weights: blocks 4 h + p
+      for (int p = 0; p < 4; ++p)
+        for (int k = 0; k < 32; k += 8) {
+          const uint64_t low = (load64(ql + 64 * h + 32 * (p % 2) + k) >> (4 * (p / 2))) & kLow4;
+          const uint64_t high = (load64(qh + 32 * h + k) >> (2 * p)) & kLow2;
+          store64(col.q + 32 * (4 * h + p) + k, low | (high << 4));
+        }
+    std::memcpy(col.sc, s + 192, 16);
+    col.f16[0] = s + 208;
+  }
+};
+
+struct Q3_K : Kind<110, 8, 4, true, true, false> {
+  static void decode(const uint8_t* s, Column& col) {
+    const uint8_t *hmask = s, *qs = s + 32, *sc = s + 96;
+    for (int h = 0; h < 2; ++h)
+      for (int p = 0; p < 4; ++p)
+        for (int k = 0; k < 32; k += 8) {
+          const int b = 4 * h + p;
+          const uint64_t low = (load64(qs + 32 * h + k) >> (2 * p)) & kLow2;
+          store64(col.q + 32 * b + k, low | (((load64(hmask + k) >> b) & kBit0) << 2));
+        }
+    for (int i = 0; i < 16; ++i) {  // 4 low bits of 16 scales, then their 2 high bits
+      const int low = i < 8 ? sc[i] & 15 : sc[i - 8] >> 4;
+      const int high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+      col.sc[i] = static_cast<int8_t>((low | (high << 4)) - 32);
     }
-  for (int i = 0; i < 16; ++i) {
-    const int low = i < 8 ? sc[i] & 15 : sc[i - 8] >> 4;
-    const int high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
-    col.sc[i] = static_cast<int8_t>((low | (high << 4)) - 32);
+    col.f16[0] = s + 108;
   }
-  col.f16[0] = s + 108;
-}
+};
 
-void decode_q2_k(const uint8_t* s, Column& col) {
-  const uint8_t* qs = s + 16;
-  for (int h = 0; h < 2; ++h)
-    for (int p = 0; p < 4; ++p)
-      for (int k = 0; k < 32; ++k) col.q[32 * (4 * h + p) + k] = (qs[32 * h + k] >> (2 * p)) & 3;
-  for (int i = 0; i < 16; ++i) {
-    col.sc[i] = s[i] & 15;
-    col.mn[i] = s[i] >> 4;
+struct Q2_K : Kind<84, 8, 4, true, true, true> {
+  static void decode(const uint8_t* s, Column& col) {
+    const uint8_t* qs = s + 16;
+    for (int h = 0; h < 2; ++h)
+      for (int p = 0; p < 4; ++p)
+        for (int k = 0; k < 32; k += 8)
+          store64(col.q + 32 * (4 * h + p) + k, (load64(qs + 32 * h + k) >> (2 * p)) & kLow2);
+    for (int i = 0; i < 16; ++i) {
+      col.sc[i] = s[i] & 15;
+      col.mn[i] = s[i] >> 4;
+    }
+    col.f16[0] = s + 80;
+    col.f16[1] = s + 82;
   }
-  col.f16[0] = s + 80;
-  col.f16[1] = s + 82;
-}
+};
 
-// in the order of models/gguf_blocks.py's SPECS (bits: 2- and 3-bit codes ride in nibbles)
-constexpr BlockType kQ5_0{22, 1, 5, false, false, false, decode_q5_0};
-constexpr BlockType kQ5_1{24, 1, 5, false, false, true, decode_q5_1};
-constexpr BlockType kQ4_K{144, 8, 4, true, false, true, decode_q4_k};
-constexpr BlockType kQ5_K{176, 8, 5, true, false, true, decode_q5_k};
-constexpr BlockType kQ6_K{210, 8, 6, true, true, false, decode_q6_k};
-constexpr BlockType kQ3_K{110, 8, 4, true, true, false, decode_q3_k};
-constexpr BlockType kQ2_K{84, 8, 4, true, true, true, decode_q2_k};
-
-// column c's 32 codes `q` into a kernel block `p` (nibbles, then the bit planes of 5 / 6 bits)
+// column c's 32 codes `q` into a kernel block `p`: in chunk j, byte 4 c + t holds codes
+// 4 j + t (low nibble) and 16 + 4 j + t (high); 5 / 6 bits: their top bits in the planes
 template <int Bits>
 inline void put_codes(const uint8_t* q, int64_t c, uint8_t* p) {
-  for (int t = 0; t < 4; ++t) {
-    uint8_t plane_lo = 0, plane_hi = 0;
-    for (int j = 0; j < 4; ++j) {
-      const uint8_t lo = q[4 * j + t], hi = q[16 + 4 * j + t];
-      p[32 * j + 4 * c + t] = (lo & 15) | ((hi & 15) << 4);
-      if constexpr (Bits == 5) plane_lo |= (((lo >> 4) & 1) << j) | (((hi >> 4) & 1) << (4 + j));
-      if constexpr (Bits == 6) {
-        plane_lo |= ((lo >> 4) & 3) << (2 * j);
-        plane_hi |= ((hi >> 4) & 3) << (2 * j);
-      }
+  constexpr uint32_t low4 = 0x0F0F0F0F, bit0 = 0x01010101, low2 = 0x03030303;
+  uint32_t plane_lo = 0, plane_hi = 0;
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t lo = load32(q + 4 * j), hi = load32(q + 16 + 4 * j);
+    store32(p + 32 * j + 4 * c, (lo & low4) | ((hi & low4) << 4));
+    if constexpr (Bits == 5) plane_lo |= (((lo >> 4) & bit0) << j) | (((hi >> 4) & bit0) << (4 + j));
+    if constexpr (Bits == 6) {
+      plane_lo |= ((lo >> 4) & low2) << (2 * j);
+      plane_hi |= ((hi >> 4) & low2) << (2 * j);
     }
-    if constexpr (Bits >= 5) p[128 + 4 * c + t] = plane_lo;
-    if constexpr (Bits == 6) p[160 + 4 * c + t] = plane_hi;
+  }
+  if constexpr (Bits >= 5) store32(p + 128 + 4 * c, plane_lo);
+  if constexpr (Bits == 6) store32(p + 160 + 4 * c, plane_hi);
+}
+
+// column c's decoded (super-)block into the group's kernel (super-)block at `base`
+template <class K>
+inline void put_column(const Column& col, int64_t c, uint8_t* base) {
+  if constexpr (K::kscales) {  // the header: D of the 8 columns, then Dmin
+    std::memcpy(base + 2 * c, col.f16[0], 2);
+    if constexpr (K::mins) std::memcpy(base + 16 + 2 * c, col.f16[1], 2);
+  }
+  for (int64_t b = 0; b < K::blocks; ++b) {
+    uint8_t* p = base + K::header_bytes + b * K::block_bytes;
+    put_codes<K::bits>(col.q + kBlock * b, c, p);
+    uint8_t* t = p + 128 + K::plane_bytes;
+    if constexpr (!K::kscales) {  // d, then m, as 8 float16
+      std::memcpy(t + 2 * c, col.f16[0], 2);
+      if constexpr (K::mins) std::memcpy(t + 16 + 2 * c, col.f16[1], 2);
+    } else if constexpr (K::halves) {  // the first halves' 8 scales, the second's, then mins
+      t[c] = col.sc[2 * b];
+      t[8 + c] = col.sc[2 * b + 1];
+      if constexpr (K::mins) {
+        t[16 + c] = col.mn[2 * b];
+        t[24 + c] = col.mn[2 * b + 1];
+      }
+    } else {
+      t[c] = col.sc[b];
+      if constexpr (K::mins) t[8 + c] = col.mn[b];
+    }
   }
 }
 
-template <int Bits>
-void pack_block_group(const BlockType& s, const uint8_t* raw, int64_t pitch, int64_t rows,
-                      int64_t nsb, int64_t g, uint8_t* out) {
+template <class K>
+void pack_block_group(const uint8_t* raw, int64_t pitch, int64_t rows, int64_t nsb, int64_t g,
+                      uint8_t* out) {
   const int64_t columns = std::min<int64_t>(8, rows - 8 * g);
-  const int64_t super = s.super_bytes(), block = s.block_bytes(), head = s.header_bytes();
-  const int64_t at_sc = 128 + s.plane_bytes(), n_sc = s.sc_bytes();
-  uint8_t* dst = out + g * nsb * super;
-  if (columns < 8) std::memset(dst, 0, nsb * super);
+  uint8_t* dst = out + g * nsb * K::super_bytes;
+  const uint8_t* src = raw + 8 * g * pitch;
+  if (columns < 8) std::memset(dst, 0, nsb * K::super_bytes);  // zero columns past the rows
   Column col;
-  for (int64_t c = 0; c < columns; ++c) {
-    const uint8_t* src = raw + (8 * g + c) * pitch;
-    for (int64_t sb = 0; sb < nsb; ++sb, src += s.src_bytes) {
-      s.decode(src, col);
-      uint8_t* base = dst + sb * super;
-      if (s.kscales) {  // header: D of the 8 columns, then Dmin
-        std::memcpy(base + 2 * c, col.f16[0], 2);
-        if (s.mins) std::memcpy(base + 16 + 2 * c, col.f16[1], 2);
-      }
-      for (int64_t b = 0; b < s.blocks; ++b) {
-        uint8_t* p = base + head + b * block;
-        put_codes<Bits>(col.q + kBlock * b, c, p);
-        uint8_t* t = p + at_sc;
-        if (!s.kscales) {  // d, then m, as 8 float16
-          std::memcpy(t + 2 * c, col.f16[0], 2);
-          if (s.mins) std::memcpy(t + 16 + 2 * c, col.f16[1], 2);
-        } else if (s.halves) {  // the first halves' 8 scales, the second halves', then mins
-          t[c] = col.sc[2 * b];
-          t[8 + c] = col.sc[2 * b + 1];
-          if (s.mins) {
-            t[16 + c] = col.mn[2 * b];
-            t[24 + c] = col.mn[2 * b + 1];
-          }
-        } else {
-          t[c] = col.sc[b];
-          if (s.mins) t[n_sc + c] = col.mn[b];
-        }
-      }
+  for (int64_t sb = 0; sb < nsb; ++sb)  // the output in order, the 8 rows' blocks side by side
+    for (int64_t c = 0; c < columns; ++c) {
+      K::decode(src + c * pitch + sb * K::src_bytes, col);
+      put_column<K>(col, c, dst + sb * K::super_bytes);
     }
-  }
 }
 
 // groups of 8 rows per task: about 64 KiB of input each
@@ -299,48 +354,44 @@ at::Tensor check_raw(const at::Tensor& raw, const std::string& type, int64_t row
   return raw;
 }
 
-at::Tensor pack_simple(const SimpleType& s, const at::Tensor& raw, const std::string& type,
-                       int64_t rows, int64_t cols) {
-  check_raw(raw, type, rows, cols, kBlock, s.src_bytes);
+template <class S>
+at::Tensor pack_simple(const at::Tensor& raw, const std::string& type, int64_t rows, int64_t cols) {
+  check_raw(raw, type, rows, cols, kBlock, S::src_bytes);
   const int64_t nb = cols / kBlock, G = (rows + 7) / 8, pitch = raw.stride(0);
-  at::Tensor out = at::empty({G, nb, s.out_bytes}, raw.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty({G, nb, S::out_bytes}, raw.options());
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, G, grain(raw.size(1)), [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) pack_simple_group(s, rp, pitch, rows, nb, g, op);
+    for (int64_t g = g0; g < g1; ++g) pack_simple_group<S>(rp, pitch, rows, nb, g, op);
   });
   return out;
 }
 
-at::Tensor pack_blocks(const BlockType& s, const at::Tensor& raw, const std::string& type,
-                       int64_t rows, int64_t cols) {
-  check_raw(raw, type, rows, cols, kBlock * s.blocks, s.src_bytes);
-  const int64_t nsb = cols / (kBlock * s.blocks), G = (rows + 7) / 8, pitch = raw.stride(0);
-  at::Tensor out = at::empty({G, nsb, s.super_bytes()}, raw.options().memory_format(at::MemoryFormat::Contiguous));
+template <class K>
+at::Tensor pack_blocks(const at::Tensor& raw, const std::string& type, int64_t rows, int64_t cols) {
+  check_raw(raw, type, rows, cols, kBlock * K::blocks, K::src_bytes);
+  const int64_t nsb = cols / (kBlock * K::blocks), G = (rows + 7) / 8, pitch = raw.stride(0);
+  at::Tensor out = at::empty({G, nsb, K::super_bytes}, raw.options());
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, G, grain(raw.size(1)), [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      if (s.bits == 4) pack_block_group<4>(s, rp, pitch, rows, nsb, g, op);
-      else if (s.bits == 5) pack_block_group<5>(s, rp, pitch, rows, nsb, g, op);
-      else pack_block_group<6>(s, rp, pitch, rows, nsb, g, op);
-    }
+    for (int64_t g = g0; g < g1; ++g) pack_block_group<K>(rp, pitch, rows, nsb, g, op);
   });
   return out;
 }
 
 at::Tensor gguf_pack(const at::Tensor& raw, c10::string_view gguf_type, int64_t rows, int64_t cols) {
   const std::string type(gguf_type);
-  if (type == "Q4_0") return pack_simple(kQ4_0, raw, type, rows, cols);
-  if (type == "Q4_1") return pack_simple(kQ4_1, raw, type, rows, cols);
-  if (type == "Q8_0") return pack_simple(kQ8_0, raw, type, rows, cols);
-  if (type == "Q5_0") return pack_blocks(kQ5_0, raw, type, rows, cols);
-  if (type == "Q5_1") return pack_blocks(kQ5_1, raw, type, rows, cols);
-  if (type == "Q4_K") return pack_blocks(kQ4_K, raw, type, rows, cols);
-  if (type == "Q5_K") return pack_blocks(kQ5_K, raw, type, rows, cols);
-  if (type == "Q6_K") return pack_blocks(kQ6_K, raw, type, rows, cols);
-  if (type == "Q3_K") return pack_blocks(kQ3_K, raw, type, rows, cols);
-  if (type == "Q2_K") return pack_blocks(kQ2_K, raw, type, rows, cols);
+  if (type == "Q4_0") return pack_simple<Q4_0>(raw, type, rows, cols);
+  if (type == "Q4_1") return pack_simple<Q4_1>(raw, type, rows, cols);
+  if (type == "Q8_0") return pack_simple<Q8_0>(raw, type, rows, cols);
+  if (type == "Q5_0") return pack_blocks<Q5_0>(raw, type, rows, cols);
+  if (type == "Q5_1") return pack_blocks<Q5_1>(raw, type, rows, cols);
+  if (type == "Q4_K") return pack_blocks<Q4_K>(raw, type, rows, cols);
+  if (type == "Q5_K") return pack_blocks<Q5_K>(raw, type, rows, cols);
+  if (type == "Q6_K") return pack_blocks<Q6_K>(raw, type, rows, cols);
+  if (type == "Q3_K") return pack_blocks<Q3_K>(raw, type, rows, cols);
+  if (type == "Q2_K") return pack_blocks<Q2_K>(raw, type, rows, cols);
   TORCH_CHECK(false, "gguf_pack: no packed layout for GGUF type '", type, "'");
 }
 
