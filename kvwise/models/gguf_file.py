@@ -155,8 +155,8 @@ class GGUFFile(gguf.GGUFReader):
             raise ValueError(f"{where}: its {n_bytes} bytes at {start} run past the end")
         np_dims = tuple(reversed(dims))  # numpy order: outermost first
         dtype = _NATIVE.get(ggml_type, np.uint8)
-        if dtype is np.uint8:
-            np_dims = quant_shape_to_byte_shape(np_dims, ggml_type)
+        if dtype is np.uint8:  # (rows..., bytes a row); a 0-dim tensor: its bytes
+            np_dims = quant_shape_to_byte_shape(np_dims, ggml_type) if np_dims else (n_bytes,)
         data = self.data[start : start + n_bytes].view(dtype).reshape(np_dims)
         return gguf.ReaderTensor(
             name=name,
