@@ -290,19 +290,22 @@ class GGUFWeightLoader:
         self.bytes[gguf_type, how] += nbytes
 
     def _build_fused(self, layer: int, target: str, parts: list[tuple]) -> None:
-        types = {t for _, t, _ in parts}
-        if len(types) == 1 and all(shape[0] % 8 == 0 for _, _, shape in parts):
-            gguf_type = types.pop()
-            raw = np.concatenate([np.asarray(r) for r, _, _ in parts])
-            shape = (sum(s[0] for _, _, s in parts), parts[0][2][1])
-            weight = build_weight(raw, gguf_type, shape)
-            self.bytes[gguf_type, runs_as(gguf_type)] += weight.nbytes
-        else:
-            built = []
-            for raw, gguf_type, shape in parts:
-                built.append(build_weight(raw, gguf_type, shape))
-                self.bytes[gguf_type, runs_as(gguf_type)] += built[-1].nbytes
-            weight = ConcatWeight(built)
+        """One weight of the parts; runs of neighbouring parts of one type packed as one."""
+        runs: list[list[tuple]] = []
+        for part in parts:
+            same = runs and runs[-1][-1][1] == part[1] and runs[-1][-1][2][0] % 8 == 0
+            if same:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        built = []
+        for run in runs:
+            gguf_type = run[0][1]
+            raw = run[0][0] if len(run) == 1 else np.concatenate([np.asarray(r) for r, _, _ in run])
+            shape = (sum(s[0] for _, _, s in run), run[0][2][1])
+            built.append(build_weight(raw, gguf_type, shape))
+            self.bytes[gguf_type, runs_as(gguf_type)] += built[-1].nbytes
+        weight = built[0] if len(built) == 1 else ConcatWeight(built)
         self.layers[layer][target] = weight
         if len(self.layers[layer]) == len(self.family.linear_parts):
             self.model.layers[layer].install_quantized(self.layers.pop(layer))

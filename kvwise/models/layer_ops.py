@@ -208,8 +208,38 @@ class Int8FusedOps(_FusedLayerOps):
         residual.add_(self.down.mm(gate))  # (T, hidden)
 
 
+class BlockFusedOps(_FusedLayerOps):
+    """Weights of other block formats (a GGUF file's own types: ``Q8Weight``,
+    ``gguf_blocks.BlockWeight``, their mixes), float32 in and out: kvwise's float32 norm,
+    q/k/v and SiLU ops around the weights' own matmuls."""
+
+    @staticmethod
+    def applies(layer: DecoderLayer) -> bool:
+        weights = _FusedLayerOps._quantized(layer)
+        return weights is not None and not any(isinstance(w, Int8Weight) for w in weights)
+
+    def __init__(self, layer: DecoderLayer) -> None:
+        super().__init__(layer)
+        self.qkv, self.o, self.gate_up, self.down = (layer.quant[n] for n in LINEAR_NAMES)
+        self._rms_norm, self._silu_mul = FUSED.rms_norm_f32, FUSED.silu_mul_f32
+
+    def norm_qkv(self, residual: torch.Tensor) -> torch.Tensor:
+        return self.qkv.mm(self._rms_norm(residual, self.input_norm, self.eps))  # float32
+
+    def o_proj(self, out: torch.Tensor) -> torch.Tensor:
+        o = self.o.mm(out.contiguous())  # (T, hidden)
+        if self.o_bias is not None:
+            o.add_(self.o_bias)
+        return o
+
+    def add_mlp(self, residual: torch.Tensor, o: torch.Tensor) -> None:
+        residual.add_(o)
+        gate = self._silu_mul(self.gate_up.mm(self._rms_norm(residual, self.mlp_norm, self.eps)))
+        residual.add_(self.down.mm(gate))  # (T, hidden)
+
+
 # what each ``ops`` value may choose, fastest first; None: the fastest of all that applies
-_CHOICES = {"fused": (Int4FusedOps, Int8FusedOps), "torch": (TorchLayerOps,)}
+_CHOICES = {"fused": (Int4FusedOps, Int8FusedOps, BlockFusedOps), "torch": (TorchLayerOps,)}
 OPS = tuple(_CHOICES)
 
 

@@ -754,6 +754,8 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def("top_k_ids(Tensor x, int k) -> Tensor");
   m.def("greedy_pick(Tensor logits) -> (Tensor, Tensor)");
   m.def("rms_norm_q4mm(Tensor x, Tensor weight, float eps, Tensor packed) -> Tensor");
+  m.def("rms_norm_f32(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul_f32(Tensor gate_up) -> Tensor");
   m.def(
       "mlp_q4(Tensor(a!) residual, Tensor o, Tensor weight, float eps, Tensor gu_packed, "
       "Tensor down_packed) -> ()");
@@ -770,5 +772,7 @@ TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
   m.impl("top_k_ids", &top_k_ids);
   m.impl("greedy_pick", &greedy_pick);
   m.impl("rms_norm_q4mm", &rms_norm_q4mm);
+  m.impl("rms_norm_f32", &rms_norm_f32);
+  m.impl("silu_mul_f32", &silu_mul_f32);
   m.impl("mlp_q4", &mlp_q4);
 }
