@@ -28,7 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwise.perf.sizing import KVShape, report, shape_from_model
+    from kvwise.perf.sizing import KVShape, gguf_weight_report, report, shape_from_model
     from kvwise.utils import parse_bytes
 
     flags = (args.layers, args.heads, args.head_dim)
@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         shape, name = shape_from_model(args.model, args.dtype)
         print(f"model: {name}")
+        weights = gguf_weight_report(args.model)
+        if weights is not None:
+            print('weights as quantization="auto" holds them:')
+            print(weights + "\n")
     memory = parse_bytes(args.memory, "memory") if args.memory else None
     print(report(shape, args.tokens, args.batch, memory))
     return 0

@@ -35,14 +35,13 @@ import torch
 from gguf.quants import dequantize
 
 from kvwise.models.gguf_blocks import SPECS, BlockWeight
+from kvwise.models.gguf_types import FLOATS as _FLOATS
+from kvwise.models.gguf_types import runs_as
 from kvwise.models.gguf_weights import hf_name, unpermute_rope_rows
 from kvwise.models.linear import float_mm
 from kvwise.models.quant import QK, Int4Weight, Q8Weight, q4_groups
 
 logger = logging.getLogger("kvwise")
-_FLOATS = ("F32", "F16", "BF16")
-_REFUSED = ("F64", "I8", "I16", "I32", "I64")
-_Q8_BITS = 8.5  # bits a weight of int8 blocks of 32 with a float16 scale
 
 
 @dataclass(frozen=True)
@@ -90,31 +89,6 @@ class ConcatWeight:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
-
-
-def bits_per_weight(gguf_type: str) -> float:
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]]
-    return 8 * size / block
-
-
-def runs_as(gguf_type: str, head: bool = False) -> str:
-    """What a tensor of ``gguf_type`` runs as (see the module docstring).
-
-    Raises:
-        ValueError: an integer or float64 tensor (no format here holds it without loss).
-    """
-    if gguf_type in _REFUSED:
-        raise ValueError(
-            f"weights: {gguf_type} tensors are not supported (float64 would run "
-            f"below its precision, integers are no weights); convert the file to F32"
-        )
-    if gguf_type in _FLOATS:
-        return "float32 (exact)"
-    if gguf_type in ("Q4_0", "Q4_1"):
-        return "Q8_0 (converted)" if head else "int4 (exact)"
-    if gguf_type == "Q8_0" or gguf_type in SPECS:
-        return f"{gguf_type} (exact)"
-    return "Q8_0 (converted)" if bits_per_weight(gguf_type) < _Q8_BITS else "float32 (converted)"
 
 
 def q8_groups(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -210,3 +210,28 @@ def format_table(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int 
             row += f" {int(memory_bytes // b):,} |"
         lines.append(row)
     return "\n".join(lines)
+
+
+def gguf_weight_report(path: str | Path | None) -> str | None:
+    """The weights of a GGUF (None: the default model) as ``quantization="auto"`` holds them,
+    per tensor type (``models/gguf_types.py``): a Markdown table; None for a non-GGUF model."""
+    from kvwise.models.gguf_file import GGUFFile
+    from kvwise.models.gguf_types import resident_bytes
+
+    p = _model_file(path)
+    if p.suffix != ".gguf":
+        return None
+    reader = GGUFFile(p)
+    names = {t.name for t in reader.tensors}
+    infos = [(t.name, t.tensor_type.name, int(t.n_elements)) for t in reader.tensors]
+    files: dict[str, int] = {}
+    for t in reader.tensors:
+        files[t.tensor_type.name] = files.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    held = resident_bytes(infos, tied="output.weight" not in names)
+    lines = ["| GGUF type | in the file | runs as | resident |", "|---|---:|---|---:|"]
+    for (kind, how), size in sorted(held.items()):
+        lines.append(f"| {kind} | {files[kind] / 1e9:.3f} GB | {how} | {size / 1e9:.3f} GB |")
+    total_file, total = sum(files.values()), sum(held.values())
+    lines.append(f"| all | {total_file / 1e9:.3f} GB | | {total / 1e9:.3f} GB "
+                 f"({total / total_file:.2f}x) |")  # fmt: skip
+    return "\n".join(lines)

@@ -17,7 +17,7 @@ from gguf.quants import dequantize
 
 from kvwise import kernels
 from kvwise.models.gguf_blocks import SPECS, BlockWeight, _code_planes, decode, pack
-from kvwise.models.gguf_load import bits_per_weight, runs_as
+from kvwise.models.gguf_types import bits_per_weight, runs_as
 from kvwise.models.quant import quantize_activations
 from tests.gguf_blocks_util import random_blocks
 
