@@ -341,18 +341,17 @@ inline int64_t grain(int64_t row_bytes) {
   return std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, 8 * row_bytes));
 }
 
-at::Tensor check_raw(const at::Tensor& raw, const std::string& type, int64_t rows, int64_t cols,
-                     int64_t per, int64_t bytes) {
+void check_raw(const at::Tensor& raw, const std::string& type, int64_t rows, int64_t cols,
+               int64_t per, int64_t bytes) {
   TORCH_CHECK(rows > 0 && cols > 0 && cols % per == 0, "gguf_pack: a ", type, " row of ", cols,
               " weights is not whole blocks of ", per);
   const int64_t row_bytes = cols / per * bytes;
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.size(0) == rows &&
-                  raw.size(1) == row_bytes && raw.stride(1) == 1 && raw.stride(0) >= row_bytes &&
+                  raw.size(1) == row_bytes && raw.stride(1) == 1 && (rows == 1 || raw.stride(0) >= row_bytes) &&
                   raw.device().is_cpu(),
               "gguf_pack: raw must be CPU uint8 (", rows, ", ", row_bytes, ") with contiguous ",
               "rows for a ", type, " tensor of (", rows, ", ", cols, "), got ", raw.sizes(),
               " strides ", raw.strides());
-  return raw;
 }
 
 template <class S>
