@@ -35,6 +35,7 @@ import torch
 from gguf.quants import dequantize
 
 from kvwise.models.gguf_blocks import SPECS, BlockWeight
+from kvwise.models.gguf_pack import fast_pack
 from kvwise.models.gguf_types import FLOATS as _FLOATS
 from kvwise.models.gguf_types import runs_as
 from kvwise.models.gguf_weights import hf_name, unpermute_rope_rows
@@ -103,7 +104,16 @@ def q8_groups(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, to
 def build_weight(raw: np.ndarray, gguf_type: str, shape: tuple[int, int], head: bool = False):
     """The run-time weight of one `(out, in)` tensor's raw data (rows in HF order)."""
     how = runs_as(gguf_type, head)
-    if gguf_type in ("Q4_0", "Q4_1") and not head:
+    exact_int4 = gguf_type in ("Q4_0", "Q4_1") and not head
+    if exact_int4 or gguf_type == "Q8_0" or gguf_type in SPECS:
+        packed = fast_pack(raw, gguf_type, shape)  # one C++ pass, where the kernels are built
+        if packed is not None:
+            if exact_int4:
+                return Int4Weight.from_packed(packed, *shape)
+            if gguf_type == "Q8_0":
+                return Q8Weight.from_packed(packed, *shape)
+            return BlockWeight(SPECS[gguf_type], packed, *shape)
+    if exact_int4:
         return Int4Weight(*q4_groups(raw, gguf_type, shape))
     if gguf_type == "Q8_0":
         return Q8Weight(*q8_groups(raw, shape))

@@ -70,6 +70,13 @@ class Int4Weight:
         self.packed = torch.cat((code_bytes, *halves), dim=-1).contiguous()
 
     @classmethod
+    def from_packed(cls, packed: torch.Tensor, out_features: int, in_features: int) -> Int4Weight:
+        """A weight of packed groups made already (``models/gguf_pack.py``)."""
+        weight = cls.__new__(cls)
+        weight.packed, weight.out_features, weight.in_features = packed, out_features, in_features
+        return weight
+
+    @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weight:
         """Asymmetric min/max quantization of a float `(out, in)` weight, blocks of 32."""
         out_features, in_features = weight.shape
