@@ -197,6 +197,7 @@ class GGUFWeightLoader:
                 for part in parts:
                     self.part_of[f"{self.family.layer_prefix}{i}.{part}"] = (i, target)
         self.pending: dict[tuple[int, str], dict[str, tuple]] = defaultdict(dict)
+        self.mapped: dict[tuple[int, str], list] = defaultdict(list)  # their tensors
         self.layers: dict[int, dict] = defaultdict(dict)
         self.rest: list[tuple[str, torch.Tensor]] = []
         self.heads: dict[str, object] = {}
@@ -242,6 +243,7 @@ class GGUFWeightLoader:
         if name in self.part_of and shape is not None:
             layer, target = self.part_of[name]
             self.pending[layer, target][name] = (self._raw(name, tensor), gguf_type, shape)
+            self.mapped[layer, target].append(tensor)
             self._count(gguf_type, runs_as(gguf_type))
             parts = family.linear_parts[target]
             waiting = self.pending[layer, target]
@@ -249,6 +251,8 @@ class GGUFWeightLoader:
                 prefix = f"{family.layer_prefix}{layer}."
                 self._build_fused(layer, target, [waiting.pop(prefix + p) for p in parts])
                 del self.pending[layer, target]
+                for part in self.mapped.pop((layer, target)):  # read again while building
+                    _release(self.reader, part)
         elif name in (family.embed_name, family.lm_head_name) and gguf_type not in _FLOATS:
             tied = self.arch.tie_word_embeddings
             if name == family.lm_head_name and tied:
