@@ -144,14 +144,15 @@ class Tokenizer:
         """Build the tokenizer a GGUF file describes.
 
         Args:
-            source: a path, or an open `gguf.GGUFReader` (opening one parses all metadata: ~3 s
-                for a 49k vocabulary, ~14 s for Gemma's 262k, ~4 s with
-                `kvwise.models.gguf_weights.open_gguf`; a caller that also loads weights shares
-                the one it opened). Building Gemma's SentencePiece backend takes ~5 s more.
+            source: a path (opened with kvwise's own reader, ``models/gguf_file.py``: ms), or
+                an open `gguf.GGUFReader` (a caller that also loads weights shares the one it
+                opened). Building Gemma's SentencePiece backend takes ~4 s.
         """
         import gguf
 
-        reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(source)
+        from kvwise.models.gguf_file import GGUFFile
+
+        reader = source if isinstance(source, gguf.GGUFReader) else GGUFFile(source)
         spec = read_gguf_tokenizer(reader)
         return cls(
             spec.backend,
