@@ -292,12 +292,21 @@ class BlockWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape) as float32 `(*ids.shape, in)`, exact."""
         flat = ids.reshape(-1)
+        if kernels.available():
+            rows = torch.ops.kvwise.qk_rows(self.packed, flat.contiguous(), self.spec.kind)
+            return rows.reshape(*ids.shape, self.in_features)
         groups, at = torch.unique(flat // 8, return_inverse=True)
         decoded = unpack(self.spec, self.packed[groups]).view(len(groups), 8, self.in_features)
         return decoded[at, flat % 8].reshape(*ids.shape, self.in_features)
 
     def dot_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`x` `(N, in)`, `ids` `(N, k)` -> `(N, k)` float32: x[n] . row ids[n][i]."""
+        if kernels.available():
+            n, k = ids.shape
+            h = x.float()[:, None, :].expand(n, k, self.in_features).reshape(n * k, -1)
+            flat = ids.reshape(-1).contiguous()
+            dots = torch.ops.kvwise.qk_rows_dot(h.contiguous(), self.packed, flat, self.spec.kind)
+            return dots.reshape(n, k)
         return torch.einsum("nkh,nh->nk", self.rows(ids), x.float())
 
     @property

@@ -109,3 +109,16 @@ def test_no_type_runs_below_its_files_precision():
                 continue
             assert kind == "(converted)", how
             assert formats[fmt] >= bits_per_weight(name), (name, how)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dot_rows_are_float32_dots_of_the_exact_rows(name):
+    rng = np.random.default_rng(11)
+    raw = random_blocks(name, 30, 512, rng)
+    weight = BlockWeight.from_gguf(raw, name, (30, 512))
+    dense = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(30, 512))
+    x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32))
+    ids = torch.tensor([[0, 29, 7, 7], [1, 2, 3, 4], [28, 0, 15, 16]])
+    want = torch.einsum("nkh,nh->nk", dense[ids].double(), x.double())
+    got = weight.dot_rows(x, ids)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)

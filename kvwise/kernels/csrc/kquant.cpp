@@ -491,15 +491,106 @@ at::Tensor qk_pack(const at::Tensor& codes, int64_t bits, const at::Tensor& tail
   return out;
 }
 
+// weight k of column c of a block as float32 (the formula `unpack` in gguf_blocks.py computes,
+// in the same order: exact products of float16s and small integers, then the minimum)
+template <class L>
+inline float weight_at(const uint8_t* head, const uint8_t* p, int c, int k) {
+  const float q = static_cast<float>(code_at<L>(p, c, k) - L::offset);
+  const uint8_t* sc = p + 128 + L::plane_bytes;
+  if constexpr (L::kscales) {
+    const auto* v = reinterpret_cast<const int8_t*>(sc);
+    const int n = L::halves ? 16 : 8, at = L::halves ? 8 * (k >= 16) + c : c;
+    float w = half_at(head, c) * static_cast<float>(v[at]) * q;
+    if constexpr (L::mins) w -= half_at(head + 16, c) * static_cast<float>(v[n + at]);
+    return w;
+  } else {
+    float w = half_at(sc, c) * q;
+    if constexpr (L::mins) w += half_at(sc + 16, c);
+    return w;
+  }
+}
+
+// rows ids (n) of a packed weight as float32 (n, K), exact; with `h` (n, K) given instead, the
+// dot products h[i] . row ids[i] (n) in float32 (the LM head's refinement, the embedding)
+template <class L>
+at::Tensor qk_rows_impl(const at::Tensor& packed, const at::Tensor& ids, const at::Tensor* h) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == L::super_bytes, "qk_rows: packed has another layout");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "qk_rows: ids must be contiguous int64 (n,)");
+  const int64_t n = ids.size(0), nb = packed.size(1) * L::blocks, K = nb * kQ4Block;
+  const int64_t gb = packed.size(1) * L::super_bytes, rows = packed.size(0) * 8;
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "qk_rows: id ", ip[i], " out of range");
+  at::Tensor out = h ? at::empty({n}, packed.options().dtype(at::kFloat))
+                     : at::empty({n, K}, packed.options().dtype(at::kFloat));
+  if (h) TORCH_CHECK(h->dim() == 2 && h->size(0) == n && h->size(1) == K &&
+                         h->scalar_type() == at::kFloat && h->is_contiguous(),
+                     "qk_rows: h must be contiguous float32 (n, K)");
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const float* hp = h ? h->data_ptr<float>() : nullptr;
+  at::parallel_for(0, n, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* g = wp + (ip[i] / 8) * gb;
+      const int c = static_cast<int>(ip[i] % 8);
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *head = header_at<L>(g, b), *p = block_at<L>(g, b);
+        for (int k = 0; k < 32; ++k) {
+          const float w = weight_at<L>(head, p, c, k);
+          if (hp) acc = std::fma(w, hp[i * K + b * kQ4Block + k], acc);
+          else op[i * K + b * kQ4Block + k] = w;
+        }
+      }
+      if (hp) op[i] = acc;
+    }
+  });
+  return out;
+}
+
+template <class L>
+at::Tensor qk_rows_kind(const at::Tensor& packed, const at::Tensor& ids, const at::Tensor* h) {
+  return qk_rows_impl<L>(packed, ids, h);
+}
+
+at::Tensor qk_rows_any(const at::Tensor& packed, const at::Tensor& ids, int64_t kind,
+                       const at::Tensor* h) {
+  switch (kind) {
+    case 0: return qk_rows_kind<Q5_0>(packed, ids, h);
+    case 1: return qk_rows_kind<Q5_1>(packed, ids, h);
+    case 2: return qk_rows_kind<Q4_K>(packed, ids, h);
+    case 3: return qk_rows_kind<Q5_K>(packed, ids, h);
+    case 4: return qk_rows_kind<Q6_K>(packed, ids, h);
+    case 5: return qk_rows_kind<Q3_K>(packed, ids, h);
+    case 6: return qk_rows_kind<Q2_K>(packed, ids, h);
+    default: TORCH_CHECK(false, "qk_rows: kind must be 0..6, got ", kind);
+  }
+}
+
+at::Tensor qk_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t kind) {
+  return qk_rows_any(packed, ids, kind, nullptr);
+}
+
+at::Tensor qk_rows_dot(const at::Tensor& h, const at::Tensor& packed, const at::Tensor& ids,
+                       int64_t kind) {
+  return qk_rows_any(packed, ids, kind, &h);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def("qkmm(Tensor x, Tensor packed, int kind) -> Tensor");
   m.def("qk_path(str path='') -> str", &qk_path);
+  m.def("qk_rows(Tensor packed, Tensor ids, int kind) -> Tensor");
+  m.def("qk_rows_dot(Tensor h, Tensor packed, Tensor ids, int kind) -> Tensor");
   m.def("qk_pack(Tensor codes, int bits, Tensor tail, Tensor heads, int blocks_per_super) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
   m.impl("qkmm", &qkmm);
   m.impl("qk_pack", &qk_pack);
+  m.impl("qk_rows", &qk_rows);
+  m.impl("qk_rows_dot", &qk_rows_dot);
 }
