@@ -217,3 +217,20 @@ def test_kvwise_size_predicts_the_resident_weights(arch, tmp_path):
     assert sum(predicted.values()) == loaded.model.weight_bytes()
     held = {(row.gguf_type, row.runs_as): row.resident_bytes for row in loaded.weight_report}
     assert held == dict(predicted)
+
+
+def test_float32_path_is_transformers_on_a_k_quant_file(mixed_file):
+    """``quantization="none"`` on the mixed-type file: the logits and greedy tokens of
+    transformers' own GGUF loader on the same file."""
+    import transformers
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        mixed_file.parent, gguf_file=mixed_file.name, dtype=torch.float32
+    ).eval()
+    ours = load_model(mixed_file, progress=False, quantization="none")
+    ids = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        got = _logits(ours, ids)
+        want = theirs(ids[None]).logits[0].float()
+    assert (got - want).abs().max() / want.abs().max() < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
