@@ -1,9 +1,8 @@
 """A GGUF file's scalar metadata, read with ``struct`` alone: no torch, no numpy, no ``gguf``.
 
-``kvwise size`` needs four numbers of a GGUF (layers, heads, KV heads, head dim). The full
-reader (``kvwise.models.gguf_weights.open_gguf``, then ``ModelArchConfig.from_gguf``) imports
-torch and parses every array: ~4 s on the default model, whose vocabulary and merges are
-~10^5 strings. This one walks the key/value section only, keeps the scalars and strings, and
+``kvwise size`` needs four numbers of a GGUF (layers, heads, KV heads, head dim). The model
+path (``kvwise.models.gguf_weights.open_gguf``, then ``ModelArchConfig.from_gguf``) imports
+torch; ``models/gguf_file.py`` (no torch, ms) could serve too and may replace this. This one walks the key/value section only, keeps the scalars and strings, and
 skips each array by its length (a string array: one length read a string), in ~10 ms.
 
 Contract: ``read_scalars(path)`` returns ``{key: value}`` for every key: its value if a scalar

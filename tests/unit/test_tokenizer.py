@@ -304,6 +304,7 @@ def test_tiny_gguf(tmp_path, pre) -> None:
 
 
 def test_gguf_rejects_unsupported(tmp_path) -> None:
+    """A SentencePiece ("llama") vocabulary without its scores, and an unknown pre-tokenizer."""
     path, _ = _write_gguf(tmp_path / "spm.gguf", "llama", "default")
     with pytest.raises(ValueError, match="^path: GGUF tokenizer model 'llama'"):
         Tokenizer.from_path(path)
