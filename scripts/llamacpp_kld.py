@@ -163,7 +163,7 @@ def check_tokens(candidate: Path, text: str, llama_tokens: list[int]) -> dict:
 
 def run_kvwise(candidate: Path, reference: Path, args, text: Path, num_chunks: int) -> dict:
     """``kvwise eval`` on the same chunks; its JSON record."""
-    from kvwise.bench.evaluate import run
+    from kvwise.bench.eval_job import run
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "eval.json"

@@ -40,6 +40,27 @@ class _Timed:
             self.seconds += time.perf_counter() - t
 
 
+def _result(args, runs: tuple, utilization: list[float], preemptions: int) -> dict:
+    """The JSON record: medians of the per-rep figures, the pool's utilization."""
+    cold, warm, rate_on, rate_off, bookkeeping = runs
+    return {
+        "reps": args.reps,
+        "prefix_len": args.prefix_len,
+        "ttft_cold_s": median(cold),
+        "ttft_cached_s": median(warm),
+        "ttft_speedup": median(cold) / median(warm),
+        "throughput_on": median(rate_on),
+        "throughput_off": median(rate_off),
+        "on_vs_off": median(rate_on) / median(rate_off),
+        "bookkeeping_share": median(bookkeeping),
+        "kv_utilization_mean": sum(utilization) / len(utilization),
+        "kv_utilization_min": min(utilization),
+        "kv_utilization_steps": len(utilization),
+        "preemptions_in_mixed": preemptions,
+        "all": {"cold": cold, "warm": warm, "on": rate_on, "off": rate_off},
+    }
+
+
 def main(args: argparse.Namespace) -> int:
     kw = _engine_kwargs(args)
     loaded = load_for(EngineConfig.from_kwargs(**kw))
@@ -85,22 +106,7 @@ def main(args: argparse.Namespace) -> int:
             on, off, rep, fresh, no_share_params, timers, rate_on, rate_off, bookkeeping
         )
     utilization, preemptions = _utilization(kw, loaded, mixed, mixed_params)
-    result = {
-        "reps": args.reps,
-        "prefix_len": args.prefix_len,
-        "ttft_cold_s": median(cold),
-        "ttft_cached_s": median(warm),
-        "ttft_speedup": median(cold) / median(warm),
-        "throughput_on": median(rate_on),
-        "throughput_off": median(rate_off),
-        "on_vs_off": median(rate_on) / median(rate_off),
-        "bookkeeping_share": median(bookkeeping),
-        "kv_utilization_mean": sum(utilization) / len(utilization),
-        "kv_utilization_min": min(utilization),
-        "kv_utilization_steps": len(utilization),
-        "preemptions_in_mixed": preemptions,
-        "all": {"cold": cold, "warm": warm, "on": rate_on, "off": rate_off},
-    }
+    result = _result(args, (cold, warm, rate_on, rate_off, bookkeeping), utilization, preemptions)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     print(_table(result))

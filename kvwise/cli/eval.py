@@ -1,7 +1,7 @@
 """``kvwise eval``: perplexity, KL divergence and top-1 agreement of a candidate (weights and KV
 format) against a reference (the same file at other settings, or ``--reference-model``: another
 file of the same vocabulary), over windows of a text (sliding, or llama-perplexity's chunks:
-``--windows llama.cpp``) (``kvwise.bench.evaluate``, imported when it runs: it needs torch; its
+``--windows llama.cpp``) (``kvwise.bench.eval_job``, imported when it runs: it needs torch; its
 flags do not)."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _add_window_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwise.bench.evaluate import run as evaluate
+    from kvwise.bench.eval_job import run as evaluate
 
     evaluate(
         args.model,

@@ -21,15 +21,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvwise.bench import eval_job
 from kvwise.bench import evaluate as evaluate_module
 from kvwise.bench.eval_windows import (
+    Corpus,
     llama_cpp_tokens,
     plan_chunks,
     plan_windows,
     token_ids_sha256,
     vocabulary_mismatch,
 )
-from kvwise.bench.evaluate import Corpus, check_comparable, evaluate
+from kvwise.bench.evaluate import check_comparable, evaluate
 from kvwise.cli import main
 from kvwise.engine.builder import tokenizer_for
 from kvwise.models.loader import load_model
@@ -176,7 +178,7 @@ def test_cli_errors_are_clean(tmp_path, capsys, monkeypatch):
         # what load_model says of a quantization it does not support (int8, int4 until built)
         raise ValueError(f"quantization: {quantization!r} is not built yet")
 
-    monkeypatch.setattr(evaluate_module, "load_model", refuse)
+    monkeypatch.setattr(eval_job, "load_model", refuse)
     assert main(["eval", "--quantization", "int8", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--quantization int8" in err and "not built yet" in err and "Traceback" not in err
@@ -334,7 +336,7 @@ def test_other_vocabularies_are_refused(tiny, tmp_path, capsys, other, says):
     assert f"--reference-model {getattr(tiny, other)}" in err and says in err
     assert "same vocabulary" in err and "Traceback" not in err
     with pytest.raises(ValueError, match="--reference-model"):
-        evaluate_module.run(str(tiny.f32), "none", "none", TINY_CTX, max_windows=1,
+        eval_job.run(str(tiny.f32), "none", "none", TINY_CTX, max_windows=1,
                             text=str(tiny.text), progress=False,
                             reference_model=str(getattr(tiny, other)))  # fmt: skip
 
