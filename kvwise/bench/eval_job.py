@@ -60,10 +60,7 @@ def run(
     """
     stride = default_stride(windows, ctx) if stride is None else stride
     _check_settings(ctx, stride, max_windows, windows, (kv_cache_dtype, reference_kv_cache_dtype),
-                    kv_int4_group_size, kv_block_size)  # fmt: skip
-    if self_check and reference_model is not None:
-        raise ValueError("self_check: compares the candidate with itself, not with "
-                         f"--reference-model {reference_model}")  # fmt: skip
+                    kv_int4_group_size, kv_block_size, (self_check, reference_model))  # fmt: skip
     corpus = Corpus.from_file(text) if text else Corpus.default()
     started = time.perf_counter()
     candidate, reference, mode = _load_models(
@@ -71,31 +68,44 @@ def run(
         kv_cache_dtype == reference_kv_cache_dtype, self_check, progress,
     )  # fmt: skip
     load_seconds = time.perf_counter() - started
-    token_ids, chunk_bos_id = _tokens(candidate, reference, corpus.text, windows)
     if kv_int4_group_size and candidate.arch.head_dim % kv_int4_group_size:
         raise ValueError(f"kv_int4_group_size: {kv_int4_group_size} does not divide head_dim "
                          f"{candidate.arch.head_dim}")  # fmt: skip
+    token_ids, chunk_bos_id = _tokens(candidate, reference, corpus.text, windows)
     result = evaluate(
         candidate, token_ids, ctx, stride, max_windows, reference, progress,
         kv_cache_dtype, reference_kv_cache_dtype, kv_int4_group_size, kv_block_size,
         windows, chunk_bos_id,
     )  # fmt: skip
-    settings = {
-        "quantization": quantization,
-        "reference_quantization": quantization if self_check else reference_quantization,
-        "kv_cache_dtype": kv_cache_dtype,
-        "reference_kv_cache_dtype": kv_cache_dtype if self_check else reference_kv_cache_dtype,
-        "kv_int4_group_size": kv_int4_group_size,
-        "kv_block_size": kv_block_size,
-        "windows": windows,
-    }
+    settings = _settings(self_check, (quantization, reference_quantization),
+                         (kv_cache_dtype, reference_kv_cache_dtype), (kv_int4_group_size,
+                         kv_block_size), windows)  # fmt: skip
     num_tokens_read = plan(windows, len(token_ids), ctx, stride, max_windows)[-1].end
     record = _record(candidate, reference, mode, settings, corpus, (token_ids, num_tokens_read))
-    record.update(load_seconds=load_seconds, **asdict(result))
+    _report(result, {**record, "load_seconds": load_seconds}, json_path)
+    return result
+
+
+def _settings(self_check: bool, quantizations: tuple, kv_dtypes: tuple, int4: tuple, windows):
+    """The record's settings (a self-check's reference: the candidate's own)."""
+    (quantization, reference_quantization), (kv, reference_kv) = quantizations, kv_dtypes
+    return {
+        "quantization": quantization,
+        "reference_quantization": quantization if self_check else reference_quantization,
+        "kv_cache_dtype": kv,
+        "reference_kv_cache_dtype": kv if self_check else reference_kv,
+        "kv_int4_group_size": int4[0],
+        "kv_block_size": int4[1],
+        "windows": windows,
+    }
+
+
+def _report(result: EvalResult, record: dict, json_path: str | None) -> None:
+    """The table on stdout; the record with the figures at ``json_path``."""
+    record.update(asdict(result))
     print(format_table(result, record))
     if json_path:
         Path(json_path).write_text(json.dumps(record, indent=2) + "\n")
-    return result
 
 
 def _tokens(candidate, reference, text: str, windows: str) -> tuple[list[int], int | None]:
@@ -185,8 +195,10 @@ def _check_settings(
     kv_dtypes: tuple[str, str],
     kv_int4_group_size: int,
     kv_block_size: int,
+    self_check_of: tuple[bool, str | None] = (False, None),
 ) -> None:
-    """``run``'s settings, checked before anything loads."""
+    """``run``'s settings, checked before anything loads (``self_check_of``: self_check and
+    the reference model, which exclude each other)."""
     check_window_settings(ctx, stride, max_windows, windows)
     for name, dtype in zip(("kv_cache_dtype", "reference_kv_cache_dtype"), kv_dtypes):
         if dtype not in kv_formats("eval"):
@@ -195,6 +207,10 @@ def _check_settings(
         raise ValueError(f"kv_int4_group_size: expected an even number, got {kv_int4_group_size}")
     if kv_block_size < 2 or kv_block_size % 2:
         raise ValueError(f"kv_block_size: expected an even number of tokens, got {kv_block_size}")
+    self_check, reference_model = self_check_of
+    if self_check and reference_model is not None:
+        raise ValueError("self_check: compares the candidate with itself, not with "
+                         f"--reference-model {reference_model}")  # fmt: skip
 
 
 def _load(model: str | None, quantization: str, flag: str, progress: bool) -> LoadedModel:
