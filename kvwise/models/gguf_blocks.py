@@ -302,11 +302,8 @@ class BlockWeight:
     def dot_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`x` `(N, in)`, `ids` `(N, k)` -> `(N, k)` float32: x[n] . row ids[n][i]."""
         if kernels.available():
-            n, k = ids.shape
-            h = x.float()[:, None, :].expand(n, k, self.in_features).reshape(n * k, -1)
-            flat = ids.reshape(-1).contiguous()
-            dots = torch.ops.kvwise.qk_rows_dot(h.contiguous(), self.packed, flat, self.spec.kind)
-            return dots.reshape(n, k)
+            h, ids = x.float().contiguous(), ids.contiguous()
+            return torch.ops.kvwise.qk_rows_dot(h, self.packed, ids, self.spec.kind)
         return torch.einsum("nkh,nh->nk", self.rows(ids), x.float())
 
     @property

@@ -38,7 +38,7 @@ from kvwise.models.gguf_blocks import SPECS, BlockWeight
 from kvwise.models.gguf_pack import fast_pack
 from kvwise.models.gguf_types import FLOATS as _FLOATS
 from kvwise.models.gguf_types import runs_as
-from kvwise.models.gguf_weights import hf_name, unpermute_rope_rows
+from kvwise.models.gguf_weights import hf_name
 from kvwise.models.linear import float_mm
 from kvwise.models.quant import QK, Int4Weight, Q8Weight, q4_groups
 
@@ -268,10 +268,9 @@ class GGUFWeightLoader:
         _release(self.reader, tensor)
 
     def _float(self, name: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
-        raw = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32)
-        t = torch.from_numpy(raw.reshape(tuple(int(d) for d in reversed(tensor.shape))).copy())
-        heads = self._rope_heads(name)
-        return t if heads is None else unpermute_rope_rows(t, heads)
+        """A small tensor (a norm, a bias; a float embedding) dequantized, rows in HF order."""
+        raw = np.asarray(dequantize(self._raw(name, tensor), tensor.tensor_type), np.float32)
+        return torch.from_numpy(raw.reshape(tuple(int(d) for d in reversed(tensor.shape))).copy())
 
     def _count(self, gguf_type: str, how: str, nbytes: int = 0) -> None:
         self.report[gguf_type, how] += 1

@@ -227,7 +227,7 @@ class BlockFusedOps(_FusedLayerOps):
         return self.qkv.mm(self._rms_norm(residual, self.input_norm, self.eps))  # float32
 
     def o_proj(self, out: torch.Tensor) -> torch.Tensor:
-        o = self.o.mm(out.contiguous())  # (T, hidden)
+        o = self.o.mm(out)  # (T, hidden)
         if self.o_bias is not None:
             o.add_(self.o_bias)
         return o

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from kvwise.engine.tokenizer import Tokenizer  # noqa: E402
 from kvwise.models.default import gemma3_model_path  # noqa: E402
 from kvwise.models.gguf_weights import open_gguf  # noqa: E402
+from tests.tokenizer_util import assert_same_as  # noqa: E402
 from tests.unit.test_tokenizer import TEXTS as BPE_TEXTS  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -69,13 +70,7 @@ def test_metadata(tok: Tokenizer) -> None:
 
 @pytest.mark.parametrize("text", BPE_TEXTS + GEMMA_TEXTS)
 def test_matches_transformers(tok: Tokenizer, ref, text: str) -> None:
-    for add_special_tokens in (True, False):
-        ids = tok.encode(text, add_special_tokens=add_special_tokens)
-        assert ids == ref.encode(text, add_special_tokens=add_special_tokens), add_special_tokens
-        for skip in (True, False):
-            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(
-                ids, skip_special_tokens=skip
-            )
+    assert_same_as(tok, ref, text)
 
 
 def test_no_prefix_space_and_lossless_decode(tok: Tokenizer) -> None:

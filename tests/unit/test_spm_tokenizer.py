@@ -28,6 +28,7 @@ from kvwise.engine.gguf_tokenizer import (  # noqa: E402
     score_ranked_merges,
 )
 from kvwise.engine.tokenizer import Tokenizer  # noqa: E402
+from tests.tokenizer_util import assert_same_as  # noqa: E402
 
 USER_DEFINED = ["<|im_start|>", "<|im_end|>"]
 CONTROL = ["<ctrl>"]
@@ -194,16 +195,6 @@ def ref(llama_gguf):
     return _reference(llama_gguf)
 
 
-def _check_against(tok: Tokenizer, ref, text: str) -> None:
-    for add_special_tokens in (True, False):
-        ids = tok.encode(text, add_special_tokens=add_special_tokens)
-        assert ids == ref.encode(text, add_special_tokens=add_special_tokens), add_special_tokens
-        for skip in (True, False):
-            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(
-                ids, skip_special_tokens=skip
-            )
-
-
 def test_metadata(tok: Tokenizer, sp) -> None:
     assert tok.vocab_size == sp.get_piece_size()
     assert (tok.bos_token_id, tok.eos_token_id, tok.eos_token_ids) == (1, 2, frozenset({2}))
@@ -215,7 +206,7 @@ def test_metadata(tok: Tokenizer, sp) -> None:
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_matches_transformers(tok: Tokenizer, ref, text: str) -> None:
-    _check_against(tok, ref, text)
+    assert_same_as(tok, ref, text)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma3"])
@@ -227,7 +218,7 @@ def test_families_match_transformers(sp, tmp_path, arch: str) -> None:
     path = _write_gguf(tmp_path / f"{arch}.gguf", sp, arch=arch, add_space_prefix=prefix)
     tok, ref = Tokenizer.from_path(path), _reference(path)
     for text in TEXTS:
-        _check_against(tok, ref, text)
+        assert_same_as(tok, ref, text)
 
 
 def test_pieces(tok: Tokenizer, sp) -> None:
@@ -272,7 +263,7 @@ def test_eos_and_no_bos(sp, tmp_path) -> None:
     tok, ref = Tokenizer.from_path(path), _reference(path)
     assert tok.encode("Hello") == [*tok.encode("Hello", add_special_tokens=False), 2]
     for text in TEXTS[:8]:
-        _check_against(tok, ref, text)
+        assert_same_as(tok, ref, text)
 
 
 def test_unknown_characters_without_byte_fallback(tmp_path) -> None:

@@ -510,24 +510,25 @@ inline float weight_at(const uint8_t* head, const uint8_t* p, int c, int k) {
   }
 }
 
-// rows ids (n) of a packed weight as float32 (n, K), exact; with `h` (n, K) given instead, the
-// dot products h[i] . row ids[i] (n) in float32 (the LM head's refinement, the embedding)
+// rows ids (n) of a packed weight as float32 (n, K), exact (the embedding); with `h` (N, K) given,
+// ids (N, k): the float32 dot products h[r] . row ids[r][j], (N, k) (the LM head's refinement)
 template <class L>
 at::Tensor qk_rows_impl(const at::Tensor& packed, const at::Tensor& ids, const at::Tensor* h) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(2) == L::super_bytes, "qk_rows: packed has another layout");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
-              "qk_rows: ids must be contiguous int64 (n,)");
-  const int64_t n = ids.size(0), nb = packed.size(1) * L::blocks, K = nb * kQ4Block;
+  TORCH_CHECK(ids.dim() == (h ? 2 : 1) && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "qk_rows: ids must be contiguous int64, (n,) or (N, k) with h");
+  const int64_t n = ids.numel(), per = h ? ids.size(1) : 1;  // ids a row of h
+  const int64_t nb = packed.size(1) * L::blocks, K = nb * kQ4Block;
   const int64_t gb = packed.size(1) * L::super_bytes, rows = packed.size(0) * 8;
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "qk_rows: id ", ip[i], " out of range");
-  at::Tensor out = h ? at::empty({n}, packed.options().dtype(at::kFloat))
+  at::Tensor out = h ? at::empty({ids.size(0), per}, packed.options().dtype(at::kFloat))
                      : at::empty({n, K}, packed.options().dtype(at::kFloat));
-  if (h) TORCH_CHECK(h->dim() == 2 && h->size(0) == n && h->size(1) == K &&
+  if (h) TORCH_CHECK(h->dim() == 2 && h->size(0) == ids.size(0) && h->size(1) == K &&
                          h->scalar_type() == at::kFloat && h->is_contiguous(),
-                     "qk_rows: h must be contiguous float32 (n, K)");
+                     "qk_rows: h must be contiguous float32 (N, K)");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const float* hp = h ? h->data_ptr<float>() : nullptr;
@@ -540,7 +541,7 @@ at::Tensor qk_rows_impl(const at::Tensor& packed, const at::Tensor& ids, const a
         const uint8_t *head = header_at<L>(g, b), *p = block_at<L>(g, b);
         for (int k = 0; k < 32; ++k) {
           const float w = weight_at<L>(head, p, c, k);
-          if (hp) acc = std::fma(w, hp[i * K + b * kQ4Block + k], acc);
+          if (hp) acc = std::fma(w, hp[(i / per) * K + b * kQ4Block + k], acc);
           else op[i * K + b * kQ4Block + k] = w;
         }
       }
