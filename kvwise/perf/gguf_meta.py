@@ -2,8 +2,8 @@
 
 ``kvwise size`` needs four numbers of a GGUF (layers, heads, KV heads, head dim). The model
 path (``kvwise.models.gguf_weights.open_gguf``, then ``ModelArchConfig.from_gguf``) imports
-torch; ``models/gguf_file.py`` (no torch, ms) could serve too and may replace this. This one walks the key/value section only, keeps the scalars and strings, and
-skips each array by its length (a string array: one length read a string), in ~10 ms.
+torch. This one walks the key/value section only, keeps the scalars and strings, and skips
+each array by its length (a string array: one length read a string), in ~10 ms.
 
 Contract: ``read_scalars(path)`` returns ``{key: value}`` for every key: its value if a scalar
 or a string, ``ARRAY`` if an array (not read); or None for a file it does not read (not GGUF,

@@ -550,23 +550,27 @@ at::Tensor qk_pack(const at::Tensor& codes, int64_t bits, const at::Tensor& tail
   return out;
 }
 
-// weight k of column c of a block as float32 (the formula `unpack` in gguf_blocks.py computes,
-// in the same order: exact products of float16s and small integers, then the minimum)
+// column c's 32 weights of a block as float32 (the formula `unpack` in gguf_blocks.py computes:
+// exact products of float16s and small integers, then the minimum; each half's factors formed
+// once, every weight one rounding, as before)
 template <class L>
-inline float weight_at(const uint8_t* head, const uint8_t* p, int c, int k) {
-  const float q = static_cast<float>(code_at<L>(p, c, k) - L::offset);
+inline void block_row(const uint8_t* head, const uint8_t* p, int c, float* w) {
   const uint8_t* sc = p + 128 + L::plane_bytes;
-  if constexpr (L::kscales) {
-    const auto* v = reinterpret_cast<const int8_t*>(sc);
-    const int n = L::halves ? 16 : 8, at = L::halves ? 8 * (k >= 16) + c : c;
-    float w = half_at(head, c) * static_cast<float>(v[at]) * q;
-    if constexpr (L::mins) w -= half_at(head + 16, c) * static_cast<float>(v[n + at]);
-    return w;
-  } else {
-    float w = half_at(sc, c) * q;
-    if constexpr (L::mins) w += half_at(sc + 16, c);
-    return w;
+  float a[2], m[2] = {0.f, 0.f};  // w = a q - m, per half of the block
+  for (int half = 0; half < 2; ++half) {
+    if constexpr (L::kscales) {
+      const auto* v = reinterpret_cast<const int8_t*>(sc);
+      const int n = L::halves ? 16 : 8, at = L::halves ? 8 * half + c : c;
+      a[half] = half_at(head, c) * static_cast<float>(v[at]);
+      if constexpr (L::mins) m[half] = half_at(head + 16, c) * static_cast<float>(v[n + at]);
+    } else {
+      a[half] = half_at(sc, c);
+      if constexpr (L::mins) m[half] = -half_at(sc + 16, c);
+    }
   }
+  for (int half = 0; half < 2; ++half)
+    for (int k = 16 * half; k < 16 * half + 16; ++k)
+      w[k] = a[half] * static_cast<float>(code_at<L>(p, c, k) - L::offset) - m[half];
 }
 
 // rows ids (n) of a packed weight as float32 (n, K), exact (the embedding); with `h` (N, K) given,
@@ -597,12 +601,10 @@ at::Tensor qk_rows_impl(const at::Tensor& packed, const at::Tensor& ids, const a
       const int c = static_cast<int>(ip[i] % 8);
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *head = header_at<L>(g, b), *p = block_at<L>(g, b);
-        for (int k = 0; k < 32; ++k) {
-          const float w = weight_at<L>(head, p, c, k);
-          if (hp) acc = std::fma(w, hp[(i / per) * K + b * kQ4Block + k], acc);
-          else op[i * K + b * kQ4Block + k] = w;
-        }
+        float w[32];
+        block_row<L>(header_at<L>(g, b), block_at<L>(g, b), c, hp ? w : op + i * K + b * kQ4Block);
+        if (hp)
+          for (int k = 0; k < 32; ++k) acc = std::fma(w[k], hp[(i / per) * K + b * kQ4Block + k], acc);
       }
       if (hp) op[i] = acc;
     }

@@ -284,20 +284,33 @@ inline void prefetch_l2(const char* p) {
 #endif
 }
 
+// One layer's K/V as attention reads them: float pools (E float / BFloat16 / Half) are
+// (num_blocks, block_size, KVH, D) elements; int8 ones (num_blocks, half_bytes) bytes a block
+// half, the codes (block_size, KVH, D) then the scales (block_size, KVH) float32.
+struct Pool {
+  const char* k;
+  const char* v;
+  int64_t block_size, KVH, D, G;
+  int64_t block_bytes;  // from one block to the next
+  int64_t codes_bytes;  // int8: where a block half's scales start
+  float scale;
+};
+
 // K/V rows asked for a few cache lines at a time while a span computes (the next span's rows of
 // one kv head, spread over the arithmetic instead of asked for at once): keys [p, stop) of the
 // block table, each row's lines in turn, one K line and one V line a step
 struct Ahead {
-  const char *k = nullptr, *v = nullptr;
+  const Pool* pool = nullptr;
   const int64_t* table = nullptr;
-  int64_t block_size = 1, block_bytes = 0, KVH = 1, row_bytes = 0, h = 0;
-  int64_t p = 0, stop = 0, byte = 0, row = 0;  // row: key p's row, from the pool's start
+  int64_t row_bytes = 0, h = 0, p = 0, stop = 0;
+  int64_t byte = 0, row = 0;  // row: key p's row, from the pool's start
   inline void some(int pairs) {
     for (; pairs > 0 && p < stop; --pairs) {
       if (byte == 0)
-        row = table[p / block_size] * block_bytes + ((p % block_size) * KVH + h) * row_bytes;
-      prefetch_l2(k + row + byte);
-      prefetch_l2(v + row + byte);
+        row = table[p / pool->block_size] * pool->block_bytes +
+              ((p % pool->block_size) * pool->KVH + h) * row_bytes;
+      prefetch_l2(pool->k + row + byte);
+      prefetch_l2(pool->v + row + byte);
       byte += 64;
       if (byte >= row_bytes) {
         byte = 0;
@@ -439,18 +452,6 @@ void all_group_values(float* const* out, const void* const* rows, const float* r
 }
 #endif
 
-// One layer's K/V as attention reads them: float pools (E float / BFloat16 / Half) are
-// (num_blocks, block_size, KVH, D) elements; int8 ones (num_blocks, half_bytes) bytes a block
-// half, the codes (block_size, KVH, D) then the scales (block_size, KVH) float32.
-struct Pool {
-  const char* k;
-  const char* v;
-  int64_t block_size, KVH, D, G;
-  int64_t block_bytes;  // from one block to the next
-  int64_t codes_bytes;  // int8: where a block half's scales start
-  float scale;
-};
-
 // per thread: the span's scores, row pointers, row scales, rows converted to float32
 struct Scratch {
   std::vector<float> scores, row_scales, converted;
@@ -482,17 +483,7 @@ template <typename E>
 inline void ask_ahead(const Pool& P, const int64_t* table, int64_t start, int64_t stop, int64_t h,
                       Ahead& ahead) {
   ahead.finish();
-  ahead.k = P.k;
-  ahead.v = P.v;
-  ahead.table = table;
-  ahead.block_size = P.block_size;
-  ahead.block_bytes = P.block_bytes;
-  ahead.KVH = P.KVH;
-  ahead.row_bytes = P.D * static_cast<int64_t>(sizeof(E));
-  ahead.h = h;
-  ahead.p = start;
-  ahead.stop = stop;
-  ahead.byte = 0;
+  ahead = Ahead{&P, table, P.D * static_cast<int64_t>(sizeof(E)), h, start, stop};
 }
 
 // The softmax partial of keys [start, stop) for nv query vectors qv of KV head h (its query
