@@ -6,7 +6,8 @@ must give exactly the ``packed`` tensor of the weight the Python path builds: ``
 from ``q4_groups`` (Q4_0 / Q4_1), ``Q8Weight`` from ``q8_groups`` (Q8_0), ``BlockWeight`` from
 ``gguf_blocks.decode`` + ``pack`` (the rest; its torch fallback, so that the reference shares
 no C++ with the op). Also: row-strided and read-only inputs, left as they were; Q4_0 scales at
-float16's edges; the types and sizes it refuses.
+float16's edges; the types and sizes it refuses; a large weight's buffer (2 MiB-aligned, for
+huge pages) holding the same bytes.
 """
 
 from __future__ import annotations
@@ -79,6 +80,22 @@ def test_fast_pack_equals_the_python_path(name, rows, monkeypatch):
     _assert_same(
         fast_pack(raw, name, (rows, cols)), python_packed(raw, name, (rows, cols), monkeypatch)
     )
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_large_weight_on_an_aligned_buffer(name, monkeypatch):
+    """Weights of 4 MiB and more are packed into a buffer whose data starts on a 2 MiB boundary
+    (``weights.h``: advised for transparent huge pages), a view of a larger allocation: the
+    bytes are the Python path's all the same, and the view behaves as a plain tensor."""
+    block, _ = _sizes(name)
+    rows, cols = 4104, 4096  # ~4.5-17 MiB packed, and a row count that is not 8's multiple
+    raw = random_raw(name, rows, cols, np.random.default_rng(11))
+    got = fast_pack(raw, name, (rows, cols))
+    assert got is not None and got.nbytes >= 4 << 20
+    if os.uname().sysname == "Linux":
+        assert got.data_ptr() % (2 << 20) == 0
+    _assert_same(got, python_packed(raw, name, (rows, cols), monkeypatch))
+    assert torch.equal(got.clone(), got) and got.untyped_storage().nbytes() >= got.nbytes
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_0"])

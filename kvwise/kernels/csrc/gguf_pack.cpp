@@ -26,6 +26,8 @@
 #include <cstring>
 #include <string>
 
+#include "weights.h"
+
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "gguf_pack reads GGUF's little-endian words");
 
 namespace {
@@ -358,7 +360,7 @@ template <class S>
 at::Tensor pack_simple(const at::Tensor& raw, const std::string& type, int64_t rows, int64_t cols) {
   check_raw(raw, type, rows, cols, kBlock, S::src_bytes);
   const int64_t nb = cols / kBlock, G = (rows + 7) / 8, pitch = raw.stride(0);
-  at::Tensor out = at::empty({G, nb, S::out_bytes}, raw.options());
+  at::Tensor out = empty_weights({G, nb, S::out_bytes}, raw.options());
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, G, grain(raw.size(1)), [&](int64_t g0, int64_t g1) {
@@ -371,7 +373,7 @@ template <class K>
 at::Tensor pack_blocks(const at::Tensor& raw, const std::string& type, int64_t rows, int64_t cols) {
   check_raw(raw, type, rows, cols, kBlock * K::blocks, K::src_bytes);
   const int64_t nsb = cols / (kBlock * K::blocks), G = (rows + 7) / 8, pitch = raw.stride(0);
-  at::Tensor out = at::empty({G, nsb, K::super_bytes}, raw.options());
+  at::Tensor out = empty_weights({G, nsb, K::super_bytes}, raw.options());
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, G, grain(raw.size(1)), [&](int64_t g0, int64_t g1) {

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "qact.h"
+#include "weights.h"
 
 namespace {
 
@@ -516,7 +517,7 @@ at::Tensor qk_pack(const at::Tensor& codes, int64_t bits, const at::Tensor& tail
               "qk_pack: heads must be uint8 (G, super-blocks, H)");
   const int64_t T = tail.size(2), H = heads.size(2), code_bytes = 128 + 32 * (bits - 4);
   const int64_t block = code_bytes + T, super = H + blocks_per_super * block;
-  at::Tensor out = at::empty({G, nsb, super}, codes.options());
+  at::Tensor out = empty_weights({G, nsb, super}, codes.options());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* tp = tail.data_ptr<uint8_t>();
   const uint8_t* hp = heads.data_ptr<uint8_t>();
