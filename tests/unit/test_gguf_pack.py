@@ -85,7 +85,7 @@ def test_fast_pack_equals_the_python_path(name, rows, monkeypatch):
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_a_large_weight_on_an_aligned_buffer(name, monkeypatch):
     """Weights of 4 MiB and more are packed into a buffer whose data starts on a 2 MiB boundary
-    (``weights.h``: advised for transparent huge pages), a view of a larger allocation: the
+    (``weights.h``: huge pages where THP is "always"), a view of a larger allocation: the
     bytes are the Python path's all the same, and the view behaves as a plain tensor."""
     block, _ = _sizes(name)
     rows, cols = 4104, 4096  # ~4.5-17 MiB packed, and a row count that is not 8's multiple
