@@ -7,11 +7,11 @@
 // unused lead and tail are never touched, so they take no resident memory): where the host's
 // THP setting is "always", Linux backs it with huge pages at first touch, whole.
 //
-// Not advised (MADV_HUGEPAGE) where the setting is "madvise", as on the machine these were
-// measured on: the advice made the 1B Q4_K_M decode ~3-4% faster but its load 0.6 s slower
-// (fault-time compaction on a fragmented host), and collapsing after the load
-// (MADV_COLLAPSE, in a thread) took a core from the first token for ~0.5 s. See
-// docs/BENCHMARKS.md, issue 27.
+// Not advised where the setting is "madvise", as on the machine these were measured on: huge
+// pages made the 1B Q4_K_M decode ~10% faster there, but every way of getting them cost the
+// load more than issue 27's budget allows (MADV_HUGEPAGE before the pack: +0.6 s of fault-time
+// compaction; MADV_COLLAPSE after each pack or after the load: +1.5 s; collapsing from a
+// thread: a core taken from the first token for ~0.5 s). See docs/BENCHMARKS.md, issue 27.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,3 +31,4 @@ inline at::Tensor empty_weights(at::IntArrayRef sizes, const at::TensorOptions& 
       .view(options.dtype().toScalarType())
       .view(sizes);
 }
+
