@@ -74,6 +74,7 @@ from kvwise.core.kv_spec import KVSpec, kv_format
 from kvwise.models.layers import dense_causal_attention
 from kvwise.models.loader import LoadedModel
 from kvwise.worker.kv_quant import KEY_BLOCK, round_trip
+from kvwise.worker.model_runner import layer_attention
 from kvwise.worker.one_sequence import sequence_attention
 
 # Rows of logits per slice: 256 x 49,152 x 4 B = 48 MiB per tensor, a few tensors per model.
@@ -300,15 +301,19 @@ def _hidden(
         fmt = kv_format(kv_dtype)
         spec = KVSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, block_size, kv_dtype,
                       group_size=group if fmt.grouped else 0)  # fmt: skip
+        layers = layer_attention(loaded.model, arch)
         return loaded.model.forward(
-            ids, positions, sequence_attention(spec, arch.num_heads, len(ids))
+            ids, positions, sequence_attention(spec, arch.num_heads, len(ids), layers=layers)
         )
-    window = arch.sliding_window
+    kinds = loaded.model.attention_kinds  # each layer's window and scale
 
     def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k = round_trip(k.float(), kv_dtype, group, keys=True, key_block=block_size)
         v = round_trip(v.float(), kv_dtype, group)
-        return dense_causal_attention(q, k, v, sliding_window=window)  # (T, H*D)
+        kind = kinds[layer_idx]
+        return dense_causal_attention(
+            q, k, v, scale=kind.softmax_scale, sliding_window=kind.sliding_window
+        )  # (T, H*D)
 
     return loaded.model.forward(ids, positions, attn)
 

@@ -82,6 +82,12 @@ def build_model_parts(
         config.model.dtype if kv_dtype == "auto" else kv_dtype,
         group_size=config.cache.kv_int4_group_size,
     )
+    windowed = any(k.sliding_window for k in getattr(loaded.model, "attention_kinds", ()))
+    if windowed and spec.sealed_keys:
+        raise ValueError(
+            f"kv_cache_dtype: {kv_dtype} KV has no sliding-window attention yet, and this model "
+            "has sliding-window layers; use float32, bfloat16, float16 or int8"
+        )
     num_blocks = spec.num_blocks_in(config.cache.kv_cache_bytes())
     if num_blocks < 2:
         raise ValueError(
@@ -132,10 +138,4 @@ def _max_model_len(config: EngineConfig, arch) -> int:
             f"max_model_len: {max_model_len} exceeds the model's context of "
             f"{arch.max_position_embeddings}"
         )
-    if arch.sliding_window and max_model_len > arch.sliding_window:
-        # NOTE: attention has no sliding window; within the window full attention is exact.
-        logger.warning(
-            "max_model_len capped at the model's sliding window of %d", arch.sliding_window
-        )
-        max_model_len = arch.sliding_window
     return max_model_len

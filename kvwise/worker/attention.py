@@ -23,6 +23,13 @@ lossily (quantized, or a narrower float), every chunk attends to its gathered bl
 prompt sees the K/V the cache holds whether it was computed now or loaded. The same maths, but
 SDPA's rounding depends on the batch: this path is not batch-invariant.
 
+Sliding windows: each layer's kind (``LayerAttention``: its window and softmax scale, from the
+model's ``attention_kinds``) is the backend's. A row at position p of a windowed layer attends
+to keys ``p - W < j <= p``: the paged kernels take the window (``window=W``: they skip the
+spans before it, the first one cut where the window starts, so a row's bits still depend on
+the row alone), the torch path masks. The int4 format's kernel has no window yet: the engine
+refuses int4 KV for a model with sliding-window layers.
+
 A format with sealed keys (int4: ``KVSpec.sealed_keys``) quantizes a block's keys once it is
 full. A query then attends to the keys of earlier blocks as their sealed bytes hold them and to
 its own block's keys in full precision (the cache keeps them: its ``decode_kv`` for decodes,
@@ -40,6 +47,15 @@ import torch
 import torch.nn.functional as F
 
 from kvwise.worker.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention computes: keys within ``window`` of the query (0: all) and
+    the score ``scale``."""
+
+    window: int
+    scale: float
 
 
 @dataclass
@@ -73,15 +89,25 @@ class TorchSDPAAttention:
     """The reference paged-attention backend. Stateless apart from the cache it is given.
 
     ``paged_kernel=False`` keeps the torch path even where the cache's format has a kernel
-    (its writes still use the cache's ops, unless it was built with ``use_kernels=False``)."""
+    (its writes still use the cache's ops, unless it was built with ``use_kernels=False``).
+    ``layers``: each layer's ``LayerAttention``; None: every layer full, scale
+    ``head_dim ** -0.5``."""
 
     def __init__(
-        self, kv_cache: PagedKVCache, num_heads: int, head_dim: int, paged_kernel: bool = True
+        self,
+        kv_cache: PagedKVCache,
+        num_heads: int,
+        head_dim: int,
+        paged_kernel: bool = True,
+        layers: list[LayerAttention] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        full = LayerAttention(0, self.scale)
+        self.layers = list(layers) if layers is not None else None
+        self._layer = (lambda i: self.layers[i]) if layers is not None else (lambda i: full)
         self.sealed_keys = kv_cache.spec.sealed_keys
         # every row through the format's paged kernel, chosen once
         self._rows = kv_cache.rows_attention if paged_kernel else None
@@ -94,12 +120,21 @@ class TorchSDPAAttention:
         blocks until K/V still being loaded for that layer are in place.
         """
         rows, scale, width = self._rows, self.scale, self.num_heads * self.head_dim
-        if rows is not None and layer_ready is None:  # the hot path: one call to the kernel's
+        if rows is not None and layer_ready is None and self.layers is None:  # the hot path
 
             def attn_rows(layer: int, q, k, v) -> torch.Tensor:
                 return rows(layer, q, k, v, meta, scale).view(q.shape[0], width)
 
             return attn_rows
+        if rows is not None and layer_ready is None:  # each layer its own window and scale
+            kinds = self.layers
+
+            def attn_kinds(layer: int, q, k, v) -> torch.Tensor:
+                kind = kinds[layer]
+                out = rows(layer, q, k, v, meta, kind.scale, kind.window)
+                return out.view(q.shape[0], width)
+
+            return attn_kinds
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if layer_ready is not None:
@@ -117,20 +152,22 @@ class TorchSDPAAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
+        kind = self._layer(layer)
         if self._rows is not None:  # every row through the paged kernel (it writes first)
-            out = self._rows(layer, q, k, v, meta, self.scale)
+            out = self._rows(layer, q, k, v, meta, kind.scale, kind.window)
             return out.view(num_tokens, self.num_heads * self.head_dim)
         self.kv_cache.write(layer, meta.slot_mapping, k, v)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._attend_decodes(layer, q[:nd], meta)  # (Bd, num_heads, head_dim)
+            out[:nd] = self._attend_decodes(layer, q[:nd], meta, kind)  # (Bd, heads, head_dim)
         for chunk in meta.prefills:
-            out[chunk.token_start : chunk.token_end] = self._attend_prefill(layer, q, k, v, chunk)
+            rows = self._attend_prefill(layer, q, k, v, chunk, kind)
+            out[chunk.token_start : chunk.token_end] = rows
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _attend_decodes(
-        self, layer: int, qd: torch.Tensor, meta: AttentionMetadata
+        self, layer: int, qd: torch.Tensor, meta: AttentionMetadata, kind: LayerAttention
     ) -> torch.Tensor:
         """The decode rows ``qd`` ``(Bd, num_heads, head_dim)`` over their cached contexts
         (the torch path)."""
@@ -139,17 +176,28 @@ class TorchSDPAAttention:
         kc = kc[:, :ctx].transpose(1, 2)  # (Bd, kv_heads, ctx, head_dim)
         vc = vc[:, :ctx].transpose(1, 2)
         mask = None if meta.decode_mask is None else meta.decode_mask[..., :ctx]
+        if kind.window and ctx > kind.window:  # keys j >= len - W, len = the row's context
+            lens = meta.row_ctx_lens[: qd.shape[0]].view(-1, 1, 1, 1)
+            inside = torch.arange(ctx) >= lens - kind.window  # (Bd, 1, 1, ctx)
+            mask = inside if mask is None else mask & inside
         od = F.scaled_dot_product_attention(
-            qd.unsqueeze(2), kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True
+            qd.unsqueeze(2), kc, vc, attn_mask=mask, scale=kind.scale, enable_gqa=True
         )  # (Bd, num_heads, 1, head_dim)
         return od.squeeze(2)
 
     def _attend_prefill(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        chunk: PrefillChunk,
+        kind: LayerAttention,
     ) -> torch.Tensor:
         """One prefill chunk's rows of the batch, ``(n, num_heads, head_dim)`` (the torch
         path)."""
         cache, s, e = self.kv_cache, chunk.token_start, chunk.token_end
+        window, scale = kind.window, kind.scale
         # NOTE: the CPU flash kernel is ~1.5x faster on contiguous (1, heads, n, head_dim)
         # inputs than on strided views of the (T, heads, head_dim) rows.
         qp = q[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, num_heads, n, head_dim)
@@ -157,13 +205,13 @@ class TorchSDPAAttention:
             kc, vc = cache.gather(layer, chunk.block_table, chunk.first_block)
             open_k = cache.open_block_keys(layer, chunk, k)
             return attend_open_blocks(
-                qp, kc[0], vc[0], open_k, chunk.start_pos, cache.block_size, self.scale
+                qp, kc[0], vc[0], open_k, chunk.start_pos, cache.block_size, scale
             )
-        if chunk.start_pos == 0 and not cache.lossy:
+        if chunk.start_pos == 0 and not cache.lossy and (not window or e - s <= window):
             kp = k[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, kv_heads, n, head_dim)
             vp = v[s:e].transpose(0, 1).contiguous().unsqueeze(0)
             op = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True
+                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
             ctx = chunk.start_pos + e - s
@@ -172,8 +220,10 @@ class TorchSDPAAttention:
             vp = vc[:, :ctx].transpose(1, 2)
             q_pos = torch.arange(chunk.start_pos, ctx).unsqueeze(1)  # (n, 1)
             mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # (n, ctx)
+            if window:
+                mask &= torch.arange(ctx).unsqueeze(0) > q_pos - window
             op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=True
+                qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True
             )
         return op.squeeze(0).transpose(0, 1)
 

@@ -18,7 +18,7 @@ import torch
 
 from kvwise.core.kv_spec import KVSpec
 from kvwise.core.outputs import ModelOutput, SchedulerOutput
-from kvwise.worker.attention import TorchSDPAAttention
+from kvwise.worker.attention import LayerAttention, TorchSDPAAttention
 from kvwise.worker.input_batch import build_input_batch
 from kvwise.worker.kv_cache import make_kv_cache
 from kvwise.worker.sampler import sample
@@ -34,7 +34,9 @@ class ModelRunner:
         self.block_size = spec.block_size
         self.num_blocks = num_blocks
         self.kv_cache = make_kv_cache(spec, num_blocks, compute_dtype)  # the format's class
-        self.attention = TorchSDPAAttention(self.kv_cache, arch.num_heads, arch.head_dim)
+        self.attention = TorchSDPAAttention(
+            self.kv_cache, arch.num_heads, arch.head_dim, layers=layer_attention(model, arch)
+        )
 
     @torch.inference_mode()
     def write_kv(
@@ -80,3 +82,17 @@ class ModelRunner:
                 r.request_id: (t, lp) for r, t, lp in zip(reqs, token_ids, logprobs, strict=True)
             }
         )
+
+
+def layer_attention(model, arch) -> list[LayerAttention] | None:
+    """Each layer's window and score scale from the model's ``attention_kinds``; None where
+    every layer is full attention at ``head_dim ** -0.5`` (or the model declares no kinds)."""
+    kinds = getattr(model, "attention_kinds", None)
+    if not kinds or all(k.sliding_window is None and k.softmax_scale is None for k in kinds):
+        return None
+    default = arch.head_dim**-0.5
+    return [
+        LayerAttention(k.sliding_window or 0,
+                       default if k.softmax_scale is None else k.softmax_scale)
+        for k in kinds
+    ]  # fmt: skip

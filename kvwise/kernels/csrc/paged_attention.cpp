@@ -634,33 +634,46 @@ __attribute__((noinline)) void finish_state(float* out, const float* state, int6
 // spans are shared between tasks and their partials folded in a second pass.
 template <typename E>
 at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
-                  const at::Tensor& block_tables, const at::Tensor& ctx_lens) {
+                  const at::Tensor& block_tables, const at::Tensor& ctx_lens, int64_t window) {
   constexpr int64_t kGroupRows = 8;
   const int64_t T = q.size(0), H = q.size(1), D = P.D, G = P.G, KVH = P.KVH;
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  // a sliding window (window > 0): row b attends to keys [first_key(b), lens[b]), the last
+  // `window`; its spans are still the fixed partition from key 0, the first one cut at
+  // first_key(b), and the spans before it are skipped (their blocks are never read, so they
+  // may be gone from the table)
+  auto first_key = [&](int64_t b) {
+    return window > 0 ? std::max<int64_t>(0, lens[b] - window) : int64_t{0};
+  };
+  auto first_span = [&](int64_t b) { return first_key(b) / kSpan; };
+  auto spans_of = [&](int64_t b) { return (lens[b] + kSpan - 1) / kSpan; };
   int64_t total = 0, max_len = 0;
-  std::vector<int64_t> group_start{0}, group_spans;  // a group's most spans
+  std::vector<int64_t> group_start{0}, group_spans, group_first;  // most spans, first span
   for (int64_t b = 0; b < T; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * P.block_size,
                 "paged_decode_attention: context length outside the block table");
     const int64_t* table = tables + b * max_blocks;
-    for (int64_t j = 0; j < (lens[b] + P.block_size - 1) / P.block_size; ++j)
+    for (int64_t j = first_key(b) / P.block_size; j < (lens[b] + P.block_size - 1) / P.block_size; ++j)
       TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks,
                   "paged_decode_attention: block id out of range");
     if (b > 0 && (b - group_start.back() == kGroupRows ||
                   !std::equal(table, table + max_blocks, table - max_blocks)))
       group_start.push_back(b);
-    total += (lens[b] + kSpan - 1) / kSpan;
-    max_len = std::max(max_len, lens[b]);
+    total += spans_of(b) - first_span(b);
+    max_len = std::max(max_len, lens[b] - first_key(b));
   }
   group_start.push_back(T);
   const int64_t num_groups = static_cast<int64_t>(group_start.size()) - 1;
   for (int64_t gi = 0; gi < num_groups; ++gi) {
-    int64_t most = 0;
-    for (int64_t b = group_start[gi]; b < group_start[gi + 1]; ++b) most = std::max(most, lens[b]);
-    group_spans.push_back((most + kSpan - 1) / kSpan);
+    int64_t most = 0, first = std::numeric_limits<int64_t>::max();
+    for (int64_t b = group_start[gi]; b < group_start[gi + 1]; ++b) {
+      most = std::max(most, spans_of(b));
+      first = std::min(first, first_span(b));
+    }
+    group_spans.push_back(most);
+    group_first.push_back(first);
   }
   // Sharing out (no effect on the bits): about 4 tasks a thread of about `chunk` spans' work
   // each; a group with more spans than that is split, its rows' spans' partials kept for a
@@ -671,25 +684,27 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
     int64_t group, first, last;  // spans [first, last) of the group's rows
   };
   std::vector<Unit> units;
-  std::vector<int64_t> split_at(T, -1);  // a split row's first span in `partial`
+  std::vector<char> is_split(T, 0);
+  std::vector<int64_t> split_at(T, 0);  // where a split row's span 0 would lie in `partial`
   std::vector<int64_t> split_rows;
   int64_t split_spans = 0;
   std::vector<int64_t> unit_work;
   for (int64_t gi = 0; gi < num_groups; ++gi) {
     const int64_t b0 = group_start[gi], b1 = group_start[gi + 1];
-    if (group_spans[gi] <= chunk) {
+    if (group_spans[gi] - group_first[gi] <= chunk) {
       int64_t work = 0;
-      for (int64_t b = b0; b < b1; ++b) work += (lens[b] + kSpan - 1) / kSpan;
-      units.push_back({gi, 0, group_spans[gi]});
+      for (int64_t b = b0; b < b1; ++b) work += spans_of(b) - first_span(b);
+      units.push_back({gi, group_first[gi], group_spans[gi]});
       unit_work.push_back(work);
       continue;
     }
     for (int64_t b = b0; b < b1; ++b) {
-      split_at[b] = split_spans;
-      split_spans += (lens[b] + kSpan - 1) / kSpan;
+      is_split[b] = 1;
+      split_at[b] = split_spans - first_span(b);  // its spans [first_span, spans_of) stored
+      split_spans += spans_of(b) - first_span(b);
       split_rows.push_back(b);
     }
-    for (int64_t s = 0; s < group_spans[gi]; s += chunk) {
+    for (int64_t s = group_first[gi]; s < group_spans[gi]; s += chunk) {
       units.push_back({gi, s, std::min(group_spans[gi], s + chunk)});
       unit_work.push_back((units.back().last - s) * (b1 - b0));
     }
@@ -726,7 +741,7 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
         const Unit& unit = units[u];
         const int64_t b0 = group_start[unit.group], b1 = group_start[unit.group + 1];
         const int64_t* table = tables + b0 * max_blocks;
-        const bool whole = split_at[b0] < 0;
+        const bool whole = !is_split[b0];
         // where row b's partial for span s and kv head h goes
         auto part_of = [&](int64_t b, int64_t s, int64_t h) {
           return whole ? span_part.data() + ((b - b0) * KVH + h) * part_size
@@ -745,7 +760,7 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
           const int64_t start = s * kSpan;
           seen.clear();
           for (int64_t b = b0; b < b1; ++b)
-            if (lens[b] >= start + kSpan) seen.push_back(b);
+            if (lens[b] >= start + kSpan && first_key(b) <= start) seen.push_back(b);
           for (int64_t h = 0; h < KVH; ++h) {
             ask_ahead<E>(P, table, start + kSpan, std::min(unit_end, start + 2 * kSpan), h, S.ahead);
             if (!seen.empty()) {  // the rows that see the whole span, together
@@ -761,8 +776,10 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
               span_partial<E>(P, qv.data(), qv.size(), table, start, start + kSpan, h,
                               res.data(), S);
             }
-            for (int64_t b = b0; b < b1; ++b) {  // a row whose context ends inside the span
-              if (lens[b] <= start || lens[b] >= start + kSpan) continue;
+            for (int64_t b = b0; b < b1; ++b) {  // a row whose keys end or begin inside it
+              const int64_t lo = std::max(start, first_key(b));
+              const int64_t hi = std::min(lens[b], start + kSpan);
+              if (hi <= lo || (lo == start && hi == start + kSpan)) continue;
               float* dst = part_of(b, s, h);
               qv.clear();
               res.clear();
@@ -770,12 +787,12 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
                 qv.push_back(qp + (b * H + h * G + g) * D);
                 res.push_back(dst + g * (D + 2));
               }
-              span_partial<E>(P, qv.data(), G, table, start, lens[b], h, res.data(), S);
+              span_partial<E>(P, qv.data(), G, table, lo, hi, h, res.data(), S);
             }
           }
           if (whole)  // a row's H heads' partials lie together: (kv head, its heads)
             for (int64_t b = b0; b < b1; ++b)
-              if (lens[b] > start)
+              if (lens[b] > start && first_key(b) < start + kSpan)
                 fold_span(state.data() + (b - b0) * H * (D + 2), part_of(b, s, 0), H, D);
         }
         if (whole)
@@ -803,9 +820,8 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = split_rows[i];
         for (int64_t head = 0; head < H; ++head) start_state(state.data() + head * (D + 2), D);
-        const float* first = pp + split_at[b] * KVH * part_size;
-        for (int64_t s = 0; s < (lens[b] + kSpan - 1) / kSpan; ++s)
-          fold_span(state.data(), first + s * KVH * part_size, H, D);
+        for (int64_t s = first_span(b); s < spans_of(b); ++s)
+          fold_span(state.data(), pp + (split_at[b] + s) * KVH * part_size, H, D);
         for (int64_t head = 0; head < H; ++head)
           finish_state(op + (b * H + head) * D, state.data() + head * (D + 2), D);
       }
@@ -817,14 +833,14 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
 template <typename E>
 at::Tensor attend_float_pool(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& tables,
-                             const at::Tensor& lens, double scale) {
+                             const at::Tensor& lens, double scale, int64_t window) {
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), D = q.size(2);
   const Pool P{static_cast<const char*>(k_cache.data_ptr()),
                static_cast<const char*>(v_cache.data_ptr()),
                block_size, KVH, D, q.size(1) / KVH,
                block_size * KVH * D * static_cast<int64_t>(sizeof(E)), 0,
                static_cast<float>(scale)};
-  return attend<E>(q, P, k_cache.size(0), tables, lens);
+  return attend<E>(q, P, k_cache.size(0), tables, lens, window);
 }
 
 // q: (T, H, D) float32; k_cache, v_cache: (num_blocks, block_size, KVH, D) float32, bfloat16 or
@@ -837,7 +853,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, a
                                   const at::Tensor& block_tables_in, const at::Tensor& ctx_lens_in,
                                   double scale_in, const c10::optional<at::Tensor>& k_new,
                                   const c10::optional<at::Tensor>& v_new,
-                                  const c10::optional<at::Tensor>& slots) {
+                                  const c10::optional<at::Tensor>& slots, int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: none)");
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "paged_decode_attention: q (T, H, D), caches (blocks, block_size, KVH, D)");
   const auto dtype = k_cache.scalar_type();
@@ -875,10 +892,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, a
     }
   }
   if (dtype == at::kBFloat16)
-    return attend_float_pool<at::BFloat16>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in);
+    return attend_float_pool<at::BFloat16>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in,
+                                           window);
   if (dtype == at::kHalf)
-    return attend_float_pool<at::Half>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in);
-  return attend_float_pool<float>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in);
+    return attend_float_pool<at::Half>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in,
+                                           window);
+  return attend_float_pool<float>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in,
+                                           window);
 }
 
 // paged_decode_attention over int8 KV: k_raw, v_raw (num_blocks, half_bytes) uint8 rows of one
@@ -889,7 +909,8 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q_in, at::Tensor& k_raw
                                        const at::Tensor& ctx_lens_in, double scale_in,
                                        int64_t block_size, const c10::optional<at::Tensor>& k_new,
                                        const c10::optional<at::Tensor>& v_new,
-                                       const c10::optional<at::Tensor>& slots) {
+                                       const c10::optional<at::Tensor>& slots, int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_decode_attention_int8: window must be >= 0 (0: none)");
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "paged_decode_attention_int8: q must be float32 (T, H, D)");
   TORCH_CHECK(k_raw.scalar_type() == at::kByte && v_raw.scalar_type() == at::kByte &&
@@ -914,7 +935,7 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q_in, at::Tensor& k_raw
                reinterpret_cast<const char*>(v_raw.data_ptr<uint8_t>()),
                block_size, KVH, D, H / KVH, half, block_size * KVH * D,
                static_cast<float>(scale_in)};
-  return attend<int8_t>(q, P, k_raw.size(0), block_tables, ctx_lens);
+  return attend<int8_t>(q, P, k_raw.size(0), block_tables, ctx_lens, window);
 }
 
 }  // namespace
@@ -923,11 +944,11 @@ TORCH_LIBRARY(kvwise, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor block_tables, Tensor ctx_lens, float scale, Tensor? k_new=None, "
-      "Tensor? v_new=None, Tensor? slots=None) -> Tensor");
+      "Tensor? v_new=None, Tensor? slots=None, int window=0) -> Tensor");
   m.def(
       "paged_decode_attention_int8(Tensor q, Tensor(a!) k_raw, Tensor(b!) v_raw, "
       "Tensor block_tables, Tensor ctx_lens, float scale, int block_size, Tensor? k_new=None, "
-      "Tensor? v_new=None, Tensor? slots=None) -> Tensor");
+      "Tensor? v_new=None, Tensor? slots=None, int window=0) -> Tensor");
   m.def(
       "kv_write_int8(Tensor(a!) k_raw, Tensor(b!) v_raw, Tensor k, Tensor v, Tensor slots, "
       "int block_size) -> ()");

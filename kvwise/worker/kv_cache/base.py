@@ -13,7 +13,7 @@ The contract:
   slot_mapping, k, v)`` then stores each layer's new rows (``(T, kv_heads, head_dim)``) at
   those slots, and ``gather(layer, block_table)`` reads blocks back in the compute dtype.
 - ``rows_attention``: where the format has a paged kernel (and ``use_kernels``, float32
-  compute), ``rows_attention(layer, q, k, v, meta, scale) -> (T, num_heads, head_dim)``
+  compute), ``rows_attention(layer, q, k, v, meta, scale, window=0) -> (T, num_heads, head_dim)``
   writes the step's rows and attends every row over the pool in one go; else None, and the
   torch path reads ``decode_kv`` / ``gather`` (and ``open_block_keys`` for sealed keys).
 - ``lossy``: storing loses something (quantized, or a narrower float than the compute dtype),
@@ -36,9 +36,13 @@ if TYPE_CHECKING:
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-RowsAttention = Callable[
-    [int, torch.Tensor, torch.Tensor, torch.Tensor, "AttentionMetadata", float], torch.Tensor
-]
+# (layer, q, k, v, meta, scale, window=0) -> (T, num_heads, head_dim)
+RowsAttention = Callable[..., torch.Tensor]
+
+
+def window_arg(window: int) -> dict[str, int]:
+    """The paged kernels' ``window`` argument, passed only where there is one."""
+    return {"window": window} if window else {}
 
 
 class PagedKVCache:

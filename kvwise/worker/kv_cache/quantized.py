@@ -11,7 +11,7 @@ import torch
 
 from kvwise.core.kv_spec import KVSpec
 from kvwise.worker import kv_quant
-from kvwise.worker.kv_cache.base import PagedKVCache
+from kvwise.worker.kv_cache.base import PagedKVCache, window_arg
 
 
 class QuantizedKVCache(PagedKVCache):
@@ -101,12 +101,14 @@ class Int8KVCache(QuantizedKVCache):
             self.codes[layer][kv][blocks, offsets] = codes
             self.scales[layer][kv][blocks, offsets] = scales
 
-    def _attend_rows(self, layer: int, q, k, v, meta, scale: float) -> torch.Tensor:
-        """Every row through the paged int8 kernel ``(T, num_heads, head_dim)``."""
+    def _attend_rows(self, layer: int, q, k, v, meta, scale: float, window: int = 0):
+        """Every row through the paged int8 kernel ``(T, num_heads, head_dim)``; ``window`` > 0:
+        each row sees its last ``window`` keys."""
         if meta.prefills:
             self.write(layer, meta.slot_mapping, k, v)
             new = ()
         else:  # decodes only: write and attend at once
             new = (k, v, meta.slot_mapping)
         return self._rows_op(q, self.k_blocks[layer], self.v_blocks[layer], meta.row_block_table,
-                             meta.row_ctx_lens, scale, self.block_size, *new)  # fmt: skip
+                             meta.row_ctx_lens, scale, self.block_size, *new,
+                             **window_arg(window))  # fmt: skip
