@@ -6,7 +6,8 @@ from it without loading weights.
 
 The architecture names it accepts are the registered families' (``models/registry.py``);
 the family says how its config.json sets the per-checkpoint flags (``ModelFamily.hf_flags``).
-Supported: Llama (SmolLM2, Llama 2/3), Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm).
+Supported: Llama (SmolLM2, Llama 2/3), Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm),
+Gemma 2 and Gemma 3 text models (``models/gemma.py``: local and global layers, q/k norm for 3).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwise.models import registry
+from kvwise.models.family import LAYER_TYPES
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,15 @@ class ModelArchConfig:
     attention_bias: q/k/v projections have a bias (Qwen2; Llama/Qwen3 when configured).
     o_proj_bias: the output projection has a bias (Llama/Qwen3 with attention_bias=True).
     qk_norm: per-head RMSNorm on q and k before rotary (Qwen3).
-    sliding_window: recorded only (Mistral, Qwen2 with use_sliding_window), in each layer's
-        ``AttentionKind``; the model does not apply it — the attention function owns masking.
+    sliding_window: recorded only (Mistral, Qwen2 with use_sliding_window, Gemma's local
+        layers), in each layer's ``AttentionKind``; the model does not apply it — the
+        attention function owns masking.
+    layer_types: per layer "sliding_attention" (the window) or "full_attention" (none), HF's
+        names; empty: every layer alike (the window, if any, on all).
+    sliding_rope_theta: the rotary base of the sliding layers where it is not ``rope_theta``
+        (Gemma 3's rope_local_base_freq; those layers are then unscaled); None: the same.
+    query_pre_attn_scalar: the softmax scale is its ``** -0.5`` (Gemma); None: head_dim's.
+    final_logit_softcap: ``cap * tanh(logits / cap)`` on the final logits (Gemma 2); None.
     """
 
     architecture: str
@@ -115,6 +124,10 @@ class ModelArchConfig:
     o_proj_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcap: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -149,12 +162,29 @@ class ModelArchConfig:
             raise ValueError(f"sliding_window must be None or > 0, got {self.sliding_window}")
         if not isinstance(self.eos_token_ids, tuple):
             raise ValueError("eos_token_ids must be a tuple of ints")
+        self._check_layer_types()
+        for name in ("sliding_rope_theta", "query_pre_attn_scalar", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be None or > 0, got {value!r}")
         scaling = self.rope_scaling
         if scaling is not None and scaling.rope_type == "freq_factors":
             if len(scaling.freq_factors or ()) != self.head_dim // 2:
                 raise ValueError(
                     f"rope_scaling.freq_factors must have head_dim/2 = {self.head_dim // 2} entries"
                 )
+
+    def _check_layer_types(self) -> None:
+        if not isinstance(self.layer_types, tuple):
+            raise ValueError("layer_types must be a tuple of str")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types: {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers")  # fmt: skip
+        odd = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if odd:
+            raise ValueError(f"layer_types: unsupported {odd}; supported: {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types: sliding_attention layers need a sliding_window")
 
     def replace(self, **changes: Any) -> ModelArchConfig:
         return dataclasses.replace(self, **changes)
@@ -168,10 +198,12 @@ class ModelArchConfig:
         """
         architecture = _hf_architecture(config)
         family = registry.family_for(architecture)
-        if config.get("hidden_act", "silu") not in family.hf_activations:
+        # Gemma's modeling reads hidden_activation (its configs may hold a stale hidden_act)
+        act_key = "hidden_activation" if "hidden_activation" in config else "hidden_act"
+        if config.get(act_key, family.hf_activations[0]) not in family.hf_activations:
             raise ValueError(
-                f"hidden_act: only {', '.join(map(repr, family.hf_activations))} is supported, "
-                f"got {config['hidden_act']!r}"
+                f"{act_key}: only {', '.join(map(repr, family.hf_activations))} is supported, "
+                f"got {config[act_key]!r}"
             )
         if config.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP biases are not supported")
@@ -184,9 +216,8 @@ class ModelArchConfig:
             rope_theta = config.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
             if float(rope_params.get("partial_rotary_factor", 1.0)) != 1.0:
                 raise ValueError("partial_rotary_factor: partial rotary is not supported")
-            flags = family.hf_flags(architecture, config)
             eos = config.get("eos_token_id")
-            return cls(
+            fields = dict(
                 architecture=architecture,
                 vocab_size=int(config["vocab_size"]),
                 hidden_size=hidden,
@@ -200,16 +231,18 @@ class ModelArchConfig:
                 rope_scaling=RopeScaling.from_hf(rope_params, max_pos),
                 max_position_embeddings=max_pos,
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                **flags,
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=_as_id_tuple(eos),
             )
+            fields.update(family.hf_flags(architecture, config))  # may replace the rotary
         except KeyError as exc:
             raise ValueError(f"model: config.json lacks required field {exc.args[0]!r}") from None
+        return cls(**fields)
 
     @classmethod
     def from_gguf(cls, reader: Any) -> ModelArchConfig:
-        """Build from a `gguf.GGUFReader`'s metadata (architectures llama, qwen2, qwen3).
+        """Build from a `gguf.GGUFReader`'s metadata (architectures llama, qwen2, qwen3,
+        gemma2, gemma3; the family reads its own keys: ``ModelFamily.gguf_flags``).
 
         Tied embeddings are inferred from the absence of an ``output.weight`` tensor, and
         Llama 3.1 scaling from a ``rope_freqs.weight`` tensor (as llama.cpp does).
@@ -225,23 +258,12 @@ class ModelArchConfig:
         tensors = {t.name: t for t in reader.tensors}
         hidden = int(get("embedding_length"))
         num_heads = int(get("attention.head_count"))
-        head_dim = int(get("attention.key_length", 0) or hidden // num_heads)
         vocab = get("vocab_size")
         if vocab is None:
             vocab = int(tensors["token_embd.weight"].shape[-1])
-        max_pos = int(get("context_length", 2048))
-        scaling = None
-        scaling_type = get("rope.scaling.type", "none")
-        if scaling_type == "linear":
-            scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
-        elif scaling_type not in ("none", None):
-            raise ValueError(f"rope_scaling: unsupported GGUF rope scaling type '{scaling_type}'")
-        if "rope_freqs.weight" in tensors:
-            factors = tuple(float(x) for x in tensors["rope_freqs.weight"].data.reshape(-1))
-            scaling = RopeScaling("freq_factors", freq_factors=factors)
         eos = [_gguf_field(reader, "tokenizer.ggml.eos_token_id")]
         eos.append(_gguf_field(reader, "tokenizer.ggml.eot_token_id"))
-        return cls(
+        fields = dict(
             architecture=architecture,
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -249,11 +271,11 @@ class ModelArchConfig:
             num_layers=int(get("block_count")),
             num_heads=num_heads,
             num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=head_dim,
+            head_dim=int(get("attention.key_length", 0) or hidden // num_heads),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=max_pos,
+            rope_scaling=_gguf_rope_scaling(get, tensors),
+            max_position_embeddings=int(get("context_length", 2048)),
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
             o_proj_bias="blk.0.attn_output.bias" in tensors,
@@ -262,6 +284,21 @@ class ModelArchConfig:
             bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=_as_id_tuple([e for e in eos if e is not None]),
         )
+        fields.update(registry.family_for(architecture).gguf_flags(get, fields))
+        return cls(**fields)
+
+
+def _gguf_rope_scaling(get: Any, tensors: dict[str, Any]) -> RopeScaling | None:
+    scaling = None
+    scaling_type = get("rope.scaling.type", "none")
+    if scaling_type == "linear":
+        scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
+    elif scaling_type not in ("none", None):
+        raise ValueError(f"rope_scaling: unsupported GGUF rope scaling type '{scaling_type}'")
+    if "rope_freqs.weight" in tensors:
+        factors = tuple(float(x) for x in tensors["rope_freqs.weight"].data.reshape(-1))
+        scaling = RopeScaling("freq_factors", freq_factors=factors)
+    return scaling
 
 
 def _hf_architecture(config: dict[str, Any]) -> str:

@@ -14,11 +14,15 @@ declares where its models differ from that outline; the decoder, its weight form
 - ``embedding_scale``: a factor on the embedded tokens (Gemma: sqrt(hidden)), or None;
 - ``logit_softcap``: ``cap * tanh(logits / cap)`` on the final logits, or None;
 - ``attention_kinds``: per layer, the attention it runs (full or a sliding window of W
-  tokens, its rotary base and scaling, its softmax scale): see ``AttentionKind``;
+  tokens, its rotary base and scaling, its softmax scale): see ``AttentionKind``; by default
+  read from the config (``ModelArchConfig.layer_types``, ``sliding_rope_theta``,
+  ``query_pre_attn_scalar``);
 - the HF tensor names of its weights (``norm_names``, ``linear_parts``, ...), which the
-  loader maps onto the fused parameters;
-- ``hf_flags``: the per-checkpoint flags its config.json sets (q/k/v biases, q/k norm, the
-  sliding window), and ``hf_activations``: the config's names for its activation.
+  loader maps onto the fused parameters (a GGUF's tensors are renamed onto the same slots:
+  ``models/gguf_weights.py``), and ``gguf_norm_offset``, what llama.cpp added to its norms;
+- ``hf_flags`` / ``gguf_flags``: the per-checkpoint fields its config.json / GGUF metadata set
+  (q/k/v biases, q/k norm, the sliding window and which layers use it, ...), and
+  ``hf_activations``: the config's names for its activation.
 
 Biases and the q/k norm stay per checkpoint (``ModelArchConfig`` flags, set by ``hf_flags``):
 within the Llama family Qwen2 has q/k/v biases and Qwen3 a q/k norm. A family whose choices
@@ -31,6 +35,7 @@ a model. Families are registered by architecture name in ``models/registry.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,6 +44,10 @@ if TYPE_CHECKING:
 
 NORMS = ("rms", "rms_one_plus")
 ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names, config.json layer_types
+
+# reads ``{gguf architecture}.{key}`` of a GGUF's metadata, or the default where it is absent
+GGUFGetter = Callable[[str, Any], Any]
 
 # the linear weights of a Llama layer, by the HF names of their parts (fused in this order)
 LLAMA_LINEAR_PARTS: dict[str, tuple[str, ...]] = {
@@ -57,9 +66,8 @@ class AttentionKind:
     rope_theta, rope_scaling: the rotary base and scaling of this layer's q and k.
     softmax_scale: the score scale; None: ``head_dim ** -0.5``.
 
-    NOTE: the model applies the rotary of each layer's kind; the attention backend does not
-    read the window or the scale yet (every supported checkpoint has the default scale, and
-    the engine caps the context at a sliding window): the hybrid KV cache will.
+    NOTE: the model applies the rotary of each layer's kind; the attention backend applies
+    its window and scale (``worker/attention.py``'s ``LayerAttention``).
     """
 
     sliding_window: int | None
@@ -97,6 +105,9 @@ class ModelFamily:
         "self_attn.k_norm.weight",
     )
     ignored_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    # what llama.cpp's converter added to every norm weight (``*norm.weight``; Gemma's 1): the
+    # GGUF loader subtracts it, so a GGUF's norms hold what the HF checkpoint's hold
+    gguf_norm_offset: ClassVar[float] = 0.0
 
     @classmethod
     def check(cls) -> None:
@@ -133,15 +144,28 @@ class ModelFamily:
 
     @classmethod
     def logit_softcap(cls, arch: ModelArchConfig) -> float | None:
-        """The final logits' soft cap (after the quantized head's refinement); None: none."""
-        return None
+        """The final logits' soft cap (after the quantized head's refinement); None: none.
+        Default: the config's ``final_logit_softcap``."""
+        return arch.final_logit_softcap
 
     @classmethod
     def attention_kinds(cls, arch: ModelArchConfig) -> tuple[AttentionKind, ...]:
-        """One ``AttentionKind`` a layer. Default: every layer alike, the config's rotary and
-        sliding window."""
-        kind = AttentionKind(arch.sliding_window, arch.rope_theta, arch.rope_scaling)
-        return (kind,) * arch.num_layers
+        """One ``AttentionKind`` a layer. Default, from the config: without ``layer_types``
+        every layer alike (the sliding window, if any, and the rotary); with them, a
+        "sliding_attention" layer has the window and ``sliding_rope_theta`` (unscaled) where
+        that is set, else the config's rotary, and a "full_attention" layer no window and the
+        config's rotary (Gemma 3: rope_scaling on the global layers only). The softmax scale
+        is ``query_pre_attn_scalar ** -0.5`` where that is not the head_dim."""
+        scalar = arch.query_pre_attn_scalar
+        scale = None if scalar is None or scalar == arch.head_dim else scalar**-0.5
+        if not arch.layer_types:
+            kind = AttentionKind(arch.sliding_window, arch.rope_theta, arch.rope_scaling, scale)
+            return (kind,) * arch.num_layers
+        full = AttentionKind(None, arch.rope_theta, arch.rope_scaling, scale)
+        sliding = AttentionKind(arch.sliding_window, arch.rope_theta, arch.rope_scaling, scale)
+        if arch.sliding_rope_theta is not None:
+            sliding = AttentionKind(arch.sliding_window, arch.sliding_rope_theta, None, scale)
+        return tuple(sliding if t == "sliding_attention" else full for t in arch.layer_types)
 
     @classmethod
     def hf_flags(cls, architecture: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +174,16 @@ class ModelFamily:
         bias = bool(config.get("attention_bias", False))
         return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=False,
                     sliding_window=config.get("sliding_window"))  # fmt: skip
+
+    @classmethod
+    def gguf_flags(cls, get: GGUFGetter, fields: dict[str, Any]) -> dict[str, Any]:
+        """The ``ModelArchConfig`` fields a GGUF's metadata of this family sets beyond those
+        every GGUF has (``fields``: what ``from_gguf`` read, which these replace).
+
+        Args:
+            get: ``get(key, default)`` reads ``{general.architecture}.{key}``.
+        """
+        return {}
 
 
 class LlamaFamily(ModelFamily):

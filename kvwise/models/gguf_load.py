@@ -38,7 +38,7 @@ from kvwise.models.gguf_blocks import SPECS, BlockWeight
 from kvwise.models.gguf_pack import fast_pack
 from kvwise.models.gguf_types import FLOATS as _FLOATS
 from kvwise.models.gguf_types import runs_as
-from kvwise.models.gguf_weights import hf_name
+from kvwise.models.gguf_weights import from_gguf_norm, hf_name
 from kvwise.models.linear import float_mm
 from kvwise.models.quant import QK, Int4Weight, Q8Weight, q4_groups
 
@@ -207,7 +207,7 @@ class GGUFWeightLoader:
     def load(self, tensors: Iterable[gguf.ReaderTensor]) -> list[WeightRow]:
         with returned_to_the_system():
             for tensor in tensors:
-                name = hf_name(tensor.name)
+                name = hf_name(tensor.name, self.family)
                 if name is not None:
                     self._take(name, tensor)
             self._finish()
@@ -268,9 +268,11 @@ class GGUFWeightLoader:
         _release(self.reader, tensor)
 
     def _float(self, name: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
-        """A small tensor (a norm, a bias; a float embedding) dequantized, rows in HF order."""
+        """A small tensor (a norm, a bias; a float embedding) dequantized, rows in HF order
+        (a norm as the HF checkpoint holds it: ``gguf_weights.from_gguf_norm``)."""
         raw = np.asarray(dequantize(self._raw(name, tensor), tensor.tensor_type), np.float32)
-        return torch.from_numpy(raw.reshape(tuple(int(d) for d in reversed(tensor.shape))).copy())
+        floats = torch.from_numpy(raw.reshape(tuple(int(d) for d in reversed(tensor.shape))).copy())
+        return from_gguf_norm(self.family, name, floats)
 
     def _count(self, gguf_type: str, how: str, nbytes: int = 0) -> None:
         self.report[gguf_type, how] += 1

@@ -2,8 +2,15 @@
 
 llama.cpp's converter permutes the rows of q/k (weights and biases) of `llama`-architecture
 models so that its interleaved ("GPT-J") rope can be applied; we undo that permutation so the
-model uses the HF rotate_half convention for every source. qwen2/qwen3 GGUFs use llama.cpp's
-NEOX rope and are stored unpermuted.
+model uses the HF rotate_half convention for every source. qwen2/qwen3 and gemma2/gemma3 GGUFs
+use llama.cpp's NEOX rope and are stored unpermuted.
+
+Names: a GGUF norm lands on the family's slot of it (``ModelFamily.norm_names``: llama.cpp's
+``ffn_norm`` is Llama's post_attention_layernorm but Gemma's pre_feedforward_layernorm, and its
+``post_attention_norm`` / ``post_ffw_norm`` are Gemma's post-norms); the top-level tensors take
+the family's names. llama.cpp's converter adds 1 to every Gemma norm weight (HF's GemmaRMSNorm
+scales by ``1 + w``); the loader subtracts the family's ``gguf_norm_offset`` again, in float32
+as transformers' GGUF loader does, so both compute the same ``1 + w``.
 
 GGUF lists a tensor's dims innermost first (`[in, out]` for a matrix); numpy order is the
 reverse, which is the HF `[out, in]` layout.
@@ -20,19 +27,25 @@ import torch
 from gguf.quants import dequantize
 
 from kvwise.models.arch import ModelArchConfig
+from kvwise.models.family import LlamaFamily, ModelFamily
 from kvwise.models.gguf_file import GGUFFile
 from kvwise.models.quant import q4_groups
+from kvwise.models.registry import family_for
 
 NATIVE_INT4 = ("Q4_0", "Q4_1")  # GGUF types that map exactly onto the int4 kernel's groups
 
-_TOP_LEVEL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+_TOP_LEVEL = {  # GGUF name -> the family's attribute naming its HF tensor
+    "token_embd.weight": "embed_name",
+    "output_norm.weight": "final_norm_name",
+    "output.weight": "lm_head_name",
+}
+_NORM_SLOTS = {  # a layer's GGUF norm -> its slot in ModelFamily.norm_names
+    "attn_norm.weight": "input_norm",
+    "ffn_norm.weight": "mlp_norm",
+    "post_attention_norm.weight": "attn_out_norm",
+    "post_ffw_norm.weight": "mlp_out_norm",
 }
 _PER_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
@@ -61,20 +74,31 @@ def open_gguf(path: str | Path) -> GGUFFile:
     return GGUFFile(path)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF name for a GGUF tensor name; None for tensors that are not weights (rope_freqs).
+def hf_name(gguf_name: str, family: type[ModelFamily] = LlamaFamily) -> str | None:
+    """``family``'s HF name for a GGUF tensor name; None for tensors that are not weights
+    (rope_freqs).
 
     Raises:
-        ValueError: a name this loader does not know.
+        ValueError: a name this loader does not know (or a norm the family does not have).
     """
     if gguf_name in _TOP_LEVEL:
-        return _TOP_LEVEL[gguf_name]
+        return getattr(family, _TOP_LEVEL[gguf_name])
     if gguf_name in _SKIPPED:
         return None
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _PER_LAYER:
-        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        within = _PER_LAYER.get(parts[2]) or family.norm_names.get(_NORM_SLOTS.get(parts[2], ""))
+        if within is not None:
+            return f"{family.layer_prefix}{parts[1]}.{within}"
     raise ValueError(f"weights: unexpected GGUF tensor '{gguf_name}'")
+
+
+def from_gguf_norm(family: type[ModelFamily], name: str, floats: torch.Tensor) -> torch.Tensor:
+    """``floats`` of the HF tensor ``name`` as the HF checkpoint holds it: a norm weight less
+    the ``gguf_norm_offset`` llama.cpp added (float32, in place); any other tensor as it is."""
+    if family.gguf_norm_offset and name.endswith("norm.weight"):
+        return floats.sub_(family.gguf_norm_offset)
+    return floats
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -116,9 +140,10 @@ def iter_gguf_weights(
     """
     gguf_arch = str(reader.fields["general.architecture"].contents())
     permuted = gguf_arch == "llama"
+    family = family_for(arch.architecture)
     native = set(native_int4)
     for tensor in reader.tensors if tensors is None else tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, family)
         if name is None:
             continue
         if name in native and tensor.tensor_type.name in NATIVE_INT4:
@@ -126,7 +151,8 @@ def iter_gguf_weights(
             parts = q4_groups(tensor.data, tensor.tensor_type.name, shape)
             yield name, tuple(_unpermuted(name, part, arch, permuted) for part in parts)
             continue
-        yield name, _unpermuted(name, tensor_to_torch(tensor), arch, permuted)
+        floats = from_gguf_norm(family, name, tensor_to_torch(tensor))
+        yield name, _unpermuted(name, floats, arch, permuted)
 
 
 def _unpermuted(name: str, rows: torch.Tensor, arch: ModelArchConfig, permuted: bool):

@@ -12,6 +12,7 @@ architectures, and the decoder reads its family from here. Pure Python (no torch
 from __future__ import annotations
 
 from kvwise.models.family import LlamaFamily, ModelFamily
+from kvwise.models.gemma import Gemma2Family, Gemma3Family
 
 _FAMILIES: dict[str, type[ModelFamily]] = {}  # HF architecture name -> family
 _HF_MODEL_TYPES: dict[str, str] = {}  # config.json model_type -> architecture
@@ -89,3 +90,5 @@ def unsupported(name: str) -> ValueError:
 
 
 register_family(LlamaFamily)
+register_family(Gemma2Family)
+register_family(Gemma3Family)

