@@ -145,8 +145,6 @@ def evaluate(
     """
     stride = default_stride(windows, ctx) if stride is None else stride
     _check_models(candidate, reference, ctx)
-    _check_sliding_window(candidate, ctx, (kv_cache_dtype,))
-    _check_sliding_window(reference or candidate, ctx, (reference_kv_cache_dtype,))
     planned = plan(windows, len(token_ids), ctx, stride, max_windows)
     start_time = time.perf_counter()
     bar = tqdm(planned, desc="eval", unit="window", disable=not progress)
@@ -228,13 +226,6 @@ class _Totals:
         )
 
 
-def _check_sliding_window(model: LoadedModel, ctx: int, kv_dtypes: tuple[str, ...]) -> None:
-    window = model.arch.sliding_window
-    if window and ctx > window and any(map(_through_pool, kv_dtypes)):
-        raise ValueError(f"ctx: {ctx} exceeds the model's sliding window of {window}, which the "
-                         f"engine's attention (measuring the KV format) does not apply")  # fmt: skip
-
-
 def _check_models(candidate: LoadedModel, reference: LoadedModel | None, ctx: int) -> None:
     for name, loaded in (("the model's", candidate), ("the reference's", reference)):
         if loaded is not None and ctx > loaded.arch.max_position_embeddings:
@@ -305,14 +296,14 @@ def _hidden(
         return loaded.model.forward(
             ids, positions, sequence_attention(spec, arch.num_heads, len(ids), layers=layers)
         )
-    kinds = loaded.model.attention_kinds  # each layer's window and scale
+    kinds = loaded.model.attention_kinds  # each layer's window, scale and soft cap
 
     def attn(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k = round_trip(k.float(), kv_dtype, group, keys=True, key_block=block_size)
         v = round_trip(v.float(), kv_dtype, group)
         kind = kinds[layer_idx]
         return dense_causal_attention(
-            q, k, v, scale=kind.softmax_scale, sliding_window=kind.sliding_window
+            q, k, v, kind.softmax_scale, kind.sliding_window, kind.softcap
         )  # (T, H*D)
 
     return loaded.model.forward(ids, positions, attn)

@@ -105,6 +105,8 @@ class ModelArchConfig:
         (Gemma 3's rope_local_base_freq; those layers are then unscaled); None: the same.
     query_pre_attn_scalar: the softmax scale is its ``** -0.5`` (Gemma); None: head_dim's.
     final_logit_softcap: ``cap * tanh(logits / cap)`` on the final logits (Gemma 2); None.
+    attn_logit_softcap: ``cap * tanh(score / cap)`` on every attention score, after the scale
+        and before the softmax (Gemma 2's attn_logit_softcapping); None: none.
     """
 
     architecture: str
@@ -128,6 +130,7 @@ class ModelArchConfig:
     sliding_rope_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcap: float | None = None
+    attn_logit_softcap: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -163,7 +166,8 @@ class ModelArchConfig:
         if not isinstance(self.eos_token_ids, tuple):
             raise ValueError("eos_token_ids must be a tuple of ints")
         self._check_layer_types()
-        for name in ("sliding_rope_theta", "query_pre_attn_scalar", "final_logit_softcap"):
+        for name in ("sliding_rope_theta", "query_pre_attn_scalar", "final_logit_softcap",
+                     "attn_logit_softcap"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be None or > 0, got {value!r}")

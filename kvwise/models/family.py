@@ -14,9 +14,9 @@ declares where its models differ from that outline; the decoder, its weight form
 - ``embedding_scale``: a factor on the embedded tokens (Gemma: sqrt(hidden)), or None;
 - ``logit_softcap``: ``cap * tanh(logits / cap)`` on the final logits, or None;
 - ``attention_kinds``: per layer, the attention it runs (full or a sliding window of W
-  tokens, its rotary base and scaling, its softmax scale): see ``AttentionKind``; by default
-  read from the config (``ModelArchConfig.layer_types``, ``sliding_rope_theta``,
-  ``query_pre_attn_scalar``);
+  tokens, its rotary base and scaling, its softmax scale, a soft cap on its scores): see
+  ``AttentionKind``; by default read from the config (``ModelArchConfig.layer_types``,
+  ``sliding_rope_theta``, ``query_pre_attn_scalar``, ``attn_logit_softcap``);
 - the HF tensor names of its weights (``norm_names``, ``linear_parts``, ...), which the
   loader maps onto the fused parameters (a GGUF's tensors are renamed onto the same slots:
   ``models/gguf_weights.py``), and ``gguf_norm_offset``, what llama.cpp added to its norms;
@@ -65,15 +65,18 @@ class AttentionKind:
     sliding_window: a query at position p sees keys at ``p - window < pos <= p``; None: all.
     rope_theta, rope_scaling: the rotary base and scaling of this layer's q and k.
     softmax_scale: the score scale; None: ``head_dim ** -0.5``.
+    softcap: each scaled score s becomes ``softcap * tanh(s / softcap)`` before the softmax
+        (Gemma 2's attn_logit_softcapping); None: none.
 
     NOTE: the model applies the rotary of each layer's kind; the attention backend applies
-    its window and scale (``worker/attention.py``'s ``LayerAttention``).
+    its window, scale and soft cap (``worker/attention.py``'s ``LayerAttention``).
     """
 
     sliding_window: int | None
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     softmax_scale: float | None = None
+    softcap: float | None = None
 
 
 class ModelFamily:
@@ -155,16 +158,18 @@ class ModelFamily:
         "sliding_attention" layer has the window and ``sliding_rope_theta`` (unscaled) where
         that is set, else the config's rotary, and a "full_attention" layer no window and the
         config's rotary (Gemma 3: rope_scaling on the global layers only). The softmax scale
-        is ``query_pre_attn_scalar ** -0.5`` where that is not the head_dim."""
+        is ``query_pre_attn_scalar ** -0.5`` where that is not the head_dim; every layer's
+        scores soft-capped at ``attn_logit_softcap`` where that is set."""
         scalar = arch.query_pre_attn_scalar
         scale = None if scalar is None or scalar == arch.head_dim else scalar**-0.5
+        cap = arch.attn_logit_softcap
+        rope, window = (arch.rope_theta, arch.rope_scaling), arch.sliding_window
         if not arch.layer_types:
-            kind = AttentionKind(arch.sliding_window, arch.rope_theta, arch.rope_scaling, scale)
-            return (kind,) * arch.num_layers
-        full = AttentionKind(None, arch.rope_theta, arch.rope_scaling, scale)
-        sliding = AttentionKind(arch.sliding_window, arch.rope_theta, arch.rope_scaling, scale)
+            return (AttentionKind(window, *rope, scale, cap),) * arch.num_layers
+        full = AttentionKind(None, *rope, scale, cap)
+        sliding = AttentionKind(window, *rope, scale, cap)
         if arch.sliding_rope_theta is not None:
-            sliding = AttentionKind(arch.sliding_window, arch.sliding_rope_theta, None, scale)
+            sliding = AttentionKind(window, arch.sliding_rope_theta, None, scale, cap)
         return tuple(sliding if t == "sliding_attention" else full for t in arch.layer_types)
 
     @classmethod
@@ -205,12 +210,37 @@ class LlamaFamily(ModelFamily):
 
     @classmethod
     def hf_flags(cls, architecture: str, config: dict[str, Any]) -> dict[str, Any]:
-        qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-        use_window = config.get("use_sliding_window", True) if qwen else True
         bias = bool(config.get("attention_bias", False))
         return dict(
             attention_bias=True if architecture == "Qwen2ForCausalLM" else bias,
             o_proj_bias=bias and architecture not in ("MistralForCausalLM", "Qwen2ForCausalLM"),
             qk_norm=architecture == "Qwen3ForCausalLM",
-            sliding_window=config.get("sliding_window") if use_window else None,
+            **_llama_windows(architecture, config),
         )
+
+
+def _llama_windows(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` of a Llama-family config.json, as transformers
+    reads them. Qwen2/3: a window only with ``use_sliding_window`` (default False), and then on
+    layers ``i >= max_window_layers`` (default 28) alone. Any of them: an explicit
+    ``layer_types`` (Ministral-style alternating layers) names each layer's kind, as
+    transformers' Qwen2/3 and Ministral classes read it (its MistralForCausalLM ignores it,
+    with a warning, and windows every layer). Without a window every layer is full; a window
+    on every layer needs no ``layer_types``."""
+    qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    window = config.get("sliding_window")
+    if qwen and not config.get("use_sliding_window", False):
+        window = None
+    types = config.get("layer_types")
+    if types is None and qwen and window is not None:
+        first = int(config.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(int(config["num_hidden_layers"]))]  # fmt: skip
+    if types is None:
+        return dict(sliding_window=window, layer_types=())
+    if set(types) <= set(LAYER_TYPES):  # else ModelArchConfig refuses them by name
+        if window is None or "sliding_attention" not in types:
+            return dict(sliding_window=None, layer_types=())  # transformers: no layer slides
+        if all(t == "sliding_attention" for t in types):
+            types = ()  # every layer alike
+    return dict(sliding_window=window, layer_types=tuple(types))

@@ -7,12 +7,15 @@ the embedded tokens times sqrt(hidden), that factor rounded to float32 and then 
 dtype as HF rounds it; tied embeddings; local (sliding-window) and global layers from
 ``layer_types`` (else Gemma 2: every other layer local, from layer 0; Gemma 3: five local to one
 global); the softmax scale ``query_pre_attn_scalar ** -0.5``. Gemma 2 soft-caps the final
-logits; Gemma 3 has a q/k norm and its own rotary base on the local layers
-(rope_local_base_freq, 10,000; 1,000,000 on the global ones, which alone take rope_scaling).
+logits and every layer's attention scores (``attn_logit_softcapping``, 50.0 in every released
+Gemma 2 and llama.cpp's default for a gemma2 GGUF; the attention backend applies it, each
+layer's ``AttentionKind.softcap``); Gemma 3 has a q/k norm and its own rotary base on the local
+layers (rope_local_base_freq, 10,000; 1,000,000 on the global ones, which alone take
+rope_scaling), and soft-caps its attention only where its config says so (transformers'
+default: none).
 
-Refused, naming the field: Gemma 2's attention-logit soft-capping (``attn_logit_softcapping``,
-50.0 in every released Gemma 2 and llama.cpp's default for a gemma2 GGUF: the attention applies
-none), bidirectional attention, and a scaled rotary on the local layers. The multimodal
+Refused, naming the field: bidirectional attention and a scaled rotary on the local layers.
+The multimodal
 ``Gemma3ForConditionalGeneration`` (model_type "gemma3") is not registered; a gemma3 GGUF holds
 its text model only and loads.
 
@@ -55,7 +58,7 @@ class GemmaFamily(ModelFamily):
     has_qk_norm: ClassVar[bool] = False
     layer_pattern: ClassVar[int] = 2  # every n-th layer global, the others local
     final_softcap: ClassVar[float | None] = None  # final_logit_softcapping
-    attn_softcap: ClassVar[float | None] = None  # attn_logit_softcapping (refused)
+    attn_softcap: ClassVar[float | None] = None  # attn_logit_softcapping
     gguf_window: ClassVar[int | None] = None  # where a GGUF names no sliding window
 
     @classmethod
@@ -65,7 +68,6 @@ class GemmaFamily(ModelFamily):
 
     @classmethod
     def hf_flags(cls, architecture: str, config: dict[str, Any]) -> dict[str, Any]:
-        _refuse("attn_logit_softcapping", config.get("attn_logit_softcapping", cls.attn_softcap))
         _refuse("use_bidirectional_attention", config.get("use_bidirectional_attention"))
         bias = bool(config.get("attention_bias", False))
         types = config.get("layer_types")
@@ -73,6 +75,7 @@ class GemmaFamily(ModelFamily):
             pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
             types = _pattern_types(pattern or cls.layer_pattern, int(config["num_hidden_layers"]))
         cap = config.get("final_logit_softcapping", cls.final_softcap)
+        attn_cap = config.get("attn_logit_softcapping", cls.attn_softcap)
         return dict(
             attention_bias=bias,
             o_proj_bias=bias,
@@ -81,6 +84,7 @@ class GemmaFamily(ModelFamily):
             layer_types=tuple(types),
             query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),
             final_logit_softcap=None if cap is None else float(cap),
+            attn_logit_softcap=None if attn_cap is None else float(attn_cap),
         )
 
     @classmethod
@@ -113,10 +117,14 @@ class Gemma2Family(GemmaFamily):
 
     @classmethod
     def gguf_flags(cls, get: GGUFGetter, fields: dict[str, Any]) -> dict[str, Any]:
-        _refuse("gemma2.attn_logit_softcapping", get("attn_logit_softcapping", cls.attn_softcap))
         base = get("rope.freq_base_swa")
+        attn_cap = get("attn_logit_softcapping", cls.attn_softcap)
         flags = super().gguf_flags(get, fields)
-        return dict(flags, sliding_rope_theta=None if base is None else float(base))
+        return dict(
+            flags,
+            sliding_rope_theta=None if base is None else float(base),
+            attn_logit_softcap=float(attn_cap) if attn_cap else None,  # 0: none
+        )
 
 
 class Gemma3Family(GemmaFamily):
@@ -142,10 +150,9 @@ class Gemma3Family(GemmaFamily):
 
 def _refuse(name: str, value: Any) -> None:
     """Raises ValueError naming ``name`` where ``value`` asks for what kvwise's attention does
-    not do (it soft-caps no attention logits and is causal)."""
+    not do (it is causal)."""
     if value:
-        raise ValueError(f"{name}: {value!r} is not supported (kvwise's attention applies no "
-                         "attention-logit soft-capping and is causal)")  # fmt: skip
+        raise ValueError(f"{name}: {value!r} is not supported (kvwise's attention is causal)")
 
 
 def _pattern_types(pattern: int | list, num_layers: int) -> tuple[str, ...]:

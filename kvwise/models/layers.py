@@ -1,5 +1,6 @@
 """Stateless building blocks of the decoder: the RMSNorms, the GLU activations, rotary tables,
-the logit soft cap, reference attention. A family names its norm and activation
+the logit soft cap, reference attention (and attention with soft-capped scores, which SDPA
+cannot compute). A family names its norm and activation
 (``models/family.py``); ``NORMS`` and ``GLUS`` map those names onto these functions.
 
 Rotary uses the Hugging Face "rotate_half" (non-interleaved) convention: a head vector's first
@@ -105,12 +106,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, rotated, signed_sin)  # (T, n, D)
 
 
+def softcapped_attention(
+    q: torch.Tensor,  # (B, num_heads, n, head_dim)
+    k: torch.Tensor,  # (B, kv_heads, L, head_dim)
+    v: torch.Tensor,  # (B, kv_heads, L, head_dim)
+    scale: float,
+    softcap: float,
+    mask: torch.Tensor | None = None,  # bool, broadcasts to (B, num_heads, n, L); True: attend
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """SDPA's attention (GQA, a bool mask or ``is_causal``), with every score soft-capped
+    after the scale, ``softcap * tanh(score / softcap)``, before the mask and the softmax (as
+    transformers' Gemma 2 eager attention computes it). Returns ``(B, num_heads, n, head_dim)``.
+    """
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)  # (B, num_heads, L, head_dim)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, num_heads, n, L)
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
 def dense_causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference causal attention for ONE sequence (tests, debugging).
 
@@ -120,6 +149,8 @@ def dense_causal_attention(
         scale: softmax scale; default `head_dim ** -0.5`.
         sliding_window: if set, a query at position p sees only keys at `p - window < pos <= p`
             (HF Mistral/Qwen2 semantics).
+        softcap: if set, every score soft-capped, ``softcap * tanh(score / softcap)``, before
+            the softmax (Gemma 2's attn_logit_softcapping).
 
     Returns:
         `(T_q, num_heads * head_dim)`; query i attends to keys `0 .. T_k - T_q + i`.
@@ -129,7 +160,7 @@ def dense_causal_attention(
     if num_k < num_q:
         raise ValueError(f"k: need at least as many keys ({num_k}) as queries ({num_q})")
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, T, D)
-    if num_q == num_k and sliding_window is None:
+    if num_q == num_k and sliding_window is None and softcap is None:
         out = F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True
         )  # (H, T_q, D)
@@ -139,7 +170,13 @@ def dense_causal_attention(
         mask = k_pos <= q_pos  # (T_q, T_k)
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        out = F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True
-        )  # (H, T_q, D)
+        if softcap is not None:
+            out = softcapped_attention(
+                qh[None], kh[None], vh[None], head_dim**-0.5 if scale is None else scale,
+                softcap, mask,
+            )[0]  # fmt: skip
+        else:
+            out = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True
+            )  # (H, T_q, D)
     return out.transpose(0, 1).reshape(num_q, num_heads * head_dim)  # (T_q, H*D)

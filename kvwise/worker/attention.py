@@ -23,12 +23,16 @@ lossily (quantized, or a narrower float), every chunk attends to its gathered bl
 prompt sees the K/V the cache holds whether it was computed now or loaded. The same maths, but
 SDPA's rounding depends on the batch: this path is not batch-invariant.
 
-Sliding windows: each layer's kind (``LayerAttention``: its window and softmax scale, from the
-model's ``attention_kinds``) is the backend's. A row at position p of a windowed layer attends
-to keys ``p - W < j <= p``: the paged kernels take the window (``window=W``: they skip the
-spans before it, the first one cut where the window starts, so a row's bits still depend on
-the row alone), the torch path masks. The int4 format's kernel has no window yet: the engine
-refuses int4 KV for a model with sliding-window layers.
+Sliding windows and soft caps: each layer's kind (``LayerAttention``: its window, softmax scale
+and score soft cap, from the model's ``attention_kinds``) is the backend's. A row at position p
+of a windowed layer attends to keys ``p - W < j <= p``: the paged kernels take the window
+(``window=W``: they skip the spans before it, the first one cut where the window starts, so a
+row's bits still depend on the row alone), the torch path masks. A soft-capped layer (Gemma 2's
+``attn_logit_softcapping``) turns every scaled score s into ``c * tanh(s / c)`` before the
+softmax: the paged kernels take ``softcap=c``; SDPA cannot, so the torch path computes that
+layer's scores explicitly (``models/layers.softcapped_attention``). A layer with neither calls
+the kernels exactly as before. The int4 format's kernel has neither yet: the engine refuses
+int4 KV for a model with sliding-window or soft-capped layers.
 
 A format with sealed keys (int4: ``KVSpec.sealed_keys``) quantizes a block's keys once it is
 full. A query then attends to the keys of earlier blocks as their sealed bytes hold them and to
@@ -46,16 +50,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvwise.models.layers import softcapped_attention
 from kvwise.worker.kv_cache import PagedKVCache
 
 
 @dataclass(frozen=True)
 class LayerAttention:
-    """What one layer's attention computes: keys within ``window`` of the query (0: all) and
-    the score ``scale``."""
+    """What one layer's attention computes: keys within ``window`` of the query (0: all), the
+    score ``scale`` and the scores' soft cap ``softcap`` (``c * tanh(s / c)``; 0: none)."""
 
     window: int
     scale: float
+    softcap: float = 0.0
 
 
 @dataclass
@@ -109,6 +115,9 @@ class TorchSDPAAttention:
         self.layers = list(layers) if layers is not None else None
         self._layer = (lambda i: self.layers[i]) if layers is not None else (lambda i: full)
         self.sealed_keys = kv_cache.spec.sealed_keys
+        if self.sealed_keys and any(k.softcap for k in self.layers or ()):
+            raise ValueError(f"kv_cache_dtype: {kv_cache.spec.dtype} KV has no attention-logit "
+                             "soft-capping yet")  # fmt: skip
         # every row through the format's paged kernel, chosen once
         self._rows = kv_cache.rows_attention if paged_kernel else None
         self.paged_kernel = self._rows is not None
@@ -131,7 +140,7 @@ class TorchSDPAAttention:
 
             def attn_kinds(layer: int, q, k, v) -> torch.Tensor:
                 kind = kinds[layer]
-                out = rows(layer, q, k, v, meta, kind.scale, kind.window)
+                out = rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap)
                 return out.view(q.shape[0], width)
 
             return attn_kinds
@@ -154,7 +163,7 @@ class TorchSDPAAttention:
         num_tokens = q.shape[0]
         kind = self._layer(layer)
         if self._rows is not None:  # every row through the paged kernel (it writes first)
-            out = self._rows(layer, q, k, v, meta, kind.scale, kind.window)
+            out = self._rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap)
             return out.view(num_tokens, self.num_heads * self.head_dim)
         self.kv_cache.write(layer, meta.slot_mapping, k, v)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
@@ -180,9 +189,7 @@ class TorchSDPAAttention:
             lens = meta.row_ctx_lens[: qd.shape[0]].view(-1, 1, 1, 1)
             inside = torch.arange(ctx) >= lens - kind.window  # (Bd, 1, 1, ctx)
             mask = inside if mask is None else mask & inside
-        od = F.scaled_dot_product_attention(
-            qd.unsqueeze(2), kc, vc, attn_mask=mask, scale=kind.scale, enable_gqa=True
-        )  # (Bd, num_heads, 1, head_dim)
+        od = _sdpa(qd.unsqueeze(2), kc, vc, kind, mask)  # (Bd, num_heads, 1, head_dim)
         return od.squeeze(2)
 
     def _attend_prefill(
@@ -197,7 +204,7 @@ class TorchSDPAAttention:
         """One prefill chunk's rows of the batch, ``(n, num_heads, head_dim)`` (the torch
         path)."""
         cache, s, e = self.kv_cache, chunk.token_start, chunk.token_end
-        window, scale = kind.window, kind.scale
+        window = kind.window
         # NOTE: the CPU flash kernel is ~1.5x faster on contiguous (1, heads, n, head_dim)
         # inputs than on strided views of the (T, heads, head_dim) rows.
         qp = q[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, num_heads, n, head_dim)
@@ -205,14 +212,12 @@ class TorchSDPAAttention:
             kc, vc = cache.gather(layer, chunk.block_table, chunk.first_block)
             open_k = cache.open_block_keys(layer, chunk, k)
             return attend_open_blocks(
-                qp, kc[0], vc[0], open_k, chunk.start_pos, cache.block_size, scale
+                qp, kc[0], vc[0], open_k, chunk.start_pos, cache.block_size, kind.scale
             )
         if chunk.start_pos == 0 and not cache.lossy and (not window or e - s <= window):
             kp = k[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, kv_heads, n, head_dim)
             vp = v[s:e].transpose(0, 1).contiguous().unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
-            )
+            op = _sdpa(qp, kp, vp, kind, is_causal=True)
         else:
             ctx = chunk.start_pos + e - s
             kc, vc = cache.gather(layer, chunk.block_table, chunk.first_block)
@@ -222,10 +227,25 @@ class TorchSDPAAttention:
             mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # (n, ctx)
             if window:
                 mask &= torch.arange(ctx).unsqueeze(0) > q_pos - window
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            op = _sdpa(qp, kp, vp, kind, mask)
         return op.squeeze(0).transpose(0, 1)
+
+
+def _sdpa(
+    q: torch.Tensor,  # (B, num_heads, n, head_dim)
+    k: torch.Tensor,  # (B, kv_heads, L, head_dim)
+    v: torch.Tensor,
+    kind: LayerAttention,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """SDPA at the layer's scale; a soft-capped layer's scores computed explicitly (SDPA
+    cannot cap them). ``(B, num_heads, n, head_dim)``."""
+    if kind.softcap:
+        return softcapped_attention(q, k, v, kind.scale, kind.softcap, mask, is_causal)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=kind.scale, enable_gqa=True
+    )
 
 
 def attend_open_blocks(

@@ -85,14 +85,17 @@ class ModelRunner:
 
 
 def layer_attention(model, arch) -> list[LayerAttention] | None:
-    """Each layer's window and score scale from the model's ``attention_kinds``; None where
-    every layer is full attention at ``head_dim ** -0.5`` (or the model declares no kinds)."""
+    """Each layer's window, score scale and score soft cap from the model's
+    ``attention_kinds``; None where every layer is full attention at ``head_dim ** -0.5``
+    with no cap (or the model declares no kinds)."""
     kinds = getattr(model, "attention_kinds", None)
-    if not kinds or all(k.sliding_window is None and k.softmax_scale is None for k in kinds):
+    plain = (None, None, None)
+    if not kinds or all((k.sliding_window, k.softmax_scale, k.softcap) == plain for k in kinds):
         return None
     default = arch.head_dim**-0.5
     return [
         LayerAttention(k.sliding_window or 0,
-                       default if k.softmax_scale is None else k.softmax_scale)
+                       default if k.softmax_scale is None else k.softmax_scale,
+                       k.softcap or 0.0)
         for k in kinds
     ]  # fmt: skip

@@ -117,9 +117,9 @@ def test_kv_formats_cost_in_their_order_measured_through_the_pool(smollm2, corpu
     int4-pt (never stored) by its round trip; KL from float32 KV grows as the format narrows."""
     calls = []
 
-    def counted(spec, *args):
+    def counted(spec, *args, **kwargs):
         calls.append(spec.dtype)
-        return sequence_attention(spec, *args)
+        return sequence_attention(spec, *args, **kwargs)
 
     sequence_attention = evaluate_module.sequence_attention
     monkeypatch.setattr(evaluate_module, "sequence_attention", counted)

@@ -2,12 +2,15 @@
 
 Tiny random ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (built by transformers, saved as HF
 directories) with a window of 8 tokens on their local layers (prompt and output reach ~5x it)
-and a softmax scale of query_pre_attn_scalar 24 (not head_dim 16): kvwise's logits within 1e-4
-of transformers' (float32; dense attention with each layer's declared window and scale) and,
-through the engine (whose attention applies each layer's window and scale), transformers'
-greedy tokens, alone and batched. Run without the windows, with the default scale or with one
-rotary base, the same weights are not transformers'. The tiny models are untied (a random
-tied model repeats one token); a tied one is checked on its logits, and the real model is tied.
+and a softmax scale of query_pre_attn_scalar 24 (not head_dim 16), the Gemma 2s with their
+attention scores soft-capped (attn_logit_softcapping 50.0, the released models', and 2.0, where
+the cap bends most scores): kvwise's logits within 1e-4 of transformers' (float32; dense
+attention with each layer's declared window, scale and soft cap) and, through the engine (whose
+attention applies each layer's window, scale and soft cap: the paged kernel, and the torch
+path), transformers' greedy tokens, alone and batched. Run without the windows, with the
+default scale, with one rotary base or without the attention soft cap, the same weights are not
+transformers'. The tiny models are untied (a random tied model repeats one token); a tied one
+is checked on its logits, and the real model is tied.
 
 The real Gemma 3 270M Q4_K_M GGUF: ``quantization="none"`` gives transformers' greedy tokens on
 the same file (8 prompts under the window of 512 x 32 tokens, alone and batched; one prompt of
@@ -28,7 +31,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from kvwise import LLM, SamplingParams  # noqa: E402
+from kvwise import LLM, SamplingParams, kernels  # noqa: E402
 from kvwise.config import EngineConfig  # noqa: E402
 from kvwise.engine.builder import build_engine  # noqa: E402
 from kvwise.models import registry  # noqa: E402
@@ -38,6 +41,7 @@ from kvwise.models.default import gemma3_model_path  # noqa: E402
 from kvwise.models.layer_ops import TorchLayerOps  # noqa: E402
 from kvwise.models.layers import dense_causal_attention  # noqa: E402
 from kvwise.models.loader import load_model  # noqa: E402
+from kvwise.worker.attention import LayerAttention, TorchSDPAAttention  # noqa: E402
 from tests.model.test_engine_vs_hf import hf_greedy, run  # noqa: E402
 from tests.model.test_model_family import _write_tokenizer  # noqa: E402
 
@@ -55,9 +59,14 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 CASES = {
-    # final soft cap 5: far from linear on these logits (|logit| up to ~3)
-    "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, attn_logit_softcapping=None,
+    # final soft cap 5: far from linear on these logits (|logit| up to ~3); the attention
+    # scores capped at 50 (the released models' cap)
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, attn_logit_softcapping=50.0,
                                     final_logit_softcapping=5.0)),
+    # the attention scores capped at 2: most of them bent (the engine without the cap: other
+    # tokens, test_without_the_attention_soft_cap_the_tokens_are_not_transformers)
+    "gemma2_cap2": ("Gemma2Config", dict(num_hidden_layers=4, attn_logit_softcapping=2.0,
+                                         final_logit_softcapping=5.0)),
     # five local layers (base 10,000), one global (1,000,000, linear scaling on it alone)
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6,
                                         rope_scaling=dict(rope_type="linear", factor=4.0))),
@@ -71,6 +80,7 @@ PROMPTS = [
     [2, 9, 9, 9, 9, 9, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53],
 ]
 ENGINE = dict(progress=False, kv_cache_memory="8MiB", kv_host_memory="off", kv_disk_path="off")
+ENGINE_KV = dict(kv_cache_memory="8MiB", kv_host_memory="off", kv_disk_path="off")
 
 
 def _save_random_gemma(config_name: str, overrides: dict, directory, **changes):
@@ -92,12 +102,15 @@ def _save_random_gemma(config_name: str, overrides: dict, directory, **changes):
 
 
 def _kind_attention(model):
-    """Dense attention over one sequence with each layer's declared window and scale."""
+    """Dense attention over one sequence with each layer's declared window, scale and soft
+    cap."""
     kinds = model.attention_kinds
 
     def attn(layer_idx, q, k, v):
         kind = kinds[layer_idx]
-        return dense_causal_attention(q, k, v, kind.softmax_scale, kind.sliding_window)
+        return dense_causal_attention(
+            q, k, v, kind.softmax_scale, kind.sliding_window, kind.softcap
+        )
 
     return attn
 
@@ -143,21 +156,55 @@ def test_tiny_greedy_tokens_are_transformers_alone_and_batched(tiny):
     assert alone == reference
 
 
+def test_without_the_attention_soft_cap_the_tokens_are_not_transformers(tmp_path):
+    """The cap-2 Gemma 2 through the engine: transformers' tokens through the paged kernel
+    and through the torch path (explicit scores); other tokens with the cap taken off its
+    layers; int4 KV (no soft cap in its kernel) refused."""
+    hf = _save_random_gemma(*CASES["gemma2_cap2"], tmp_path)
+    reference = [hf_greedy(hf, ids, NUM_NEW) for ids in PROMPTS]
+    loaded = load_model(tmp_path, progress=False)
+    config = EngineConfig.from_kwargs(model=str(tmp_path), **ENGINE_KV)
+    engine = build_engine(config, progress=False, loaded=loaded)
+    assert engine.runner.attention.paged_kernel == kernels.available()
+    assert run(engine, PROMPTS, GREEDY) == reference
+    torch_path = build_engine(config, progress=False, loaded=loaded)
+    attention = torch_path.runner.attention
+    torch_path.runner.attention = TorchSDPAAttention(attention.kv_cache, attention.num_heads,
+                                                     attention.head_dim, paged_kernel=False,
+                                                     layers=attention.layers)  # fmt: skip
+    assert run(torch_path, PROMPTS, GREEDY) == reference
+    uncapped = build_engine(config, progress=False, loaded=loaded)
+    attention = uncapped.runner.attention
+    attention.layers = [LayerAttention(k.window, k.scale) for k in attention.layers]
+    assert run(uncapped, PROMPTS, GREEDY) != reference
+    with pytest.raises(ValueError, match="int4 KV has no sliding-window attention or "
+                                         "attention-logit soft-capping"):  # fmt: skip
+        build_engine(EngineConfig.from_kwargs(model=str(tmp_path), kv_cache_dtype="int4",
+                                              **ENGINE_KV), progress=False, loaded=loaded)  # fmt: skip
+
+
 def test_tiny_declarations(tiny):
     name, hf, directory, _ = tiny
-    arch = load_model(directory, progress=False).arch
+    loaded = load_model(directory, progress=False)
+    arch = loaded.arch
     kinds = CausalLM(arch).attention_kinds
     windows = [kind.sliding_window for kind in kinds]
-    if name == "gemma2":  # every other layer local, from layer 0; one rotary; no q/k norm
-        assert windows == [8, None, 8, None]
+    if name.startswith("gemma2"):  # every other layer local, from layer 0; one rotary; no q/k
+        assert windows == [8, None, 8, None]  # norm; every layer's scores capped
         assert {(k.rope_theta, k.rope_scaling) for k in kinds} == {(10000.0, None)}
         assert not arch.qk_norm and arch.final_logit_softcap == 5.0
+        cap = hf.config.attn_logit_softcapping
+        assert arch.attn_logit_softcap == cap and {k.softcap for k in kinds} == {cap}
+        config = EngineConfig.from_kwargs(model=str(directory), **ENGINE_KV)
+        layers = build_engine(config, progress=False, loaded=loaded).runner.attention.layers
+        assert [(k.window, k.softcap) for k in layers] == [(8, cap), (0, cap)] * 2
     else:  # five local (their own base, unscaled) to one global (scaled)
         assert windows == [8] * 5 + [None]
         assert [(k.rope_theta, k.rope_scaling) for k in kinds] == [(10000.0, None)] * 5 + [
             (1e6, RopeScaling("linear", factor=4.0))
         ]
         assert arch.qk_norm and arch.final_logit_softcap is None
+        assert arch.attn_logit_softcap is None and {k.softcap for k in kinds} == {None}
     assert {k.softmax_scale for k in kinds} == {24**-0.5}
     assert arch.layer_types == tuple(hf.config.layer_types)
 
@@ -172,16 +219,17 @@ def test_tied_gemma2_matches_transformers(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "changes",
+    "case, changes",
     [
-        dict(sliding_window=None, layer_types=()),  # every layer full
-        dict(query_pre_attn_scalar=None),  # head_dim ** -0.5
-        dict(rope_theta=10000.0, rope_scaling=None),  # the global layer on the local rotary
+        ("gemma3", dict(sliding_window=None, layer_types=())),  # every layer full
+        ("gemma3", dict(query_pre_attn_scalar=None)),  # head_dim ** -0.5
+        ("gemma3", dict(rope_theta=10000.0, rope_scaling=None)),  # the global layer's rotary
+        ("gemma2_cap2", dict(attn_logit_softcap=None)),  # the attention scores uncapped
     ],
-    ids=["no_window", "default_scale", "one_rotary"],
+    ids=["no_window", "default_scale", "one_rotary", "no_attention_soft_cap"],
 )
-def test_the_checks_can_fail(tmp_path, changes):
-    hf = _save_random_gemma(*CASES["gemma3"], tmp_path)
+def test_the_checks_can_fail(tmp_path, case, changes):
+    hf = _save_random_gemma(*CASES[case], tmp_path)
     arch = ModelArchConfig.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
     model = CausalLM(arch.replace(**changes))
     model.load_weights(load_file(str(tmp_path / "model.safetensors")).items())
@@ -225,7 +273,7 @@ def _write_gemma_gguf(hf, arch: str, path) -> None:
     writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-        writer.add_attn_logit_softcapping(0.0)  # kvwise refuses any other
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     else:  # the global layers' base and scaling; the local base is llama.cpp's 10,000
         full = config.rope_parameters["full_attention"]
@@ -258,9 +306,10 @@ def test_a_tiny_gemma_gguf_is_its_checkpoint(tmp_path, name, quantization):
     hf = _save_random_gemma(*CASES[name], tmp_path, query_pre_attn_scalar=16,
                             tie_word_embeddings=True)  # fmt: skip
     path = tmp_path / f"{name}.gguf"
-    _write_gemma_gguf(hf, name, path)
+    _write_gemma_gguf(hf, name.split("_")[0], path)
     loaded = load_model(path, progress=False, quantization=quantization)
     assert loaded.arch.layer_types == tuple(hf.config.layer_types)
+    assert loaded.arch.attn_logit_softcap == hf.config.attn_logit_softcapping
     assert loaded.weight_format == quantization.replace("auto", "gguf")
     input_ids = torch.arange(2, 40)
     diff = (_logits(loaded.model, input_ids) - _hf_logits(hf, input_ids)).abs().max().item()
@@ -323,9 +372,10 @@ def _gguf_reader(arch: str, layers: int, **metadata):
 
 
 def test_gguf_metadata_of_each_gemma():
-    gemma2 = ModelArchConfig.from_gguf(_gguf_reader("gemma2", 26, attn_logit_softcapping=0.0))
+    gemma2 = ModelArchConfig.from_gguf(_gguf_reader("gemma2", 26))
     assert gemma2.layer_types == ("sliding_attention", "full_attention") * 13
     assert (gemma2.sliding_window, gemma2.final_logit_softcap) == (4096, 30.0)  # llama.cpp's
+    assert gemma2.attn_logit_softcap == 50.0  # llama.cpp's default too
     assert gemma2.query_pre_attn_scalar == 256 and gemma2.sliding_rope_theta is None
     flags = [True, False, True, True] * 6 + [True, False]  # one flag a layer
     gemma3 = ModelArchConfig.from_gguf(_gguf_reader(
@@ -333,6 +383,7 @@ def test_gguf_metadata_of_each_gemma():
                          "attention.sliding_window_pattern": flags}))  # fmt: skip
     assert [t == "sliding_attention" for t in gemma3.layer_types] == flags
     assert gemma3.sliding_rope_theta == 10000.0 and gemma3.final_logit_softcap is None
+    assert gemma3.attn_logit_softcap is None
     # llama.cpp scales the 27B models by hidden / heads (query_pre_attn_scalar 144 / 168)
     big = ModelArchConfig.from_gguf(
         _gguf_reader("gemma3", 62, **{"attention.sliding_window": 1024})
@@ -345,9 +396,6 @@ def test_gguf_metadata_of_each_gemma():
 @pytest.mark.parametrize(
     "config, field",
     [
-        (GEMMA2_HF, "attn_logit_softcapping"),  # Gemma 2's 50.0: the attention caps nothing
-        ({k: v for k, v in GEMMA2_HF.items() if k != "attn_logit_softcapping"},
-         "attn_logit_softcapping"),  # absent: transformers' default, 50.0
         (dict(GEMMA3_4X, use_bidirectional_attention=True), "use_bidirectional_attention"),
         (dict(GEMMA3_4X, layer_types=["chunked_attention"] * 18), "layer_types"),
         (dict(GEMMA3_4X, layer_types=["full_attention"] * 17), "layer_types"),
@@ -357,6 +405,7 @@ def test_gguf_metadata_of_each_gemma():
          "rope_parameters.sliding_attention"),
         (dict(GEMMA3_4X, hidden_activation="gelu"), "hidden_activation"),
         (dict(GEMMA3_4X, final_logit_softcapping=-1.0), "final_logit_softcap"),
+        (dict(GEMMA2_HF, attn_logit_softcapping=0.0), "attn_logit_softcap"),
     ],
 )  # fmt: skip
 def test_unsupported_values_are_refused_by_name(config, field):
@@ -364,10 +413,34 @@ def test_unsupported_values_are_refused_by_name(config, field):
         ModelArchConfig.from_hf_config(config)
 
 
-def test_a_gemma2_gguf_with_attention_soft_capping_is_refused():
-    for metadata in ({"attn_logit_softcapping": 50.0}, {}):  # absent: llama.cpp's 50.0
-        with pytest.raises(ValueError, match="^gemma2.attn_logit_softcapping"):
-            ModelArchConfig.from_gguf(_gguf_reader("gemma2", 26, **metadata))
+_NO_ATTN_CAP = {k: v for k, v in GEMMA2_HF.items() if k != "attn_logit_softcapping"}
+
+
+@pytest.mark.parametrize(
+    "config, cap",
+    [
+        (GEMMA2_HF, 50.0),
+        (_NO_ATTN_CAP, 50.0),  # absent: transformers' default
+        (dict(GEMMA2_HF, attn_logit_softcapping=None), None),
+        (dict(GEMMA2_HF, attn_logit_softcapping=20), 20.0),
+        (dict(GEMMA3_4X, attn_logit_softcapping=30.0), 30.0),  # Gemma 3 caps where told to
+    ],
+)
+def test_a_config_json_soft_caps_every_layers_attention(config, cap):
+    arch = ModelArchConfig.from_hf_config(config)
+    kinds = registry.family_for(arch.architecture).attention_kinds(arch)
+    assert arch.attn_logit_softcap == cap and {k.softcap for k in kinds} == {cap}
+
+
+@pytest.mark.parametrize(
+    "metadata, cap",
+    [({"attn_logit_softcapping": 50.0}, 50.0), ({}, 50.0),  # absent: llama.cpp's default
+     ({"attn_logit_softcapping": 10.0}, 10.0), ({"attn_logit_softcapping": 0.0}, None)],
+)  # fmt: skip
+def test_a_gemma2_gguf_soft_caps_every_layers_attention(metadata, cap):
+    arch = ModelArchConfig.from_gguf(_gguf_reader("gemma2", 26, **metadata))
+    kinds = registry.family_for(arch.architecture).attention_kinds(arch)
+    assert arch.attn_logit_softcap == cap and {k.softcap for k in kinds} == {cap}
 
 
 # ---- the real Gemma 3 270M Q4_K_M GGUF -------------------------------------------------------

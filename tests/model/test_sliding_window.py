@@ -1,11 +1,14 @@
 """Sliding-window attention through the engine, against transformers' own.
 
-Mistral- and Qwen2-shaped random models with a window of 48 (every layer windowed), prompts
-up to 4x the window: greedy tokens identical to transformers' greedy decoding (its cache keeps
-the window's semantics), alone and batched, with prefill chunks smaller than the window, and
-the same tokens cold, from the pool's prefix cache, after preemption and from the disk tier,
-for float32 and int8 KV (int8: identical among themselves). No context cap at the window any
-more; int4 KV, whose kernel has no window, is refused with a clear error.
+Mistral- and Qwen2-shaped random models with a window of 48 (every layer windowed; and a
+Qwen2 with max_window_layers=1, whose window is on its layer 1 alone, as transformers' Qwen2
+puts it on layers i >= max_window_layers), prompts up to 4x the window: greedy tokens identical
+to transformers' greedy decoding (its cache keeps the window's semantics), alone and batched,
+with prefill chunks smaller than the window, and the same tokens cold, from the pool's prefix
+cache, after preemption and from the disk tier, for float32 and int8 KV (int8: identical among
+themselves). No context cap at the window any more; int4 KV, whose kernel has no window, is
+refused with a clear error. Which layers a config.json windows (Qwen2/3's use_sliding_window
+and max_window_layers, an explicit layer_types) is checked against transformers' configs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ transformers = pytest.importorskip("transformers")
 from kvwise import LLM, SamplingParams  # noqa: E402
 from kvwise.config import EngineConfig  # noqa: E402
 from kvwise.engine.builder import build_engine  # noqa: E402
+from kvwise.models import registry  # noqa: E402
+from kvwise.models.arch import ModelArchConfig  # noqa: E402
 from kvwise.models.loader import load_model  # noqa: E402
 from kvwise.worker.attention import LayerAttention  # noqa: E402
 from tests.model.test_engine_vs_hf import hf_greedy, run  # noqa: E402
@@ -28,17 +33,21 @@ from tests.tiers_util import evict_device  # noqa: E402
 WINDOW = 48
 NUM_NEW = 24
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
+# (transformers config, its fields, each layer's window as kvwise's attention gets it); the
+# models have 2 layers (test_models_tiny's COMMON)
 CASES = {
-    "mistral": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW), [WINDOW, WINDOW]),
     "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW,
-                                  max_window_layers=0)),
+                                  max_window_layers=0), [WINDOW, WINDOW]),
+    "qwen2_upper_layers": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW,
+                                               max_window_layers=1), [0, WINDOW]),
 }  # fmt: skip
 LENGTHS = [192, 97, 40, 49]  # 4x the window, past it, inside it, just past it
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def model(request, tmp_path_factory):
-    config_name, overrides = CASES[request.param]
+    config_name, overrides, windows = CASES[request.param]
     directory = tmp_path_factory.mktemp(request.param)
     hf = _save_random_model(
         config_name, dict(num_key_value_heads=2, **overrides),
@@ -48,7 +57,9 @@ def model(request, tmp_path_factory):
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in LENGTHS]
     reference = [hf_greedy(hf, p, NUM_NEW) for p in prompts]
-    return directory, load_model(directory, progress=False), prompts, reference
+    types = getattr(hf.config, "layer_types", None) or ["sliding_attention"] * 2  # Mistral: all
+    assert [WINDOW if t == "sliding_attention" else 0 for t in types] == windows
+    return directory, load_model(directory, progress=False), prompts, reference, windows
 
 
 def _engine(model, **kwargs):
@@ -62,30 +73,35 @@ def _engine(model, **kwargs):
 def test_the_windows_reach_the_attention_and_the_context_is_not_capped(model):
     engine = _engine(model)
     layers = engine.runner.attention.layers
-    assert layers is not None and [k.window for k in layers] == [WINDOW, WINDOW]
+    assert layers is not None and [k.window for k in layers] == model[4]
+    kinds = model[1].model.attention_kinds  # the model's declaration: None where full
+    assert [k.sliding_window or 0 for k in kinds] == model[4]
     assert engine.max_model_len == 256  # the model's context, not its window
 
 
 def test_greedy_tokens_are_transformers_alone_and_batched(model):
-    _, _, prompts, reference = model
+    _, _, prompts, reference, _ = model
     assert run(_engine(model), prompts, GREEDY) == reference
-    unwindowed = _engine(model)  # the check can fail: without the window, other tokens
-    attention = unwindowed.runner.attention
-    attention.layers = [LayerAttention(0, k.scale) for k in attention.layers]
-    assert run(unwindowed, prompts, GREEDY)[0] != reference[0]
+    for windows in ([0, 0], [WINDOW, WINDOW]):  # the check can fail: other windows, other
+        if windows == model[4]:  # tokens (none at all; or on every layer, as kvwise once
+            continue  # windowed a Qwen2 whatever its max_window_layers)
+        other = _engine(model)
+        attention = other.runner.attention
+        attention.layers = [LayerAttention(w, k.scale) for w, k in zip(windows, attention.layers)]
+        assert run(other, prompts, GREEDY) != reference, windows
     for prompt, want in zip(prompts, reference):
         assert run(_engine(model), [prompt], GREEDY) == [want]
 
 
 def test_prefill_chunks_smaller_than_the_window(model):
-    _, _, prompts, reference = model
+    _, _, prompts, reference, _ = model
     engine = _engine(model, prefill_chunk_size=24, max_num_batched_tokens=48)
     assert run(engine, prompts, GREEDY) == reference
 
 
 @pytest.mark.parametrize("kv", ["float32", "int8"])
 def test_cold_from_the_pool_after_preemption_and_from_disk(model, kv, tmp_path):
-    _, _, prompts, reference = model
+    _, _, prompts, reference, _ = model
     cold = run(_engine(model, kv_cache_dtype=kv, enable_prefix_caching=False), prompts, GREEDY)
     if kv == "float32":
         assert cold == reference
@@ -129,3 +145,53 @@ def test_llm_runs_past_the_window(model):
              kv_host_memory="off", kv_disk_path="off", progress=False) as llm:  # fmt: skip
         out = llm.generate([model[2][0]], GREEDY)[0]
     assert out.token_ids == model[3][0]
+
+
+def _windows(arch: ModelArchConfig) -> list[int | None]:
+    """Each layer's window as the family declares it (None: full attention)."""
+    return [k.sliding_window for k in registry.family_for(arch.architecture).attention_kinds(arch)]
+
+
+QWEN2_CONFIG = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=128, hidden_size=64,
+    intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=256, sliding_window=WINDOW,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(use_sliding_window=True, max_window_layers=4),  # layers 4 and 5
+        dict(use_sliding_window=True, max_window_layers=0),  # every layer
+        dict(use_sliding_window=True, max_window_layers=6),  # none
+        dict(use_sliding_window=True),  # max_window_layers absent: 28, so none here
+        dict(use_sliding_window=False, max_window_layers=0),  # the window off
+        dict(max_window_layers=0),  # use_sliding_window absent: off
+        dict(use_sliding_window=True, layer_types=["full_attention", "sliding_attention"] * 3),
+        dict(use_sliding_window=False, layer_types=["sliding_attention"] * 6),  # no window
+    ],
+    ids=["upper", "all", "none", "default_layers", "off", "default_off", "types", "types_off"],
+)
+def test_a_qwen2_config_windows_the_layers_transformers_windows(fields):
+    config = dict(QWEN2_CONFIG, **fields)
+    hf = transformers.Qwen2Config(**{k: v for k, v in config.items()
+                                     if k not in ("architectures", "model_type")})  # fmt: skip
+    want = [WINDOW if t == "sliding_attention" and hf.sliding_window else None
+            for t in hf.layer_types]  # fmt: skip
+    assert _windows(ModelArchConfig.from_hf_config(config)) == want
+
+
+def test_an_explicit_layer_types_in_a_mistral_config_is_honoured():
+    """Ministral-style alternating layers written into a Mistral config.json: each layer's
+    kind as the config names it (transformers' Ministral reads them so)."""
+    types = ["sliding_attention", "full_attention"] * 2
+    config = dict(QWEN2_CONFIG, architectures=["MistralForCausalLM"], model_type="mistral",
+                  num_hidden_layers=4, layer_types=types)  # fmt: skip
+    arch = ModelArchConfig.from_hf_config(config)
+    assert arch.layer_types == tuple(types) and arch.sliding_window == WINDOW
+    assert _windows(arch) == [WINDOW, None] * 2
+    everything = ModelArchConfig.from_hf_config(dict(config, layer_types=None))
+    assert everything.layer_types == () and everything.sliding_window == WINDOW  # every layer
+    with pytest.raises(ValueError, match="^layer_types"):
+        ModelArchConfig.from_hf_config(dict(config, layer_types=["chunked_attention"] * 4))

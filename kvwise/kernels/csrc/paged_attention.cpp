@@ -15,6 +15,11 @@
 // (tests/unit/test_kernels.py, tests/model/test_batch_invariance.py). The query heads of one
 // kv head (GQA) are handled together, so each K/V row is read once.
 //
+// Per call, a layer's kind: `window` = W > 0, a row sees its last W keys only (the spans before
+// them skipped); `softcap` = c > 0, every score (after the scale) becomes c * tanh(score / c)
+// before the softmax (Gemma 2), by one function of the score alone (`cap_scores`). 0: neither,
+// and the bits are those of a kernel without them.
+//
 // Registered as torch.ops.kvwise.paged_decode_attention (float pools) and
 // paged_decode_attention_int8; kvwise/worker/kernels.py builds them.
 
@@ -294,6 +299,7 @@ struct Pool {
   int64_t block_bytes;  // from one block to the next
   int64_t codes_bytes;  // int8: where a block half's scales start
   float scale;
+  float softcap;  // > 0: every score s becomes softcap * tanh(s / softcap); 0: none
 };
 
 // K/V rows asked for a few cache lines at a time while a span computes (the next span's rows of
@@ -486,11 +492,60 @@ inline void ask_ahead(const Pool& P, const int64_t* table, int64_t start, int64_
   ahead = Ahead{&P, table, P.D * static_cast<int64_t>(sizeof(E)), h, start, stop};
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// tanh(x) within 4.4 ulp (2.6e-7; measured against float64 over [-12, 12]), never past +-1:
+// Eigen's rational approximation, an odd degree-13 numerator over an even degree-6
+// denominator, x clamped to +-7.9053 (where tanh is 1 - 2.7e-7); x itself below 4e-4 (where
+// tanh(x) rounds to x).
+inline __m256 tanh256(__m256 x) {
+  const __m256 abs = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  const __m256 tiny = _mm256_cmp_ps(abs, _mm256_set1_ps(4e-4f), _CMP_LT_OQ);
+  const __m256 bound = _mm256_set1_ps(7.90531110763549805f);
+  const __m256 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), bound)),
+                                 bound);
+  const __m256 x2 = _mm256_mul_ps(c, c);
+  __m256 p = _mm256_set1_ps(-2.76076847742355e-16f);
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.00018790482477e-13f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-8.60467152213735e-11f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(5.12229709037114e-08f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(1.48572235717979e-05f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(6.37261928875436e-04f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(4.89352455891786e-03f));
+  p = _mm256_mul_ps(p, c);
+  __m256 q = _mm256_set1_ps(1.19825839466702e-06f);
+  q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(1.18534705686654e-04f));
+  q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(2.26843463243900e-03f));
+  q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(4.89352518554385e-03f));
+  return _mm256_blendv_ps(_mm256_div_ps(p, q), x, tiny);
+}
+#endif
+
+// s[i] = cap * tanh(s[i] / cap) for n scores (Gemma 2's attention-logit soft cap, after the
+// scale, before the softmax). Eight at a time, the tail padded to eight: each score's bits are
+// a function of its value alone, wherever it lies in the array (noinline: one body for all).
+__attribute__((noinline)) void cap_scores(float* s, int64_t n, float cap) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 c = _mm256_set1_ps(cap);
+  auto capped = [&](__m256 x) { return _mm256_mul_ps(tanh256(_mm256_div_ps(x, c)), c); };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, capped(_mm256_loadu_ps(s + i)));
+  if (i < n) {
+    alignas(32) float tail[8] = {};
+    std::copy(s + i, s + n, tail);
+    _mm256_store_ps(tail, capped(_mm256_load_ps(tail)));
+    std::copy(tail, tail + (n - i), s + i);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+#endif
+}
+
 // The softmax partial of keys [start, stop) for nv query vectors qv of KV head h (its query
-// heads, of one row or of several rows that all see these keys): res[v][0] = the largest
-// score, [1] = the sum of exp(score - largest), [2 .. D + 1] = the values weighted by those
-// exps. One compiled body (noinline) for every caller, and each vector's result the same
-// whatever the others: a span's bits never depend on where or with whom it was computed.
+// heads, of one row or of several rows that all see these keys), each score soft-capped where
+// the pool says so: res[v][0] = the largest score, [1] = the sum of exp(score - largest),
+// [2 .. D + 1] = the values weighted by those exps. One compiled body (noinline) for every
+// caller, and each vector's result the same whatever the others: a span's bits never depend
+// on where or with whom it was computed.
 template <typename E>
 __attribute__((noinline)) void span_partial(const Pool& P, const float* const* qv, int64_t nv,
                                             const int64_t* table, int64_t start, int64_t stop,
@@ -520,6 +575,7 @@ __attribute__((noinline)) void span_partial(const Pool& P, const float* const* q
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 32 == 0) {  // the group kernels: each row read once for all the vectors
     all_group_scores<E>(S.scores.data(), n, qv, nv, S.rows.data(), rs, D, P.scale, &S.ahead);
+    if (P.softcap > 0.f) cap_scores(S.scores.data(), nv * n, P.softcap);
     float* outs[64];
     for (int64_t v0 = 0; v0 < nv; v0 += 64) {
       const int64_t count = std::min<int64_t>(64, nv - v0);
@@ -562,6 +618,7 @@ __attribute__((noinline)) void span_partial(const Pool& P, const float* const* q
     } else {
       dots(sg, qv[v], krows, n, D, P.scale);
     }
+    if (P.softcap > 0.f) cap_scores(sg, n, P.softcap);
     float m = sg[0];
     for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
     float* r = res[v];
@@ -833,13 +890,14 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
 template <typename E>
 at::Tensor attend_float_pool(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& tables,
-                             const at::Tensor& lens, double scale, int64_t window) {
+                             const at::Tensor& lens, double scale, int64_t window,
+                             double softcap) {
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), D = q.size(2);
   const Pool P{static_cast<const char*>(k_cache.data_ptr()),
                static_cast<const char*>(v_cache.data_ptr()),
                block_size, KVH, D, q.size(1) / KVH,
                block_size * KVH * D * static_cast<int64_t>(sizeof(E)), 0,
-               static_cast<float>(scale)};
+               static_cast<float>(scale), static_cast<float>(softcap)};
   return attend<E>(q, P, k_cache.size(0), tables, lens, window);
 }
 
@@ -848,13 +906,16 @@ at::Tensor attend_float_pool(const at::Tensor& q, const at::Tensor& k_cache,
 // ctx_lens[t] slots of its table. Returns (T, H, D) float32.
 // k_new, v_new (N, KVH, D) and slots (N,), when given (float32 pools only), are first written
 // into the caches (the step's new K/V rows: a decode-only step writes and attends in this one
-// call).
+// call). window > 0: row t attends to its last `window` keys only; softcap > 0: every score
+// soft-capped, softcap * tanh(score / softcap).
 at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache,
                                   const at::Tensor& block_tables_in, const at::Tensor& ctx_lens_in,
                                   double scale_in, const c10::optional<at::Tensor>& k_new,
                                   const c10::optional<at::Tensor>& v_new,
-                                  const c10::optional<at::Tensor>& slots, int64_t window) {
+                                  const c10::optional<at::Tensor>& slots, int64_t window,
+                                  double softcap) {
   TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be >= 0 (0: none)");
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "paged_decode_attention: q (T, H, D), caches (blocks, block_size, KVH, D)");
   const auto dtype = k_cache.scalar_type();
@@ -893,24 +954,26 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, a
   }
   if (dtype == at::kBFloat16)
     return attend_float_pool<at::BFloat16>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in,
-                                           window);
+                                           window, softcap);
   if (dtype == at::kHalf)
     return attend_float_pool<at::Half>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in,
-                                           window);
-  return attend_float_pool<float>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in,
-                                           window);
+                                       window, softcap);
+  return attend_float_pool<float>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in, window,
+                                  softcap);
 }
 
 // paged_decode_attention over int8 KV: k_raw, v_raw (num_blocks, half_bytes) uint8 rows of one
 // layer (codes (block_size, KVH, D) int8, then scales (block_size, KVH) float32). k_new, v_new,
-// slots: rows to quantize and write first (kv_write_int8), as in the float op.
+// slots: rows to quantize and write first (kv_write_int8); window, softcap: as in the float op.
 at::Tensor paged_decode_attention_int8(const at::Tensor& q_in, at::Tensor& k_raw,
                                        at::Tensor& v_raw, const at::Tensor& block_tables_in,
                                        const at::Tensor& ctx_lens_in, double scale_in,
                                        int64_t block_size, const c10::optional<at::Tensor>& k_new,
                                        const c10::optional<at::Tensor>& v_new,
-                                       const c10::optional<at::Tensor>& slots, int64_t window) {
+                                       const c10::optional<at::Tensor>& slots, int64_t window,
+                                       double softcap) {
   TORCH_CHECK(window >= 0, "paged_decode_attention_int8: window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0, "paged_decode_attention_int8: softcap must be >= 0 (0: none)");
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "paged_decode_attention_int8: q must be float32 (T, H, D)");
   TORCH_CHECK(k_raw.scalar_type() == at::kByte && v_raw.scalar_type() == at::kByte &&
@@ -934,7 +997,7 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q_in, at::Tensor& k_raw
   const Pool P{reinterpret_cast<const char*>(k_raw.data_ptr<uint8_t>()),
                reinterpret_cast<const char*>(v_raw.data_ptr<uint8_t>()),
                block_size, KVH, D, H / KVH, half, block_size * KVH * D,
-               static_cast<float>(scale_in)};
+               static_cast<float>(scale_in), static_cast<float>(softcap)};
   return attend<int8_t>(q, P, k_raw.size(0), block_tables, ctx_lens, window);
 }
 
@@ -944,11 +1007,11 @@ TORCH_LIBRARY(kvwise, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor block_tables, Tensor ctx_lens, float scale, Tensor? k_new=None, "
-      "Tensor? v_new=None, Tensor? slots=None, int window=0) -> Tensor");
+      "Tensor? v_new=None, Tensor? slots=None, int window=0, float softcap=0.0) -> Tensor");
   m.def(
       "paged_decode_attention_int8(Tensor q, Tensor(a!) k_raw, Tensor(b!) v_raw, "
       "Tensor block_tables, Tensor ctx_lens, float scale, int block_size, Tensor? k_new=None, "
-      "Tensor? v_new=None, Tensor? slots=None, int window=0) -> Tensor");
+      "Tensor? v_new=None, Tensor? slots=None, int window=0, float softcap=0.0) -> Tensor");
   m.def(
       "kv_write_int8(Tensor(a!) k_raw, Tensor(b!) v_raw, Tensor k, Tensor v, Tensor slots, "
       "int block_size) -> ()");

@@ -13,9 +13,10 @@ The contract:
   slot_mapping, k, v)`` then stores each layer's new rows (``(T, kv_heads, head_dim)``) at
   those slots, and ``gather(layer, block_table)`` reads blocks back in the compute dtype.
 - ``rows_attention``: where the format has a paged kernel (and ``use_kernels``, float32
-  compute), ``rows_attention(layer, q, k, v, meta, scale, window=0) -> (T, num_heads, head_dim)``
-  writes the step's rows and attends every row over the pool in one go; else None, and the
-  torch path reads ``decode_kv`` / ``gather`` (and ``open_block_keys`` for sealed keys).
+  compute), ``rows_attention(layer, q, k, v, meta, scale, window=0, softcap=0.0) -> (T,
+  num_heads, head_dim)`` writes the step's rows and attends every row over the pool in one go
+  (``window``, ``softcap``: the layer's sliding window and score soft cap, 0: none); else None,
+  and the torch path reads ``decode_kv`` / ``gather`` (and ``open_block_keys`` for sealed keys).
 - ``lossy``: storing loses something (quantized, or a narrower float than the compute dtype),
   so prefill attends over what the pool holds and cold and cached prompts see the same K/V.
 """
@@ -36,13 +37,17 @@ if TYPE_CHECKING:
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# (layer, q, k, v, meta, scale, window=0) -> (T, num_heads, head_dim)
+# (layer, q, k, v, meta, scale, window=0, softcap=0.0) -> (T, num_heads, head_dim)
 RowsAttention = Callable[..., torch.Tensor]
 
 
-def window_arg(window: int) -> dict[str, int]:
-    """The paged kernels' ``window`` argument, passed only where there is one."""
-    return {"window": window} if window else {}
+def kind_args(window: int, softcap: float = 0.0) -> dict[str, int | float]:
+    """The paged kernels' ``window`` and ``softcap`` arguments, each passed only where the
+    layer has one (a layer without either calls the kernel as before they existed)."""
+    args: dict[str, int | float] = {"window": window} if window else {}
+    if softcap:
+        args["softcap"] = float(softcap)
+    return args
 
 
 class PagedKVCache:

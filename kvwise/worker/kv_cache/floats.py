@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvwise.core.kv_spec import KVSpec
-from kvwise.worker.kv_cache.base import TORCH_DTYPES, PagedKVCache, window_arg
+from kvwise.worker.kv_cache.base import TORCH_DTYPES, PagedKVCache, kind_args
 
 
 class FloatKVCache(PagedKVCache):
@@ -80,13 +80,16 @@ class FloatKVCache(PagedKVCache):
             k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         return k, v
 
-    def _attend_rows(self, layer: int, q, k, v, meta, scale: float, window: int = 0):
+    def _attend_rows(
+        self, layer: int, q, k, v, meta, scale: float, window: int = 0, softcap: float = 0.0
+    ):
         """Every row through the paged kernel ``(T, num_heads, head_dim)``; ``window`` > 0:
-        each row sees its last ``window`` keys."""
+        each row sees its last ``window`` keys; ``softcap`` > 0: its scores soft-capped."""
         if self._write_in_op and not meta.prefills:  # decodes only: write and attend at once
             new = (k, v, meta.slot_mapping)
         else:
             self.write(layer, meta.slot_mapping, k, v)
             new = ()
         return self._rows_op(q, self.k_blocks[layer], self.v_blocks[layer], meta.row_block_table,
-                             meta.row_ctx_lens, scale, *new, **window_arg(window))  # fmt: skip
+                             meta.row_ctx_lens, scale, *new,
+                             **kind_args(window, softcap))  # fmt: skip

@@ -182,13 +182,17 @@ class Int4KVCache(QuantizedKVCache):
 
     # ---- the kernel path ---------------------------------------------------------------
 
-    def _attend_rows(self, layer: int, q, k, v, meta, scale: float, window: int = 0):
+    def _attend_rows(
+        self, layer: int, q, k, v, meta, scale: float, window: int = 0, softcap: float = 0.0
+    ):
         """Every row through the int4 kernel ``(T, num_heads, head_dim)``: the decodes read
         their own block's keys from the staging slots, the prefill rows from blocks of
-        full-precision keys built from their chunk's rows. No sliding window (the engine
-        refuses int4 KV for a model that has one)."""
+        full-precision keys built from their chunk's rows. No sliding window and no score soft
+        cap (the engine refuses int4 KV for a model that has either)."""
         if window:
             raise ValueError("kv_cache_dtype: int4 KV has no sliding-window attention yet")
+        if softcap:
+            raise ValueError("kv_cache_dtype: int4 KV has no attention-logit soft-capping yet")
         self.write(layer, meta.slot_mapping, k, v)
         op, plan = self._rows_op, self._plan
         kc, vc, bs, group = (

@@ -11,7 +11,7 @@ import torch
 
 from kvwise.core.kv_spec import KVSpec
 from kvwise.worker import kv_quant
-from kvwise.worker.kv_cache.base import PagedKVCache, window_arg
+from kvwise.worker.kv_cache.base import PagedKVCache, kind_args
 
 
 class QuantizedKVCache(PagedKVCache):
@@ -101,9 +101,11 @@ class Int8KVCache(QuantizedKVCache):
             self.codes[layer][kv][blocks, offsets] = codes
             self.scales[layer][kv][blocks, offsets] = scales
 
-    def _attend_rows(self, layer: int, q, k, v, meta, scale: float, window: int = 0):
+    def _attend_rows(
+        self, layer: int, q, k, v, meta, scale: float, window: int = 0, softcap: float = 0.0
+    ):
         """Every row through the paged int8 kernel ``(T, num_heads, head_dim)``; ``window`` > 0:
-        each row sees its last ``window`` keys."""
+        each row sees its last ``window`` keys; ``softcap`` > 0: its scores soft-capped."""
         if meta.prefills:
             self.write(layer, meta.slot_mapping, k, v)
             new = ()
@@ -111,4 +113,4 @@ class Int8KVCache(QuantizedKVCache):
             new = (k, v, meta.slot_mapping)
         return self._rows_op(q, self.k_blocks[layer], self.v_blocks[layer], meta.row_block_table,
                              meta.row_ctx_lens, scale, self.block_size, *new,
-                             **window_arg(window))  # fmt: skip
+                             **kind_args(window, softcap))  # fmt: skip
