@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
 from kvwise.worker.kv_cache import make_kv_cache
+from tests.unit.test_kernels import _scattered_tables
 
 if not kernels.available():
     if os.environ.get("CI"):
@@ -44,15 +45,8 @@ def _windowed_reference(q, k_cache, v_cache, tables, lens, window):
 
 
 def _tables(lengths, num_blocks, gen):
-    """Scattered blocks per row; rows of one length share one table (a prefill chunk's)."""
-    order = torch.randperm(num_blocks, generator=gen)
-    max_blocks = -(-max(lengths) // BLOCK)
-    tables, used = torch.zeros(len(lengths), max_blocks, dtype=torch.long), 0
-    for b, n in enumerate(lengths):
-        count = -(-n // BLOCK)
-        tables[b, :count] = order[used : used + count]
-        used += count
-    return tables
+    """Scattered blocks per row (test_kernels' tables at this file's block size)."""
+    return _scattered_tables(lengths, BLOCK, num_blocks, gen)
 
 
 def _prefill_rows(start, count, length_of_table, num_blocks, gen):
