@@ -67,6 +67,10 @@ class CacheConfig:
     kv_cache_memory_fraction: float = 0.2
     enable_kv_cache: bool = True  # False: recompute the whole prefix at every step
     enable_prefix_caching: bool = True
+    # a model with sliding-window layers: one block table per attention kind, windowed
+    # layers keep only their window (False: every layer keeps every token, llama.cpp's
+    # --swa-full)
+    hybrid_kv_cache: bool = True
     enable_kv_events: bool = False  # record KV events for cache-aware routers (take_kv_events)
     public_prefixes: tuple[str, ...] = ()  # texts whose KV every tenant may share
     public_system_prompts: tuple[str, ...] = ()  # the same, rendered as chat system messages

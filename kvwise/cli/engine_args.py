@@ -83,6 +83,12 @@ def _add_scheduling_args(g) -> None:
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument(
+        "--no-hybrid-kv-cache",
+        action="store_true",
+        help="a model with sliding-window layers keeps every token of every layer (default: "
+        "windowed layers free the blocks that fall out of their window)",
+    )
+    g.add_argument(
         "--public-system-prompt-file",
         action="append",
         default=[],
@@ -253,6 +259,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "prefill_chunk_size": args.prefill_chunk_size,
         "enable_kv_cache": not args.no_kv_cache,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "hybrid_kv_cache": not args.no_hybrid_kv_cache,
         "public_system_prompts": tuple(_read_text(p) for p in args.public_system_prompt_file),
         "public_prefix_min_tokens": args.public_prefix_min_tokens,
         "num_threads": args.threads,

@@ -119,6 +119,7 @@ class BlockPool:
         max_retained_blocks_per_tenant: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         events: KVEventLog | None = None,
+        null_block: bool = False,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
@@ -131,7 +132,14 @@ class BlockPool:
             else max_retained_blocks_per_tenant
         )
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # null_block: block 0 is set aside (held for ever, neither used nor free), for the
+        # table slots of a windowed group's blocks that fell out of its window
+        self.null_block = self.blocks[0] if null_block else None
+        if self.null_block is not None:
+            if num_blocks < 2:
+                raise ValueError(f"num_blocks: a null block needs two or more, got {num_blocks}")
+            self.null_block.ref_cnt = 1
+        self.free_queue = FreeBlockQueue(self.blocks[1:] if null_block else self.blocks)
         self.retained_queue = FreeBlockQueue(())  # free blocks still kept, in free order
         self.num_retained: dict[str, int] = {}  # tenant -> blocks it keeps (used or free)
         self.cached: dict[BlockHash, KVBlock] = {}
@@ -144,7 +152,7 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self.num_blocks - self.num_free_blocks - (self.null_block is not None)
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -252,18 +260,27 @@ class BlockPool:
         block.retain_until = 0.0
         block.tenant = None
 
-    def cache_blocks(self, blocks: list[KVBlock], block_hashes: list[BlockHash]) -> None:
-        """Record that ``blocks[i]`` holds the full block hashed ``block_hashes[i]``."""
+    def cache_blocks(
+        self,
+        blocks: list[KVBlock],
+        block_hashes: list[BlockHash],
+        start: int = 0,
+        events: bool = True,
+    ) -> None:
+        """Record that ``blocks[i]`` holds the full block hashed ``block_hashes[i]``, for
+        ``i >= start``; ``events``: report them (a hybrid pool reports its group 0 only)."""
         if not self.enable_caching:
             return
         run: list[BlockHash] = []  # newly cached consecutive hashes, for one event
         parent: BlockHash | None = None
-        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
+        log = self.events if events else None
+        for i in range(start, min(len(blocks), len(block_hashes))):
+            block, block_hash = blocks[i], block_hashes[i]
             if block.block_hash is not None or block_hash in self.cached:
                 # already cached (a prefix hit, an earlier step) or computed twice by two
                 # requests at once (the first copy stays)
-                if self.events is not None and run:
-                    self.events.stored(run, parent)
+                if log is not None and run:
+                    log.stored(run, parent)
                 run = []
                 continue
             block.block_hash = block_hash
@@ -271,8 +288,8 @@ class BlockPool:
             if not run:
                 parent = block_hashes[i - 1] if i else None
             run.append(block_hash)
-        if self.events is not None and run:
-            self.events.stored(run, parent)
+        if log is not None and run:
+            log.stored(run, parent)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
@@ -334,4 +351,5 @@ class BlockPool:
         assert all(n <= self.max_retained_per_tenant for n in counts.values())
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, f"{block}: index out of date"
-        assert self.num_free_blocks + self.num_used_blocks == self.num_blocks
+        reserved = self.null_block is not None
+        assert self.num_free_blocks + self.num_used_blocks + reserved == self.num_blocks

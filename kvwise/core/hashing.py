@@ -25,6 +25,7 @@ BlockHash = bytes
 _ROOT_DOMAIN = b"kvwise.root.v1"
 _BLOCK_DOMAIN = b"kvwise.block.v1"
 _JUNCTION_DOMAIN = b"kvwise.junction.v1"
+_GROUP_DOMAIN = b"kvwise.group.v1"
 PUBLIC_TENANT = "\x00public"  # cannot collide with a tenant name (those are printable)
 
 
@@ -49,6 +50,15 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") 
     h.update(_field(parent))
     h.update(_field(struct.pack(f"<{len(token_ids)}q", *token_ids)))
     h.update(_field(extra))
+    return h.digest()
+
+
+def group_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The hash of the same block in hybrid KV group ``group`` >= 1 (group 0 uses the chain's
+    own hashes): each group's copy of a block is its own entry in the pool and the tiers."""
+    h = hashlib.sha256(_field(_GROUP_DOMAIN))
+    h.update(_field(block_hash))
+    h.update(struct.pack("<Q", group))
     return h.digest()
 
 

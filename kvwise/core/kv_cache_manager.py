@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvwise.core.block_pool import BlockPool, KVBlock
-from kvwise.core.hashing import BlockHash, BlockHasher
+from kvwise.core.hashing import BlockHash, BlockHasher, group_hash
 from kvwise.core.kv_events import KVEvent, KVEventLog
+from kvwise.core.kv_spec import first_window_block, held_blocks
 from kvwise.core.request import Request
 from kvwise.core.stat_fields import GAUGE, metric
 
@@ -62,6 +63,9 @@ class KVCacheStats:
 
 
 class KVCacheManager:
+    """See the module docstring. ``windows``: each hybrid KV group's window (0: full
+    attention; ``kv_spec.kv_groups``), group 0 first; ``(0,)``: one table for every layer."""
+
     def __init__(
         self,
         num_blocks: int,
@@ -73,6 +77,7 @@ class KVCacheManager:
         max_retained_blocks_per_tenant: int | None = None,
         clock: Callable[[], float] | None = None,
         kv_events: bool = False,
+        windows: Sequence[int] = (0,),
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
@@ -81,7 +86,10 @@ class KVCacheManager:
                 f"public_min_tokens: must be at least block_size ({block_size}), "
                 f"got {public_min_tokens}"
             )
+        if not windows or any(w < 0 for w in windows):
+            raise ValueError(f"windows: expected one or more windows >= 0, got {windows!r}")
         self.block_size = block_size
+        self.windows = tuple(int(w) for w in windows)
         self.released: list[int] = []  # see take_released
         self.enable_caching = enable_caching
         self.model_fingerprint = model_fingerprint
@@ -95,9 +103,13 @@ class KVCacheManager:
             num_blocks,
             enable_caching,
             max_retained_blocks_per_tenant,
+            null_block=any(self.windows),
             **kwargs,
         )
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # a windowed group's table points here where its blocks fell out of the window: a
+        # block never freed, written or read (the kernels skip the blocks before the window)
+        self.null_block = self.pool.null_block
+        self.req_to_blocks: dict[str, list[list[KVBlock]]] = {}  # one table per group
         # the hash chains (shared with routers: core/hashing.py); owns the public prefixes
         self.hasher = BlockHasher(
             model_fingerprint, block_size, self.public_prefixes, public_min_tokens
@@ -108,22 +120,31 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks requests can hold (the null block apart)."""
+        return self.pool.num_blocks - (self.null_block is not None)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     def add_public_prefix(self, token_ids: Sequence[int]) -> None:
         """Declare a prefix every tenant may share (in whole chunks of ``public_min_tokens``)."""
         self.public_prefixes.append(list(token_ids))
 
     def drop_cached(self, block_hashes: Iterable[BlockHash]) -> int:
-        """Forget the cached blocks with these hashes where they are free (their KV is safe in
-        a slower tier); blocks in use stay. Returns how many were dropped."""
-        return self.pool.drop_cached(block_hashes)
+        """Forget the cached blocks with these (group 0) hashes, and every group's copy of
+        them, where they are free (their KV is safe in a slower tier); blocks in use stay.
+        Returns how many were dropped."""
+        hashes = list(block_hashes)
+        for g in range(1, self.num_groups):
+            hashes += [group_hash(h, g) for h in block_hashes]
+        return self.pool.drop_cached(hashes)
 
     def stats(self, running: Sequence[Request] = ()) -> KVCacheStats:
         """The pool now; ``running``: the live sequences whose utilisation to report."""
         pool = self.pool
         return KVCacheStats(
-            blocks_total=pool.num_blocks,
+            blocks_total=self.num_blocks,
             blocks_used=pool.num_used_blocks,
             blocks_cached_free=pool.num_cached_free_blocks,
             blocks_free=pool.num_free_blocks,
@@ -136,8 +157,28 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def blocks_for(self, num_tokens: int, step_tokens: int) -> int:
+        """Blocks of every group one sequence of ``num_tokens`` holds while computing its last
+        ``step_tokens``."""
+        return sum(held_blocks(w, self.block_size, num_tokens, step_tokens) for w in self.windows)
+
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """Group ``group``'s block table of a request (the null block where a windowed group
+        let blocks go)."""
+        tables = self.req_to_blocks.get(request_id)
+        return [b.block_id for b in tables[group]] if tables else []
+
+    def group_hashes(self, request: Request, group: int) -> list[BlockHash]:
+        """The chain hashes of group ``group``'s blocks of a request, as far as its
+        ``block_hashes`` go (group 0: those; the others: ``hashing.group_hash`` of them)."""
+        if group == 0:
+            return request.block_hashes
+        while len(request.group_hashes) < group:
+            request.group_hashes.append([])
+        hashes = request.group_hashes[group - 1]
+        for h in request.block_hashes[len(hashes) :]:
+            hashes.append(group_hash(h, group))
+        return hashes
 
     def num_public_blocks(self, token_ids: Sequence[int]) -> int:
         """Leading blocks of ``token_ids`` shared as a public prefix (whole chunks only)."""
@@ -153,84 +194,181 @@ class KVCacheManager:
             request.cache_salt, request.num_public_blocks,
         )  # fmt: skip
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest cached prefix of a new request: (blocks, number of tokens they hold).
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVBlock]], int]:
+        """The longest cached prefix of a new request: (each group's blocks, number of tokens
+        they hold). A hit of n blocks needs every block of each full group and, of each
+        windowed group, the blocks the next token's window reads (the others are the null
+        block).
 
         Does not take references; pass the blocks to ``allocate_slots``.
         """
         if not self.enable_caching:
-            return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        self._update_block_hashes(request, max_blocks * self.block_size)
-        blocks = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
+            return [[] for _ in self.windows], 0
+        tables = self._find_hit(request)
         self.num_prefix_query_tokens += request.num_tokens
-        self.num_prefix_hit_tokens += len(blocks) * self.block_size
-        return blocks, len(blocks) * self.block_size
+        self.num_prefix_hit_tokens += len(tables[0]) * self.block_size
+        return tables, len(tables[0]) * self.block_size
 
     def cached_prefix_tokens(self, request: Request) -> int:
         """Tokens of a waiting request's prompt its pool holds now (a load estimate: counts
         nothing, takes nothing)."""
         if not self.enable_caching:
             return 0
+        return len(self._find_hit(request)[0]) * self.block_size
+
+    def _find_hit(self, request: Request) -> list[list[KVBlock]]:
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_blocks * self.block_size)
-        n = 0
-        for block_hash in request.block_hashes[:max_blocks]:
-            if self.pool.get_cached_block(block_hash) is None:
+        get = self.pool.get_cached_block
+        found: list[list[KVBlock | None]] = []
+        n = max_blocks
+        for g, window in enumerate(self.windows):
+            hashes = self.group_hashes(request, g)
+            if window:  # every block: the hit's window may lie anywhere
+                found.append([get(h) for h in hashes[:max_blocks]])
+                continue
+            blocks = []  # a full group: its cached prefix
+            for h in hashes[:n]:
+                block = get(h)
+                if block is None:
+                    break
+                blocks.append(block)
+            found.append(blocks)
+            n = len(blocks)
+        windowed = [g for g, w in enumerate(self.windows) if w]
+        while windowed:  # windowed groups: the longest hit whose window is cached
+            shorter = min(self._window_hit(found[g], self.windows[g], n) for g in windowed)
+            if shorter == n:
                 break
-            n += 1
-        return n * self.block_size
+            n = shorter
+        null = self.null_block
+        return [
+            [null] * (first := first_window_block(w, self.block_size, n * self.block_size))
+            + found[g][first:n]
+            for g, w in enumerate(self.windows)
+        ]
+
+    def _window_hit(self, found: list[KVBlock | None], window: int, n: int) -> int:
+        """The most blocks m <= n whose next token's window (blocks ``first .. m - 1``) is
+        all in ``found``."""
+        bs = self.block_size
+        run = 0  # cached blocks in a row ending at block m - 1
+        runs = [0] * (n + 1)
+        for m in range(1, n + 1):
+            run = run + 1 if found[m - 1] is not None else 0
+            runs[m] = run
+        for m in range(n, 0, -1):
+            if runs[m] >= m - first_window_block(window, bs, m * bs):
+                return m
+        return 0
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVBlock] | None = None,
-    ) -> list[int] | None:
-        """Make room for ``num_new_tokens`` after the computed ones.
+        new_computed_blocks: list[list[KVBlock]] | None = None,
+        num_loaded_tokens: int = 0,
+    ) -> list[list[int]] | None:
+        """Make room for ``num_new_tokens`` after the computed ones (the first
+        ``num_loaded_tokens`` of them are loaded from the tiers, not computed); a windowed
+        group lets go of the blocks before its window.
 
-        Returns the request's whole block table (block ids), or None when the pool lacks free
-        blocks (nothing is changed then).
+        Returns the request's block table of each group (block ids), or None when the pool
+        lacks free blocks (nothing is changed then).
         """
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = self.blocks_needed(num_computed + num_new_tokens)
-        num_to_allocate = num_required - len(blocks) - len(new_computed_blocks)
+        tables = self.req_to_blocks.get(request.request_id)
+        if tables is None:
+            tables = [[] for _ in self.windows]
+        if new_computed_blocks:
+            tables = [t + n for t, n in zip(tables, new_computed_blocks, strict=True)]
+        num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
+        computed = request.num_computed_tokens + num_hit * self.block_size
+        num_required = self.blocks_needed(computed + num_new_tokens)
+        bs, null = self.block_size, self.null_block
+        wanted = 0  # fresh blocks to take: new ones, and real ones where the null block is
+        for table, window in zip(tables, self.windows):
+            first = first_window_block(window, bs, computed + num_loaded_tokens)
+            wanted += num_required - max(len(table), first)
+            wanted += sum(1 for b in table[first:num_required] if b is null)
         # reviving a free cached block also takes it out of the free queue
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_to_allocate + num_revived > self.pool.num_free_blocks:
+        if new_computed_blocks:
+            wanted += sum(1 for t in new_computed_blocks for b in t if b.ref_cnt == 0)
+        if wanted > self.pool.num_free_blocks:
             return None
         if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-            blocks = blocks + new_computed_blocks
-        if num_to_allocate > 0:
-            blocks = blocks + self.pool.get_new_blocks(num_to_allocate)
-        self.req_to_blocks[request.request_id] = blocks
-        return [b.block_id for b in blocks]
+            self.pool.touch(b for t in new_computed_blocks for b in t if b is not null)
+        out = []
+        for g, window in enumerate(self.windows):
+            table = tables[g]
+            if window:
+                self._let_go(table, first_window_block(window, bs, computed))
+                first = first_window_block(window, bs, computed + num_loaded_tokens)
+                table = self._fill(table, first, num_required)
+            elif num_required > len(table):
+                table = table + self.pool.get_new_blocks(num_required - len(table))
+            tables[g] = table
+            out.append([b.block_id for b in table])
+        self.req_to_blocks[request.request_id] = tables
+        return out
+
+    def _let_go(self, table: list[KVBlock], first: int) -> None:
+        """Free a windowed group's blocks before ``first`` (its window's first block) and
+        point the table at the null block there. They join the free queue in LRU order, as
+        vLLM's do: freed before the rest of their sequence, they are evicted before it, and
+        until then they still serve a hit whose window they lie in."""
+        null = self.null_block
+        gone = [b for b in table[:first] if b is not null]
+        if not gone:
+            return
+        self.released.extend(b.block_id for b in gone if b.block_hash is None)
+        k = min(first, len(table))
+        table[:k] = [null] * k
+        self.pool.free_blocks(reversed(gone))
+
+    def _fill(self, table: list[KVBlock], first: int, num_required: int) -> list[KVBlock]:
+        """A windowed group's table grown to ``num_required`` blocks: the null block before
+        ``first``, fresh blocks from there (also where the null block was)."""
+        null = self.null_block
+        table = table + [null] * max(0, min(first, num_required) - len(table))
+        holes = [i for i in range(first, min(len(table), num_required)) if table[i] is null]
+        num_new = max(0, num_required - len(table))
+        fresh = self.pool.get_new_blocks(len(holes) + num_new) if holes or num_new else []
+        for i, block in zip(holes, fresh):
+            table[i] = block
+        return table + fresh[len(holes) :]
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Record the request's computed full blocks in the prefix index."""
+        """Record the request's computed full blocks in the prefix index (each group's under
+        its own hashes)."""
         if not self.enable_caching:
             return
         self._update_block_hashes(request, request.num_computed_tokens)
         num_full = request.num_computed_tokens // self.block_size
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        self.pool.cache_blocks(blocks[:num_full], request.block_hashes[:num_full])
-        if request.retention_s:
-            until = self.pool.clock() + request.retention_s
-            self.pool.retain(blocks[:num_full], request.tenant, until)
+        tables = self.req_to_blocks.get(request.request_id)
+        if not tables:
+            return
+        null = self.null_block
+        until = self.pool.clock() + request.retention_s if request.retention_s else None
+        for g, blocks in enumerate(tables):
+            first = 0
+            while first < num_full and first < len(blocks) and blocks[first] is null:
+                first += 1
+            hashes = self.group_hashes(request, g)
+            self.pool.cache_blocks(blocks[:num_full], hashes[:num_full], first,
+                                   events=g == 0)  # fmt: skip
+            if until is not None:
+                self.pool.retain(blocks[first:num_full], request.tenant, until)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so its tail is evicted before its head)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.released.extend(b.block_id for b in blocks if b.block_hash is None)
-        self.pool.free_blocks(reversed(blocks))
+        tables = self.req_to_blocks.pop(request.request_id, None)
+        if not tables:
+            return
+        null = self.null_block
+        for blocks in tables:
+            real = [b for b in blocks if b is not null]
+            self.released.extend(b.block_id for b in real if b.block_hash is None)
+            self.pool.free_blocks(reversed(real))
 
     def cached_hashes(self) -> list[BlockHash]:
         """Every block hash the device pool holds (a router's snapshot of this pool)."""
@@ -250,19 +388,25 @@ class KVCacheManager:
         """Assert reference counts equal the number of live block tables holding each block."""
         self.pool.check_integrity()
         counts = [0] * self.pool.num_blocks
-        for blocks in self.req_to_blocks.values():
-            ids = [b.block_id for b in blocks]
-            assert len(ids) == len(set(ids)), "a block appears twice in one table"
+        null = self.null_block
+        for tables in self.req_to_blocks.values():
+            ids = [b.block_id for blocks in tables for b in blocks if b is not null]
+            assert len(ids) == len(set(ids)), "a block appears twice in one request's tables"
             for block_id in ids:
                 counts[block_id] += 1
+        if null is not None:
+            counts[null.block_id] = 1  # taken once, never freed
+            assert null.block_hash is None, "the null block was cached"
         for block in self.pool.blocks:
             assert block.ref_cnt == counts[block.block_id], f"{block}: ref_cnt != tables holding it"
 
     def kv_utilization(self, requests: Sequence[Request]) -> float:
         """Tokens held by live sequences / token capacity of the blocks they hold."""
         held = capacity = 0
+        null, bs = self.null_block, self.block_size
         for request in requests:
-            num_blocks = len(self.req_to_blocks.get(request.request_id, ()))
-            capacity += num_blocks * self.block_size
-            held += min(request.num_computed_tokens, num_blocks * self.block_size)
+            for blocks in self.req_to_blocks.get(request.request_id, ()):
+                num_null = sum(1 for b in blocks if b is null)
+                capacity += (len(blocks) - num_null) * bs
+                held += max(0, min(request.num_computed_tokens, len(blocks) * bs) - num_null * bs)
         return held / capacity if capacity else 1.0

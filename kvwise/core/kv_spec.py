@@ -29,6 +29,21 @@ sealed, its default block size) and what it is for (``uses``): ``"pool"`` (the p
 it: ``worker/kv_cache`` registers its tensor class under the same name), ``"size"`` (``kvwise
 size`` can size it) and ``"eval"`` (``kvwise eval`` can measure it). ``fp8`` is only a size;
 ``int4-pt`` (int4 with keys per token) only an eval round trip. ``kv_formats(use)`` lists them.
+
+Hybrid models (Gemma 2/3, Qwen2 with some windowed layers): ``kv_groups`` puts the layers into
+*KV groups* of one attention type and equal size (vLLM's hybrid KV cache manager): each group
+has its own block table over one shared pool, and a block (a *page*) holds K/V of one group's
+layers, ``page_layers`` of them. A ``KVSpec`` with ``groups`` is the spec of such a page
+(``num_layers`` is then ``page_layers``): the pool tensor, the tiers' entries and the byte
+counts all see pages, while ``groups`` says which model layers each group's slots hold and
+what window its layers attend over. Gemma 3 270M (15 layers windowed at 512, 3 full): groups
+of 3 layers, 5 windowed and 1 full::
+
+    slot:        0   1   2
+    group 0:     5  11  17    (full: keeps every block)
+    group 1:     0   1   2    (window 512: frees the blocks before its window)
+    ...
+    group 5:    12  13  14
 """
 
 from __future__ import annotations
@@ -187,6 +202,55 @@ del _fmt
 
 
 @dataclass(frozen=True)
+class KVGroup:
+    """Model layers that share one block table; ``layers[j]`` is the layer in slot ``j`` of
+    the group's pages. ``window``: the tokens each query sees (0: full attention)."""
+
+    layers: tuple[int, ...]
+    window: int = 0
+
+
+def kv_groups(windows: list[int] | tuple[int, ...]) -> tuple[KVGroup, ...]:
+    """Each layer's window (0: full) → KV groups of one window each and of equal size, full
+    attention first: ``()`` where every layer is full attention (one table for all), one
+    group of every layer where they all share one window.
+
+    The group size is the fewest layers of any kind (the most, when the kinds' counts are
+    within 25% of each other: less padding than splitting), as in vLLM; a kind whose count is
+    not a multiple of it gets a smaller last group (its pages' other slots go unused).
+    """
+    by_kind: dict[int, list[int]] = {}
+    for layer, window in enumerate(windows):
+        by_kind.setdefault(int(window), []).append(layer)
+    if set(by_kind) <= {0}:
+        return ()
+    counts = [len(v) for v in by_kind.values()]
+    size = min(counts)
+    if max(counts) < 1.25 * size:
+        size = max(counts)
+    groups = []
+    for window in sorted(by_kind):
+        layers = by_kind[window]
+        groups += [
+            KVGroup(tuple(layers[i : i + size]), window) for i in range(0, len(layers), size)
+        ]
+    return tuple(groups)
+
+
+def first_window_block(window: int, block_size: int, position: int) -> int:
+    """The first block a query at ``position`` reads in a layer of ``window`` (0: full): its
+    keys are at ``position - window < j <= position``."""
+    return max(0, position - window + 1) // block_size if window else 0
+
+
+def held_blocks(window: int, block_size: int, num_tokens: int, step_tokens: int = 1) -> int:
+    """Blocks a group of ``window`` holds for a sequence of ``num_tokens`` tokens while its
+    last ``step_tokens`` are computed."""
+    first = first_window_block(window, block_size, max(0, num_tokens - step_tokens))
+    return -(-num_tokens // block_size) - first
+
+
+@dataclass(frozen=True)
 class KVSpec:
     num_layers: int
     num_kv_heads: int
@@ -194,6 +258,7 @@ class KVSpec:
     block_size: int
     dtype: str = "float32"  # the storage format of K/V (may differ from the compute dtype)
     group_size: int = 0  # grouped formats (int4): channels per scale group (0: 32); else unused
+    groups: tuple[KVGroup, ...] = ()  # hybrid KV groups (num_layers: layers a page); (): one
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -213,6 +278,8 @@ class KVSpec:
             self._check_group()
         elif self.group_size:
             raise ValueError(f"kv_int4_group_size: only for int4 KV, not {self.dtype}")
+        if any(not 0 < len(g.layers) <= self.num_layers for g in self.groups):
+            raise ValueError(f"groups: each holds 1 to num_layers ({self.num_layers}) layers")
 
     def _check_group(self) -> None:
         if self.group_size == 0:
@@ -316,8 +383,35 @@ class KVSpec:
 
     @property
     def layout(self) -> str:
-        """The layout as a string, for the hash root and for entry headers."""
-        return (
+        """The layout as a string, for the hash root and for entry headers (a hybrid spec's
+        names its groups: ``.G`` + each group's window, ``f`` for full)."""
+        layout = (
             f"L{self.num_layers}.KV{self.num_kv_heads}.D{self.head_dim}.B{self.block_size}"
             f".{self.dtype_tag}"
         )
+        if self.groups:
+            layout += ".G" + "-".join(str(g.window or "f") for g in self.groups)
+        return layout
+
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The groups; a spec without hybrid groups has one full group of every layer."""
+        return self.groups or (KVGroup(tuple(range(self.num_layers))),)
+
+    @property
+    def num_model_layers(self) -> int:
+        return sum(len(g.layers) for g in self.kv_groups)
+
+    def group_blocks(self, group: KVGroup, num_tokens: int, step_tokens: int = 1) -> int:
+        """Blocks ``group`` holds for a sequence of ``num_tokens`` tokens while computing its
+        last ``step_tokens`` (a windowed group: the blocks of the window before the first of
+        them, and theirs)."""
+        return held_blocks(group.window, self.block_size, num_tokens, step_tokens)
+
+    def seq_blocks(self, num_tokens: int, step_tokens: int = 1) -> int:
+        """Blocks (pages) one sequence of ``num_tokens`` tokens holds in every group."""
+        return sum(self.group_blocks(g, num_tokens, step_tokens) for g in self.kv_groups)
+
+    def seq_bytes(self, num_tokens: int) -> int:
+        """Bytes of KV one sequence of ``num_tokens`` tokens holds (every group)."""
+        return self.seq_blocks(num_tokens) * self.block_bytes

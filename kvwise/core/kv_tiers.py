@@ -85,17 +85,27 @@ class KVTierPlanner(Protocol):
         """
         ...
 
+    def plan_span(self, block_hashes: Sequence[BlockHash], start: int, end: int) -> LoadPlan | None:
+        """The stored entries holding blocks ``start .. end - 1`` (all of them, or None): a
+        hybrid model's other KV groups, once ``plan_load`` chose group 0's load."""
+        ...
+
     def roll_back(self, plan: LoadPlan, num_loaded_blocks: int) -> None:
         """A plan delivered only its first ``num_loaded_blocks`` blocks: forget that the
         chunks after those are stored, so the recomputed blocks are written again."""
         ...
 
     def plan_writes(
-        self, block_hashes: Sequence[BlockHash], num_full_blocks: int, cuts: Sequence[int] = ()
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_full_blocks: int,
+        cuts: Sequence[int] = (),
+        first_block: int = 0,
     ) -> list[ChunkWrite]:
         """The entries of a finished (or preempted) sequence that the tiers do not hold yet.
 
         Entries end at every multiple of ``chunk_blocks``, at ``num_full_blocks`` and at each
         of ``cuts`` (block counts where another request is likely to stop sharing this
-        sequence: where its device prefix hit ended, where its prompt ended)."""
+        sequence: where its device prefix hit ended, where its prompt ended); they start at
+        ``first_block`` (a windowed KV group holds no blocks before its window)."""
         ...

@@ -26,6 +26,9 @@ class ScheduledRequest:
     sample: bool
     sampling_params: SamplingParams
     output_index: int  # index of the token to sample among the outputs (for seeded draws)
+    # hybrid KV groups 1.. (``core/kv_spec.kv_groups``): their block tables; block_ids is
+    # group 0's. Empty: one table for every layer
+    group_block_ids: tuple[list[int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -52,6 +52,7 @@ class Request:
         self.num_preemptions = 0
         self.output_logprobs: list[float] = []
         self.block_hashes: list[BlockHash] = []  # hashes of the full blocks of token_ids
+        self.group_hashes: list[list[BlockHash]] = []  # hybrid KV groups 1..: theirs
         self.num_public_blocks: int | None = None  # leading blocks hashed as a public prefix
         self.num_loaded_tokens = 0  # prefix tokens loaded from the slower tiers
 

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvwise.core.kv_cache_manager import KVCacheManager
+from kvwise.core.kv_spec import first_window_block
 from kvwise.core.kv_tiers import KVTierPlanner, LoadPlan
 from kvwise.core.outputs import (
     KVLoad,
@@ -36,6 +37,8 @@ from kvwise.core.request import Request, RequestStatus
 from kvwise.core.scheduler_config import SchedulerConfig
 from kvwise.errors import ContextLengthExceeded, InvalidRequest, QueueFullError
 from kvwise.types import FinishReason
+
+GroupLoad = tuple[int, LoadPlan, int]  # (KV group, its plan, the first block it loads)
 
 
 @dataclass
@@ -59,10 +62,12 @@ class Scheduler:
         self.config = config
         self.tiers = tiers if kv_manager.enable_caching else None
         self._pending_saves: list[KVSave] = []
-        # request id -> (device blocks it was planned for, plan): kept while the request waits
-        self._waiting_loads: dict[str, tuple[int, LoadPlan | None]] = {}
-        self._step_loads: dict[str, LoadPlan] = {}  # admitted with a load in this step
+        # request id -> (device blocks it was planned for, loads): kept while it waits
+        self._waiting_loads: dict[str, tuple[int, list[GroupLoad]]] = {}
+        # admitted with a load in this step: (device blocks, loads)
+        self._step_loads: dict[str, tuple[int, list[GroupLoad]]] = {}
         self.kv = kv_manager
+        self._windowed = any(kv_manager.windows)  # the tiers get windowed groups' prompts
         self.max_model_len = max_model_len
         self.enable_kv_cache = enable_kv_cache
         self.requests: dict[str, Request] = {}
@@ -89,12 +94,14 @@ class Scheduler:
                 f"{request.num_tokens} tokens do not fit the model's context of "
                 f"{self.max_model_len} tokens (at least one must be left to generate)",
             )
-        pool_tokens = self.kv.num_blocks * self.kv.block_size
-        if request.num_tokens >= pool_tokens:
+        step = self.config.max_num_batched_tokens
+        need = self.kv.blocks_for(request.num_tokens + 1, step)
+        if need > self.kv.num_blocks:
             raise ContextLengthExceeded(
                 "prompt",
-                f"{request.num_tokens} tokens do not fit the KV cache of {pool_tokens} "
-                "tokens; raise kv_cache_memory",
+                f"{request.num_tokens} tokens do not fit the KV cache of "
+                f"{self.kv.num_blocks} blocks of {self.kv.block_size} tokens (they need "
+                f"{need}); raise kv_cache_memory",
             )
         if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError()
@@ -160,7 +167,7 @@ class Scheduler:
             if admitted:
                 scheduled.append(admitted)
                 budget -= admitted[1]
-        for request, num_new, block_ids in scheduled:
+        for request, num_new, tables in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
             out.scheduled.append(
@@ -168,7 +175,8 @@ class Scheduler:
                     request_id=request.request_id,
                     token_ids=request.token_ids[start:end],
                     start_pos=start,
-                    block_ids=block_ids,
+                    block_ids=tables[0],
+                    group_block_ids=tuple(tables[1:]),
                     sample=end == request.num_tokens,
                     sampling_params=request.sampling_params,
                     output_index=request.num_output_tokens,
@@ -207,16 +215,22 @@ class Scheduler:
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int):
         """Admit the head of the waiting queue: its cached prefix, any load from the tiers,
-        and blocks for its first chunk. Returns ``(request, num_new, block_ids)``, ``()`` when
+        and blocks for its first chunk. Returns ``(request, num_new, tables)``, ``()`` when
         it finished instead (it can never fit), or None when it must wait for blocks."""
         computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-        load = self._plan_load(request, len(computed_blocks))
-        num_loaded = load.num_blocks * self.kv.block_size if load else 0
+        bs = self.kv.block_size
+        num_device = num_cached // bs
+        loads = self._plan_load(request, num_device)
+        # loaded: the tokens after the device hit up to the end of group 0's load (a windowed
+        # group's table holds the null block before its window's first loaded block)
+        num_loaded = (loads[0][2] + loads[0][1].num_blocks - num_device) * bs if loads else 0
         request.num_computed_tokens = num_cached + num_loaded
         num_new = self._num_new_tokens(request, budget)
         request.num_computed_tokens = 0
-        block_ids = self.kv.allocate_slots(request, num_loaded + num_new, computed_blocks)
-        if block_ids is None:
+        tables = self.kv.allocate_slots(
+            request, num_loaded + num_new, computed_blocks, num_loaded_tokens=num_loaded
+        )
+        if tables is None:
             if self.running:
                 return None
             # alone and still too big: it grew past the pool while generating
@@ -226,13 +240,15 @@ class Scheduler:
             return ()
         self.waiting.popleft()
         self._waiting_loads.pop(request.request_id, None)
-        if load is not None:
-            self._step_loads[request.request_id] = load
-            first = len(computed_blocks)
-            for chunk in load.chunks:
-                ids = block_ids[first : first + chunk.num_blocks]
-                out.kv_loads.append(KVLoad(request.request_id, ids, chunk))
-                first += chunk.num_blocks
+        if loads:
+            self._step_loads[request.request_id] = (num_device, loads)
+            for group, plan, first in loads:
+                ids = tables[group]
+                for chunk in plan.chunks:
+                    out.kv_loads.append(
+                        KVLoad(request.request_id, ids[first : first + chunk.num_blocks], chunk)
+                    )
+                    first += chunk.num_blocks
             request.num_loaded_tokens += num_loaded
         num_cached += num_loaded
         request.num_computed_tokens = num_cached
@@ -240,37 +256,56 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return request, num_new, block_ids
+        return request, num_new, tables
 
-    def _plan_load(self, request: Request, num_device_blocks: int) -> LoadPlan | None:
-        """The stored continuation of a device prefix hit that is worth loading, if any.
+    def _plan_load(self, request: Request, num_device_blocks: int) -> list[GroupLoad]:
+        """The stored continuation of a device prefix hit that is worth loading, if any: a
+        ``(group, plan, first block)`` per KV group, group 0's first (its plan chose how far
+        to load; ``first``: where group 0's starts, past the device hit, for a windowed
+        group 0 whose load starts at its window). Empty: nothing to load.
 
         NOTE: a request that waits for blocks keeps its plan, so that the tiers are not asked
         again at every step while it waits.
         """
         if self.tiers is None:
-            return None
+            return []
         kept = self._waiting_loads.get(request.request_id)
         if kept is not None and kept[0] == num_device_blocks:
             return kept[1]
-        max_blocks = (request.num_tokens - 1) // self.kv.block_size
-        load = self.tiers.plan_load(
-            request.request_id, request.block_hashes, num_device_blocks, max_blocks,
-            request.num_tokens,
-        )  # fmt: skip
-        self._waiting_loads[request.request_id] = (num_device_blocks, load)
-        return load
+        loads = self._plan_groups(request, num_device_blocks)
+        self._waiting_loads[request.request_id] = (num_device_blocks, loads)
+        return loads
 
-    def _plan_saves(self, request: Request) -> None:
-        """Queue the full computed blocks of a request leaving the pool for the tiers."""
+    def _plan_groups(self, request: Request, num_device: int) -> list[GroupLoad]:
+        kv, bs = self.kv, self.kv.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        window = kv.windows[0]
+        first = max(num_device, first_window_block(window, bs, max_blocks * bs))
+        plan = self.tiers.plan_load(
+            request.request_id, request.block_hashes, first, max_blocks, request.num_tokens
+        )
+        if plan is None:
+            return []
+        end = first + plan.num_blocks
+        if first > num_device and first_window_block(window, bs, end * bs) < first:
+            return []  # it stopped short of where its window needs the loaded blocks
+        loads = [(0, plan, first)]
+        for g in range(1, kv.num_groups):
+            lo = max(num_device, first_window_block(kv.windows[g], bs, end * bs))
+            span = self.tiers.plan_span(kv.group_hashes(request, g), lo, end)
+            if span is None:
+                return []  # a group lacks its part: recompute rather than load half
+            loads.append((g, span, lo))
+        return loads
+
+    def _plan_saves(self, request: Request, windowed_only: bool = False) -> None:
+        """Queue the full computed blocks of a request leaving the pool for the tiers: each
+        KV group's under its own hashes (a windowed group's from its window on: it holds no
+        blocks before). ``windowed_only``: the windowed groups' blocks now, as its prompt
+        is done (they leave the window before it finishes; a repeat of the prompt needs
+        those of its end)."""
         if self.tiers is None:
             return
-        block_ids = self.kv.block_ids(request.request_id)
-        num_full = min(
-            request.num_computed_tokens // self.kv.block_size,
-            len(request.block_hashes),
-            len(block_ids),
-        )
         # cut the stored entries where another request is likely to stop sharing this one:
         # the end of its device prefix hit, of what it loaded, of its prompt (the blocks a
         # repeat of it can load, and all of its full blocks, which its next turn shares)
@@ -282,9 +317,21 @@ class Scheduler:
             (request.num_prompt_tokens - 1) // bs,
             request.num_prompt_tokens // bs,
         )
-        for chunk in self.tiers.plan_writes(request.block_hashes, num_full, cuts):
-            ids = block_ids[chunk.first_block : chunk.first_block + len(chunk.block_hashes)]
-            self._pending_saves.append(KVSave(ids, chunk, request.retention_s, request.tenant))
+        null = self.kv.null_block
+        for g, window in enumerate(self.kv.windows):
+            if windowed_only and not window:
+                continue
+            block_ids = self.kv.block_ids(request.request_id, g)
+            hashes = self.kv.group_hashes(request, g)
+            num_full = min(request.num_computed_tokens // bs, len(hashes), len(block_ids))
+            first = 0
+            if null is not None:
+                while first < num_full and block_ids[first] == null.block_id:
+                    first += 1
+            writes = self.tiers.plan_writes(hashes, num_full, cuts, first_block=first)
+            for chunk in writes:
+                ids = block_ids[chunk.first_block : chunk.first_block + len(chunk.block_hashes)]
+                self._pending_saves.append(KVSave(ids, chunk, request.retention_s, request.tenant))
 
     def take_saves(self) -> list[KVSave]:
         """Blocks to copy out for the tiers; copy them before the next step runs."""
@@ -327,6 +374,8 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
             if not item.sample:
                 continue
+            if self._windowed and not request.num_output_tokens:
+                self._plan_saves(request, windowed_only=True)  # its prompt is done
             token_id, logprob = model_out.sampled[item.request_id]
             reason = request.append_token(token_id, logprob)
             if reason is not None:
@@ -340,15 +389,21 @@ class Scheduler:
     def _roll_back_load(self, request: Request, item: ScheduledRequest, num_loaded: int) -> None:
         """A planned load delivered fewer blocks than planned (a miss, a fault or an entry
         that stopped matching): what this step computed for the request rests on KV that is
-        not there, so keep only what was verified and recompute the rest from there.
+        not there, so keep only what was verified and recompute the rest from there (a
+        hybrid or windowed model: from the device hit, since a group's verified blocks need
+        the others' and their window's).
 
         ::
 
             | device hit | loaded ok | missing ... | this step's tokens |   (before)
             | device hit | loaded ok |<- recomputed from here, next steps ->|
         """
-        plan = self._step_loads.pop(request.request_id)
-        missing_tokens = (plan.num_blocks - num_loaded) * self.kv.block_size
+        num_device, loads = self._step_loads.pop(request.request_id)
+        _, plan, first = loads[0]
+        if len(loads) > 1 or first != num_device:
+            num_loaded = 0
+        planned = first + plan.num_blocks - num_device
+        missing_tokens = (planned - num_loaded) * self.kv.block_size
         request.num_computed_tokens = item.start_pos - missing_tokens
         # NOTE: clamped: after a preemption these counts may predate this admission
         request.num_loaded_tokens = max(0, request.num_loaded_tokens - missing_tokens)
@@ -356,4 +411,5 @@ class Scheduler:
         self.kv.cache_full_blocks(request)
         self.num_load_rollbacks += 1
         if self.tiers is not None:
-            self.tiers.roll_back(plan, num_loaded)
+            for _, group_plan, _ in loads:
+                self.tiers.roll_back(group_plan, num_loaded)

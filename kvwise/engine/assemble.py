@@ -10,6 +10,7 @@ import logging
 
 from kvwise.config import EngineConfig
 from kvwise.core.kv_cache_manager import KVCacheManager
+from kvwise.core.kv_spec import KVSpec
 from kvwise.core.runner import ModelRunner
 from kvwise.core.scheduler import Scheduler
 from kvwise.engine.llm_engine import LLMEngine
@@ -19,6 +20,22 @@ from kvwise.store.factory import build_store
 from kvwise.utils import format_bytes
 
 logger = logging.getLogger("kvwise")
+
+
+def hybrid_summary(spec: KVSpec, lengths: tuple[int, ...] = (2048, 8192, 32768)) -> str:
+    """A hybrid spec's groups and what a sequence holds at a few lengths, against every layer
+    holding every token (the start-up line, ``kvwise size``)."""
+    kinds: dict[int, int] = {}
+    for g in spec.groups:
+        kinds[g.window] = kinds.get(g.window, 0) + 1
+    groups = ", ".join(f"{n} {'full' if w == 0 else f'window {w}'}" for w, n in kinds.items())
+    full = spec.num_model_layers * spec.layer_block_bytes  # a block of every layer
+    per_len = "; ".join(
+        f"{n:,} tokens {format_bytes(spec.seq_bytes(n))} "
+        f"({spec.seq_bytes(n) / (-(-n // spec.block_size) * full):.0%} of all-full)"
+        for n in lengths
+    )
+    return f"hybrid, {len(spec.groups)} groups of {spec.num_layers} layers ({groups}); {per_len}"
 
 
 def assemble_engine(
@@ -53,6 +70,7 @@ def assemble_engine(
             runner.num_blocks * cache.max_retained_fraction_per_tenant
         ),
         kv_events=cache.enable_kv_events,
+        windows=[g.window for g in spec.kv_groups],
     )
     store = None
     if kv_manager.enable_caching:
@@ -72,6 +90,8 @@ def assemble_engine(
         format_bytes(spec.bytes_per_token),
         spec.dtype_tag,
     )
+    if spec.groups:
+        logger.info("KV cache: %s", hybrid_summary(spec))
     return LLMEngine(
         runner=runner,
         tokenizer=tokenizer,

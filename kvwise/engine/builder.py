@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvwise.config import EngineConfig
-from kvwise.core.kv_spec import KVSpec
+from kvwise.core.kv_spec import KVSpec, kv_groups
 from kvwise.engine.assemble import assemble_engine
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.engine.tokenizer import Tokenizer
@@ -74,15 +74,20 @@ def build_model_parts(
     arch = loaded.arch
     tokenizer = tokenizer_for(loaded)
     kv_dtype = config.cache.kv_cache_dtype
+    kinds = getattr(loaded.model, "attention_kinds", ())
+    groups = ()
+    if config.cache.hybrid_kv_cache and kinds:
+        groups = kv_groups([k.sliding_window or 0 for k in kinds])
     spec = KVSpec(
-        arch.num_layers,
+        len(groups[0].layers) if groups else arch.num_layers,
         arch.num_kv_heads,
         arch.head_dim,
         config.cache.block_size,
         config.model.dtype if kv_dtype == "auto" else kv_dtype,
         group_size=config.cache.kv_int4_group_size,
+        groups=groups,
     )
-    _check_kv_format(spec, getattr(loaded.model, "attention_kinds", ()))
+    _check_kv_format(spec, kinds)
     num_blocks = spec.num_blocks_in(config.cache.kv_cache_bytes())
     if num_blocks < 2:
         raise ValueError(

@@ -176,6 +176,23 @@ class ChunkPlanner:
         ]
         return LoadPlan(stored[num_chunks - 1].end_block - start, chunks)
 
+    def plan_span(self, block_hashes: Sequence[bytes], start: int, end: int) -> LoadPlan | None:
+        """``KVTierPlanner.plan_span``: the entries that hold blocks ``start .. end - 1``
+        exactly, or None (no decision: a hybrid model's other groups follow group 0's)."""
+        if start >= end:
+            return LoadPlan(0, [])
+        if not self.tiers:
+            return None
+        stored = self._find(block_hashes, start, end)
+        if not stored or stored[-1].end_block != end:
+            return None
+        chunks = [
+            PlannedChunk(s.first_block, s.end_block - s.first_block,
+                         tuple(block_hashes[s.first_block : s.end_block]), s.tiers)
+            for s in stored
+        ]  # fmt: skip
+        return LoadPlan(end - start, chunks)
+
     def _find(self, block_hashes: Sequence[bytes], start: int, max_blocks: int) -> list[_Stored]:
         """The stored entries that continue block ``start``, in order: every block up to
         ``max_blocks`` that an entry ends with (layer group 0 asked first, for all of them),
@@ -238,15 +255,20 @@ class ChunkPlanner:
     # ---- writes and sessions ------------------------------------------------------------
 
     def plan_writes(
-        self, block_hashes: Sequence[bytes], num_full_blocks: int, cuts: Sequence[int] = ()
+        self,
+        block_hashes: Sequence[bytes],
+        num_full_blocks: int,
+        cuts: Sequence[int] = (),
+        first_block: int = 0,
     ) -> list[ChunkWrite]:
         """``KVTierPlanner.plan_writes``; what it returns is remembered as stored."""
-        n = num_full_blocks
-        if not self.tiers or n * self.fmt.block_size < self.min_tokens:
+        n, first = num_full_blocks, first_block
+        if not self.tiers or n * self.fmt.block_size < self.min_tokens or first >= n:
             return []
         ends = sorted({*range(self.chunk_blocks, n, self.chunk_blocks), n}
-                      | {x for x in cuts if 0 < x < n})  # fmt: skip
-        writes, first = [], 0
+                      | {x for x in cuts if first < x < n})  # fmt: skip
+        ends = [e for e in ends if e > first]
+        writes = []
         for end in ends:
             hashes = tuple(block_hashes[first:end])
             missing_above = self.known.get(hashes[-1])

@@ -79,6 +79,7 @@ class TieredStore:
         # so their signatures and contract are written once (core/kv_tiers.py) and a plan
         # costs no extra call
         self.plan_load = self._planner.plan_load
+        self.plan_span = self._planner.plan_span
         self.roll_back = self._planner.roll_back
         self.plan_writes = self._planner.plan_writes
         self._events: TierEvents | None = None  # record_events

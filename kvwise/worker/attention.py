@@ -97,7 +97,9 @@ class TorchSDPAAttention:
     ``paged_kernel=False`` keeps the torch path even where the cache's format has a kernel
     (its writes still use the cache's ops, unless it was built with ``use_kernels=False``).
     ``layers``: each layer's ``LayerAttention``; None: every layer full, scale
-    ``head_dim ** -0.5``."""
+    ``head_dim ** -0.5``. ``places``: a hybrid KV cache's (group, slot) of each layer: the
+    layer reads its group's metadata and the slot of the group's pages (None: layer i is
+    slot i, one group)."""
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class TorchSDPAAttention:
         head_dim: int,
         paged_kernel: bool = True,
         layers: list[LayerAttention] | None = None,
+        places: list[tuple[int, int]] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.num_heads = num_heads
@@ -114,6 +117,7 @@ class TorchSDPAAttention:
         full = LayerAttention(0, self.scale)
         self.layers = list(layers) if layers is not None else None
         self._layer = (lambda i: self.layers[i]) if layers is not None else (lambda i: full)
+        self.places = places
         self.sealed_keys = kv_cache.spec.sealed_keys
         if self.sealed_keys and any(k.softcap for k in self.layers or ()):
             raise ValueError(f"kv_cache_dtype: {kv_cache.spec.dtype} KV has no attention-logit "
@@ -122,12 +126,20 @@ class TorchSDPAAttention:
         self._rows = kv_cache.rows_attention if paged_kernel else None
         self.paged_kernel = self._rows is not None
 
-    def bind(self, meta: AttentionMetadata, layer_ready: Callable[[int], None] | None = None):
+    def bind(
+        self,
+        meta: AttentionMetadata,
+        layer_ready: Callable[[int], None] | None = None,
+        group_metas: list[AttentionMetadata] | None = None,
+    ):
         """Return the ``attn(layer, q, k, v)`` callable for one step.
 
-        ``layer_ready(layer)``, when given, is called before a layer reads the cache: it
-        blocks until K/V still being loaded for that layer are in place.
+        ``layer_ready(slot)``, when given, is called before a layer reads the cache: it
+        blocks until K/V still being loaded for that slot of the pages are in place (the
+        layer itself, with one KV group). ``group_metas``: each hybrid KV group's metadata.
         """
+        if self.places is not None:
+            return self._bind_groups(group_metas or [meta], layer_ready)
         rows, scale, width = self._rows, self.scale, self.num_heads * self.head_dim
         if rows is not None and layer_ready is None and self.layers is None:  # the hot path
 
@@ -152,6 +164,18 @@ class TorchSDPAAttention:
 
         return attn
 
+    def _bind_groups(self, metas: list[AttentionMetadata], layer_ready):
+        """``bind`` for a hybrid KV cache: each layer at its (group, slot)."""
+        places, kinds = self.places, self.layers
+
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            group, slot = places[layer]
+            if layer_ready is not None:
+                layer_ready(slot)
+            return self.forward(slot, q, k, v, metas[group], kinds[layer])
+
+        return attn
+
     def forward(
         self,
         layer: int,
@@ -159,9 +183,12 @@ class TorchSDPAAttention:
         k: torch.Tensor,  # (T, kv_heads, head_dim)
         v: torch.Tensor,
         meta: AttentionMetadata,
+        kind: LayerAttention | None = None,
     ) -> torch.Tensor:
+        """One layer's attention; ``layer`` indexes the cache (a hybrid cache's slot, whose
+        ``kind`` is then given)."""
         num_tokens = q.shape[0]
-        kind = self._layer(layer)
+        kind = kind or self._layer(layer)
         if self._rows is not None:  # every row through the paged kernel (it writes first)
             out = self._rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap)
             return out.view(num_tokens, self.num_heads * self.head_dim)

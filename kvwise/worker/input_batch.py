@@ -4,12 +4,14 @@ Rows are ordered decodes first (one row each, so they are rows ``0 .. Bd-1``), t
 prefill chunk's rows; every row also gets its sequence's block table and its context length
 (``row_block_table``, ``row_ctx_lens``: the paged kernels take each row as one query).
 ``sample_rows`` holds, for every request that samples this step, the row whose logits it
-samples from (its last row).
+samples from (its last row). A hybrid KV cache's groups each have their own block tables, so
+their own ``AttentionMetadata`` over the same rows (``group_metas``; group 0's is
+``attn_meta``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,6 +27,7 @@ class InputBatch:
     attn_meta: AttentionMetadata
     sample_rows: torch.Tensor  # (S,) long
     sample_requests: list[ScheduledRequest]
+    group_metas: list[AttentionMetadata] | None = None  # each KV group's (0: attn_meta)
 
 
 @dataclass
@@ -39,11 +42,38 @@ class _Rows:
     chunks: list[PrefillChunk]
 
 
-def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch:
+def build_input_batch(
+    sched_out: SchedulerOutput, block_size: int, num_groups: int = 1
+) -> InputBatch:
     decodes = [s for s in sched_out.scheduled if s.num_tokens == 1]
     prefills = [s for s in sched_out.scheduled if s.num_tokens > 1]
+    rows = _flatten(decodes + prefills, block_size)
+    meta = _metadata(decodes, prefills, rows, block_size)
+    metas = None
+    if num_groups > 1:
+        metas = [meta]
+        for g in range(num_groups - 1):
+            d, p = ([replace(s, block_ids=s.group_block_ids[g]) for s in part]
+                    for part in (decodes, prefills))  # fmt: skip
+            metas.append(_metadata(d, p, _flatten(d + p, block_size), block_size))
+    return InputBatch(
+        input_ids=torch.tensor(rows.input_ids, dtype=torch.long),
+        positions=torch.tensor(rows.positions, dtype=torch.long),
+        attn_meta=meta,
+        sample_rows=torch.tensor(rows.sample_rows, dtype=torch.long),
+        sample_requests=rows.sample_requests,
+        group_metas=metas,
+    )
+
+
+def _metadata(
+    decodes: list[ScheduledRequest],
+    prefills: list[ScheduledRequest],
+    rows: _Rows,
+    block_size: int,
+) -> AttentionMetadata:
+    """The step's attention metadata over the block tables the items carry."""
     ordered = decodes + prefills
-    rows = _flatten(ordered, block_size)
     decode_table = decode_mask = open_index = decode_first_block = None
     decode_ctx_len = 0
     if decodes:
@@ -51,7 +81,7 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
         if len(decodes) == 1:
             decode_first_block = first_if_consecutive(decodes[0].block_ids[: len(decode_table[0])])
     row_table, row_lens = _row_tables(ordered, decode_table, rows.positions, block_size)
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         slot_mapping=torch.tensor(rows.slots, dtype=torch.long),
         num_decodes=len(decodes),
         decode_block_table=decode_table,
@@ -62,13 +92,6 @@ def build_input_batch(sched_out: SchedulerOutput, block_size: int) -> InputBatch
         decode_open_index=open_index,
         row_block_table=row_table,
         row_ctx_lens=row_lens,
-    )
-    return InputBatch(
-        input_ids=torch.tensor(rows.input_ids, dtype=torch.long),
-        positions=torch.tensor(rows.positions, dtype=torch.long),
-        attn_meta=meta,
-        sample_rows=torch.tensor(rows.sample_rows, dtype=torch.long),
-        sample_requests=rows.sample_requests,
     )
 
 

@@ -34,8 +34,18 @@ class ModelRunner:
         self.block_size = spec.block_size
         self.num_blocks = num_blocks
         self.kv_cache = make_kv_cache(spec, num_blocks, compute_dtype)  # the format's class
+        places = None
+        layers = layer_attention(model, arch)
+        if spec.groups:  # a hybrid KV cache: each layer at its group's slot
+            places = [(0, 0)] * arch.num_layers
+            for g, group in enumerate(spec.groups):
+                for slot, layer in enumerate(group.layers):
+                    places[layer] = (g, slot)
+            default = LayerAttention(0, arch.head_dim**-0.5)
+            layers = layers or [default] * arch.num_layers
+        self.num_groups = len(spec.groups) or 1
         self.attention = TorchSDPAAttention(
-            self.kv_cache, arch.num_heads, arch.head_dim, layers=layer_attention(model, arch)
+            self.kv_cache, arch.num_heads, arch.head_dim, layers=layers, places=places
         )
 
     @torch.inference_mode()
@@ -64,11 +74,11 @@ class ModelRunner:
         if sched_out.is_empty:
             self.kv_cache.begin_step(sched_out.released_block_ids)
             return ModelOutput()
-        batch = build_input_batch(sched_out, self.block_size)
+        batch = build_input_batch(sched_out, self.block_size, self.num_groups)
         # the releases, then the step's slots: a format with per-step state (int4's staging)
         # plans its writes once for every layer
         self.kv_cache.begin_step(sched_out.released_block_ids, batch.attn_meta.slot_mapping)
-        attn = self.attention.bind(batch.attn_meta, layer_ready)
+        attn = self.attention.bind(batch.attn_meta, layer_ready, batch.group_metas)
         hidden = self.model(batch.input_ids, batch.positions, attn)  # (T, hidden)
         if not batch.sample_requests:
             return ModelOutput()

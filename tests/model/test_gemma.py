@@ -169,7 +169,8 @@ def test_without_the_attention_soft_cap_the_tokens_are_not_transformers(tmp_path
     attention = torch_path.runner.attention
     torch_path.runner.attention = TorchSDPAAttention(attention.kv_cache, attention.num_heads,
                                                      attention.head_dim, paged_kernel=False,
-                                                     layers=attention.layers)  # fmt: skip
+                                                     layers=attention.layers,
+                                                     places=attention.places)  # fmt: skip
     assert run(torch_path, PROMPTS, GREEDY) == reference
     uncapped = build_engine(config, progress=False, loaded=loaded)
     attention = uncapped.runner.attention

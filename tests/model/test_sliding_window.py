@@ -115,7 +115,8 @@ def test_cold_from_the_pool_after_preemption_and_from_disk(model, kv, tmp_path):
                 done[out.request_id] = out
     assert [done[i].token_ids for i in again] == cold
     assert done[again[0]].num_cached_tokens >= 176
-    block_bytes = engine.runner.spec.block_bytes  # a pool of 20 blocks: the four won't fit
+    spec = engine.runner.spec  # a pool of 20 blocks of every layer: the four won't fit
+    block_bytes = spec.block_bytes * spec.num_model_layers // spec.num_layers
     small = _engine(model, kv_cache_dtype=kv, enable_prefix_caching=False,
                     kv_cache_memory=f"{20 * block_bytes}B")  # fmt: skip
     assert run(small, prompts, GREEDY) == cold

@@ -26,7 +26,7 @@ def computed(manager, rid, tokens, tenant="default", salt=None, retention=None):
     req = Request(rid, tokens, P, options=options)
     blocks, num_cached = manager.get_computed_blocks(req)
     req.num_computed_tokens = 0
-    ids = manager.allocate_slots(req, len(tokens) - num_cached, blocks)
+    ids = manager.allocate_slots(req, len(tokens) - num_cached, blocks)[0]
     req.num_computed_tokens = len(tokens)
     manager.cache_full_blocks(req)
     return req, ids, num_cached

@@ -39,7 +39,7 @@ class FakePlanner:
     def roll_back(self, plan, num_loaded_blocks):
         self.rollbacks.append((plan.num_blocks, num_loaded_blocks))
 
-    def plan_writes(self, block_hashes, num_full_blocks, cuts=()):
+    def plan_writes(self, block_hashes, num_full_blocks, cuts=(), first_block=0):
         writes = [
             ChunkWrite(first, tuple(block_hashes[first : min(first + CHUNK, num_full_blocks)]))
             for first in range(0, num_full_blocks, CHUNK)
