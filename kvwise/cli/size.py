@@ -28,7 +28,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwise.perf.sizing import KVShape, gguf_weight_report, report, shape_from_model
+    from kvwise.perf.sizing import (
+        KVShape,
+        gguf_weight_report,
+        hybrid_summary,
+        report,
+        shape_from_model,
+    )
     from kvwise.utils import parse_bytes
 
     flags = (args.layers, args.heads, args.head_dim)
@@ -47,4 +53,26 @@ def run(args: argparse.Namespace) -> int:
             print(weights + "\n")
     memory = parse_bytes(args.memory, "memory") if args.memory else None
     print(report(shape, args.tokens, args.batch, memory))
+    if not any(f is not None for f in flags):
+        hybrid = hybrid_spec(args.model, shape)
+        if hybrid is not None:  # sliding-window layers: what the hybrid KV cache holds
+            lengths = tuple(sorted({args.tokens, 2048, 8192, 32768}))
+            print("\nKV groups (the hybrid KV cache; --no-hybrid-kv-cache: all-full): "
+                  + hybrid_summary(hybrid, lengths))  # fmt: skip
     return 0
+
+
+def hybrid_spec(model, shape):
+    """The hybrid KV page spec of a model with sliding-window layers (None: none)."""
+    from kvwise.core.kv_spec import KVSpec, kv_groups
+    from kvwise.models import registry
+    from kvwise.perf.sizing import arch_from_model
+
+    arch, _ = arch_from_model(model)
+    kinds = registry.family_for(arch.architecture).attention_kinds(arch)
+    groups = kv_groups([k.sliding_window or 0 for k in kinds])
+    if not groups:
+        return None
+    base = shape.spec
+    return KVSpec(len(groups[0].layers), base.num_kv_heads, base.head_dim, base.block_size,
+                  base.dtype, groups=groups)  # fmt: skip

@@ -42,8 +42,9 @@ of 3 layers, 5 windowed and 1 full::
     slot:        0   1   2
     group 0:     5  11  17    (full: keeps every block)
     group 1:     0   1   2    (window 512: frees the blocks before its window)
+    group 2:     3   4   6
     ...
-    group 5:    12  13  14
+    group 5:    14  15  16
 """
 
 from __future__ import annotations

@@ -10,32 +10,33 @@ import logging
 
 from kvwise.config import EngineConfig
 from kvwise.core.kv_cache_manager import KVCacheManager
-from kvwise.core.kv_spec import KVSpec
 from kvwise.core.runner import ModelRunner
 from kvwise.core.scheduler import Scheduler
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.engine.output_processor import OutputProcessor
 from kvwise.engine.prompts import Tokenizer
+from kvwise.perf.sizing import hybrid_summary
 from kvwise.store.factory import build_store
 from kvwise.utils import format_bytes
 
 logger = logging.getLogger("kvwise")
 
 
-def hybrid_summary(spec: KVSpec, lengths: tuple[int, ...] = (2048, 8192, 32768)) -> str:
-    """A hybrid spec's groups and what a sequence holds at a few lengths, against every layer
-    holding every token (the start-up line, ``kvwise size``)."""
-    kinds: dict[int, int] = {}
-    for g in spec.groups:
-        kinds[g.window] = kinds.get(g.window, 0) + 1
-    groups = ", ".join(f"{n} {'full' if w == 0 else f'window {w}'}" for w, n in kinds.items())
-    full = spec.num_model_layers * spec.layer_block_bytes  # a block of every layer
-    per_len = "; ".join(
-        f"{n:,} tokens {format_bytes(spec.seq_bytes(n))} "
-        f"({spec.seq_bytes(n) / (-(-n // spec.block_size) * full):.0%} of all-full)"
-        for n in lengths
+def _log_pool(runner: ModelRunner) -> None:
+    """The start-up line of the pool (and of a hybrid cache's groups)."""
+    spec = runner.spec
+    logger.info(
+        "KV cache: %s in %d blocks of %d tokens = %d tokens (%s per token%s, %s)",
+        format_bytes(runner.num_blocks * spec.block_bytes),
+        runner.num_blocks,
+        spec.block_size,
+        runner.num_blocks * spec.block_size,
+        format_bytes(spec.bytes_per_token),
+        f" in one group of {spec.num_layers} layers" if spec.groups else "",
+        spec.dtype_tag,
     )
-    return f"hybrid, {len(spec.groups)} groups of {spec.num_layers} layers ({groups}); {per_len}"
+    if spec.groups:
+        logger.info("KV cache: %s", hybrid_summary(spec))
 
 
 def assemble_engine(
@@ -81,17 +82,7 @@ def assemble_engine(
     scheduler = Scheduler(
         config.scheduler, kv_manager, max_model_len, cache.enable_kv_cache, tiers=store
     )
-    logger.info(
-        "KV cache: %s in %d blocks of %d tokens = %d tokens (%s per token, %s)",
-        format_bytes(runner.num_blocks * spec.block_bytes),
-        runner.num_blocks,
-        spec.block_size,
-        runner.num_blocks * spec.block_size,
-        format_bytes(spec.bytes_per_token),
-        spec.dtype_tag,
-    )
-    if spec.groups:
-        logger.info("KV cache: %s", hybrid_summary(spec))
+    _log_pool(runner)
     return LLMEngine(
         runner=runner,
         tokenizer=tokenizer,

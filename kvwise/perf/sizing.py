@@ -128,6 +128,26 @@ def _model_file(path: str | Path | None) -> Path:
     return p
 
 
+def hybrid_summary(spec: KVSpec, lengths: tuple[int, ...] = (2048, 8192, 32768)) -> str:
+    """A hybrid spec's groups and what a sequence holds at a few lengths, against every layer
+    holding every token (the start-up line, ``kvwise size``)."""
+    kinds: dict[int, int] = {}
+    for g in spec.groups:
+        kinds[g.window] = kinds.get(g.window, 0) + 1
+    groups = ", ".join(f"{n} {'full' if w == 0 else f'window {w}'}" for w, n in kinds.items())
+    full = spec.num_model_layers * spec.layer_block_bytes  # a block of every layer
+    per_len = "; ".join(
+        f"{n:,} tokens {_mib(spec.seq_bytes(n))} "
+        f"({spec.seq_bytes(n) / (-(-n // spec.block_size) * full):.0%} of all-full)"
+        for n in lengths
+    )
+    return f"hybrid, {len(spec.groups)} groups of {spec.num_layers} layers ({groups}); {per_len}"
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
 def _gb(num_bytes: float) -> str:
     return f"{num_bytes / 1e9:,.2f} GB ({num_bytes / 2**30:,.2f} GiB)"
 
