@@ -142,6 +142,7 @@ class CostModel:
         block_bytes_per_token: float,
         num_prompt_tokens: int,
         entries_per_chunk: int = 1,
+        extra: Callable[[int], tuple[int, int]] | None = None,
     ) -> tuple[int, float, float]:
         """How many of the available chunks to load.
 
@@ -153,6 +154,9 @@ class CostModel:
             block_bytes_per_token: device bytes per token (for the copy).
             num_prompt_tokens: the prompt's length (the last token is always computed).
             entries_per_chunk: entries read per chunk (its layer groups).
+            extra: ``extra(end) -> (entries, bytes)`` read (and copied) on top for a load
+                ending at token ``end``: a hybrid model's other KV groups (read from the
+                same tier as the chunk that ends there).
 
         Returns:
             (number of chunks, predicted load seconds, predicted recompute seconds of the
@@ -163,7 +167,13 @@ class CostModel:
         for m, (end, tier, nbytes) in enumerate(zip(chunk_ends, chunk_tiers, entry_bytes), 1):
             n, b = reads.get(tier, (0, 0))
             reads[tier] = (n + entries_per_chunk, b + nbytes)
-            t_load = self.t_load(reads, int((end - start_tokens) * block_bytes_per_token))
+            copy = int((end - start_tokens) * block_bytes_per_token)
+            if extra is None:
+                t_load = self.t_load(reads, copy)
+            else:
+                xn, xb = extra(end)
+                n, b = reads[tier]
+                t_load = self.t_load({**reads, tier: (n + xn, b + xb)}, copy + xb)
             total = t_load + self.t_recompute(end, num_prompt_tokens)
             if total < best[0]:
                 best = (total, m, t_load, self.t_recompute(start_tokens, end))
@@ -245,6 +255,7 @@ def cost_curves(
     block_bytes_per_token: float = 0.0,
     num_points: int = 48,
     max_scan: int = 2048,
+    extra: Callable[[int], tuple[int, int]] | None = None,
 ) -> CostCurves:
     """The curves of ``cost`` for prefixes of whole blocks up to ``max_tokens - 1`` tokens.
 
@@ -257,6 +268,8 @@ def cost_curves(
         num_points: about how many prefix lengths the curves have (log-spaced).
         max_scan: most prefix lengths the break-even is looked for at (every whole block
             when there are fewer; otherwise log-spaced, so it is exact to ~0.5%).
+        extra: ``extra(num_blocks) -> (entries, bytes)`` read and copied on top for a
+            prefix of that many blocks (a hybrid model's other KV groups).
 
     A tier's break-even is the shortest prefix from which loading it is predicted to beat
     recomputing it at every longer prefix scanned.
@@ -279,7 +292,11 @@ def cost_curves(
             num_chunks = full + (rest > 0)
             num_bytes = full * entry_bytes(chunk_blocks) + (entry_bytes(rest) if rest else 0)
             copy = int(n * block_bytes_per_token)
-            ttft.append(cost.predict_load(tier, num_chunks * entries_per_chunk, num_bytes, copy))
+            entries = num_chunks * entries_per_chunk
+            if extra is not None:
+                xn, xb = extra(num_blocks)
+                entries, num_bytes, copy = entries + xn, num_bytes + xb, copy + xb
+            ttft.append(cost.predict_load(tier, entries, num_bytes, copy))
             ttft[-1] += tail
         break_even = _break_even(lengths, ttft, recompute)
         kept = tuple(ttft[i] for i in keep)

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvwise.config import LOAD_POLICIES
+from kvwise.core.kv_spec import first_window_block
 from kvwise.core.kv_tiers import ChunkWrite, LoadPlan, PlannedChunk
 from kvwise.store import serde
 from kvwise.store.base import FaultLog, KVStore, guarded
@@ -99,6 +100,28 @@ class _Stored:
     end_block: int
     tiers: tuple[str, ...]  # the tier each layer group would be read from
     num_bytes: int  # bytes a read takes at least (every group; entries may hold more blocks)
+
+
+def other_groups_cost(fmt: serde.EntryFormat, start: int, chunk_blocks: int):
+    """A hybrid model's other KV groups' share of a load of blocks ``start .. end - 1``
+    (group 0's share is the plan's): ``extra(end) -> (entries, bytes)``, each full group
+    the same blocks again, each windowed group the blocks of its window at ``end`` past
+    ``start``; None without other groups."""
+    groups = fmt.spec.groups
+    if len(groups) < 2:
+        return None
+    bs, layer_groups = fmt.block_size, fmt.layer_groups
+
+    def extra(end: int) -> tuple[int, int]:
+        entries = num_bytes = 0
+        for group in groups[1:]:
+            n = end - max(start, first_window_block(group.window, bs, end * bs))
+            if n > 0:
+                entries += -(-n // chunk_blocks) * layer_groups
+                num_bytes += sum(fmt.entry_bytes(g, n) for g in range(layer_groups))
+        return entries, num_bytes
+
+    return extra
 
 
 class ChunkPlanner:
@@ -227,9 +250,11 @@ class ChunkPlanner:
         if self.policy == "always":
             m, t_load, t_rec = len(ends), 0.0, self.cost.t_recompute(start_tokens, ends[-1])
         else:
+            extra = other_groups_cost(self.fmt, start, self.chunk_blocks)
             m, t_load, t_rec = self.cost.choose(
                 start_tokens, ends, per_tier, [s.num_bytes for s in stored],
                 self.fmt.block_bytes / bs, num_prompt_tokens, self.fmt.layer_groups,
+                extra=None if extra is None else (lambda end: extra(end // bs)),
             )  # fmt: skip
         chosen_tokens = ends[m - 1] - start_tokens if m else 0
         decision = LoadDecision(request_id, start_tokens, ends[-1] - start_tokens, chosen_tokens,

@@ -32,7 +32,7 @@ from kvwise.core.kv_tiers import ChunkWrite, PlannedChunk
 from kvwise.store import serde
 from kvwise.store.base import KVStore
 from kvwise.store.costmodel import CostCurves, CostModel, LoadDecision, cost_curves
-from kvwise.store.planner import ChunkPlanner
+from kvwise.store.planner import ChunkPlanner, other_groups_cost
 from kvwise.store.reader import Dest, GroupRead, Reader
 from kvwise.store.stats import StoreStats
 from kvwise.store.tier_events import TierEvents
@@ -226,5 +226,6 @@ class TieredStore:
             fmt.layer_groups,
             fmt.block_bytes / fmt.block_size,
             num_points,
+            extra=other_groups_cost(fmt, 0, self.chunk_blocks),
         )
         return dataclasses.replace(curves, policy=self.policy)

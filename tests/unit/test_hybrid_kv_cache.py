@@ -135,3 +135,21 @@ def test_integrity_through_preemption_like_frees(windows):
         if i % 2:
             manager.free(request)
     manager.check_integrity()
+
+
+def test_the_cost_model_counts_every_groups_bytes_of_a_load():
+    """A Gemma 3 load: group 0's plan, plus 0 more full groups and 5 windowed groups' window
+    at its end: the windowed part stops growing once the load is past the window."""
+    from kvwise.store.planner import other_groups_cost
+    from kvwise.store.serde import EntryFormat
+
+    spec = KVSpec(3, 1, 256, 16, "float32", groups=kv_groups(gemma3_windows()))
+    extra = other_groups_cost(EntryFormat(spec, "m"), start=0, chunk_blocks=8)
+    page = spec.block_bytes
+    entries, num_bytes = extra(512)  # 8,192 tokens: 5 windows of 512 tokens + a block each
+    window_blocks = 512 - first_window_block(512, 16, 512 * 16)
+    assert window_blocks == 32 and entries == 5 * 4
+    assert page * 5 * 32 < num_bytes < page * 5 * 32 * 1.01  # the entries' headers on top
+    assert extra(1024)[1] == num_bytes  # twice as long: the same windows
+    assert extra(4)[1] < num_bytes / 5  # shorter than the window: what there is
+    assert other_groups_cost(EntryFormat(KVSpec(3, 1, 256, 16), "m"), 0, 8) is None
