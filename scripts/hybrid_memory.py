@@ -5,8 +5,9 @@ long sequences run at once in the same fixed pool (``--no-hybrid-kv-cache`` the 
     python scripts/hybrid_memory.py --seqs 8 --tokens 8192 --pool-seqs 2 --out /tmp/hm.json
 
 The pool holds ``--pool-seqs`` all-full sequences of ``--tokens``; each side gets the same
-bytes and the same ``--seqs`` random prompts of ``--tokens - max_tokens`` tokens, and reports
-the most sequences decoding at once, the preemptions and the wall time.
+bytes and the same ``--seqs`` random prompts of ``--tokens - max_tokens`` tokens, all
+admitted at once (each step a ``--chunk`` of every prompt), and reports the most sequences
+decoding at once (their whole prompt in the pool), the preemptions and the wall time.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from kvwise.models.loader import load_model
 def _side(loaded, model, hybrid: bool, pool_bytes: int, prompts, max_tokens: int, chunk: int):
     config = EngineConfig.from_kwargs(
         model=model, hybrid_kv_cache=hybrid, kv_cache_memory=f"{pool_bytes}B",
-        prefill_chunk_size=chunk, max_num_batched_tokens=chunk, max_num_seqs=len(prompts),
+        prefill_chunk_size=chunk, max_num_batched_tokens=chunk * len(prompts),
+        max_num_seqs=len(prompts),
         kv_disk_path="off", kv_host_memory=0,
     )  # fmt: skip
     engine = build_engine(config, progress=False, loaded=loaded)

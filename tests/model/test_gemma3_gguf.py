@@ -143,3 +143,60 @@ def test_gemma3_none_past_the_window_is_transformers(gemma3_none, hf_gemma3):
     chunked = _gemma3_engine(gemma3_none, enable_prefix_caching=False, prefill_chunk_size=256,
                              max_num_batched_tokens=256)  # fmt: skip
     assert run(chunked, [ids], params) == [expected]
+
+
+def _records(first: int) -> str:
+    return " ".join(
+        f"Record {i}: shipment {i * 31} of {('apples', 'steel', 'paper', 'glass')[i % 4]} "
+        f"left port {chr(65 + i % 9)} on day {i % 28 + 1}."
+        for i in range(first, first + 75)
+    ) + "\nThe last record says shipment"
+
+
+def _drain(engine, prompts, params):
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    engine.check_integrity()
+    return [done[i] for i in ids]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_gemma3_hybrid_cache_cold_pool_preempted_disk_and_all_full(gemma3_path, kv, tmp_path):
+    """Two ~1,600-token prompts (3x the window) on the hybrid KV cache: the same greedy tokens
+    cold, from the pool (a hit past the window: the local layers' last window only), after
+    preemptions in a small pool, loaded from the disk tier, and with every layer keeping
+    every token (--no-hybrid-kv-cache)."""
+    loaded = load_model(gemma3_path, progress=False)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    engine = _gemma3_engine(loaded, kv_cache_dtype=kv, prefill_chunk_size=256,
+                            max_num_batched_tokens=256)  # fmt: skip
+    prompts = [engine.tokenize(_records(i)) for i in (0, 40)]
+    assert all(1500 < len(p) < 2000 for p in prompts)
+    spec = engine.runner.spec
+    assert [g.window for g in spec.groups] == [0] + [512] * 5 and spec.num_layers == 3
+    cold = [o.token_ids for o in _drain(engine, prompts, params)]
+    again = _drain(engine, prompts, params)
+    assert [o.token_ids for o in again] == cold
+    assert all(o.num_cached_tokens >= len(p) - 16 for o, p in zip(again, prompts))
+    small = _gemma3_engine(loaded, kv_cache_dtype=kv, prefill_chunk_size=256,
+                           max_num_batched_tokens=256, enable_prefix_caching=False,
+                           kv_cache_memory=f"{450 * spec.block_bytes}B")  # fmt: skip
+    assert [o.token_ids for o in _drain(small, prompts, params)] == cold
+    assert small.scheduler.num_preemptions > 0
+    full = _gemma3_engine(loaded, kv_cache_dtype=kv, hybrid_kv_cache=False)
+    assert not full.runner.spec.groups
+    assert [o.token_ids for o in _drain(full, prompts, params)] == cold
+    disk = _gemma3_engine(loaded, kv_cache_dtype=kv, kv_disk_path=str(tmp_path),
+                          kv_store_min_tokens=16, kv_load_policy="always")  # fmt: skip
+    _drain(disk, prompts, params)
+    disk.flush()
+    disk.kv_manager.pool.reset_prefix_cache()
+    loads = _drain(disk, prompts, params)
+    assert [o.token_ids for o in loads] == cold
+    assert all(o.num_loaded_tokens >= len(p) - 16 for o, p in zip(loads, prompts))
+    disk.close()
