@@ -288,7 +288,7 @@ class KVCacheManager:
         wanted = 0  # fresh blocks to take: new ones, and real ones where the null block is
         for table, window in zip(tables, self.windows):
             first = first_window_block(window, bs, computed + num_loaded_tokens)
-            wanted += num_required - max(len(table), first)
+            wanted += max(0, num_required - max(len(table), first))
             wanted += sum(1 for b in table[first:num_required] if b is null)
         # reviving a free cached block also takes it out of the free queue
         if new_computed_blocks:
