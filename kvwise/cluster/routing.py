@@ -133,7 +133,10 @@ class CacheAwarePolicy:
             return self.overlap_weight * max(to_prefill, 0) + work[replica]
 
         work = {r: load.work(self.running_weight) for r, load in loads.items()}
-        best = min(sorted(loads), key=cost)
+        # NOTE: on a tie the replica holding more of the prompt: a conversation's next turn
+        # stays where its KV is (a tie is common: the work routed there a moment ago, still
+        # counted, against the prefill the other replica would need)
+        best = min(sorted(loads), key=lambda r: (cost(r), -overlaps[r]))
         if work[best] - min(work.values()) > self.imbalance_tokens:
             return self._two_choices(loads, overlaps, "balance")
         return Choice(best, overlaps[best], "cache")

@@ -140,6 +140,20 @@ def test_load_outweighs_a_short_overlap_and_imbalance_falls_back():
     assert relaxed.choose(long_chain, 400, loads).replica == "r1"  # 1,500 < 1,600
 
 
+def test_a_tie_goes_to_the_replica_holding_more_of_the_prompt():
+    """The next turn of a conversation: "b" holds all of its previous turn, "a" only the
+    shared system prompt; the turn just routed to "b" still counts there, which makes the
+    costs equal. The tie goes to "b" (by name it would go to "a")."""
+    index = PrefixIndex()
+    chain = _chains(list(range(40)))  # 10 blocks
+    index.apply("a", [BlockStored(chain[:6], None, BS)])
+    index.apply("b", [BlockStored(chain[:10], None, BS)])
+    policy = CacheAwarePolicy(index, BS, rng=random.Random(0))
+    loads = {"a": Load(), "b": Load(queued_tokens=16)}  # 44 - 24 + 0 vs 44 - 40 + 16
+    choice = policy.choose(_chains(list(range(44))), 44, loads)
+    assert (choice.replica, choice.reason) == ("b", "cache")
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [({"block_size": 0}, "block_size"),
                                                 ({"overlap_weight": -1}, "overlap_weight"),
                                                 ({"imbalance_tokens": -1}, "imbalance_tokens"),
