@@ -146,11 +146,14 @@ def test_gemma3_none_past_the_window_is_transformers(gemma3_none, hf_gemma3):
 
 
 def _records(first: int) -> str:
-    return " ".join(
-        f"Record {i}: shipment {i * 31} of {('apples', 'steel', 'paper', 'glass')[i % 4]} "
-        f"left port {chr(65 + i % 9)} on day {i % 28 + 1}."
-        for i in range(first, first + 75)
-    ) + "\nThe last record says shipment"
+    return (
+        " ".join(
+            f"Record {i}: shipment {i * 31} of {('apples', 'steel', 'paper', 'glass')[i % 4]} "
+            f"left port {chr(65 + i % 9)} on day {i % 28 + 1}."
+            for i in range(first, first + 75)
+        )
+        + "\nThe last record says shipment"
+    )
 
 
 def _drain(engine, prompts, params):
