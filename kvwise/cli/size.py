@@ -62,12 +62,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _may_slide(model) -> bool:
+    """Whether a model may have sliding-window layers: a GGUF's metadata names a window, a
+    config.json a sliding_window or layer_types."""
+    import json
+
+    from kvwise.perf.gguf_meta import read_scalars
+    from kvwise.perf.sizing import model_file
+
+    path = model_file(model)
+    if path.suffix == ".gguf":
+        meta = read_scalars(path) or {}
+        return any(k.endswith(".attention.sliding_window") for k in meta)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return True  # the full reader decides, with its own errors
+    return bool(config.get("sliding_window") or config.get("layer_types"))
+
+
 def hybrid_spec(model, shape):
     """The hybrid KV page spec of a model with sliding-window layers (None: none)."""
     from kvwise.core.kv_spec import KVSpec, kv_groups
     from kvwise.models import registry
     from kvwise.perf.sizing import arch_from_model
 
+    if not _may_slide(model):
+        return None  # (without loading the model's family: torch)
     arch, _ = arch_from_model(model)
     kinds = registry.family_for(arch.architecture).attention_kinds(arch)
     groups = kv_groups([k.sliding_window or 0 for k in kinds])

@@ -55,7 +55,7 @@ class KVShape:
 
 def shape_from_model(path: str | Path | None, dtype: str) -> tuple[KVShape, str]:
     """Read a config.json, an HF directory or a GGUF (None: the default model)."""
-    p = _model_file(path)
+    p = model_file(path)
     if p.suffix == ".gguf":
         shape = _gguf_shape(p, dtype)  # its metadata alone: no torch, no vocabulary parsed
         if shape is not None:
@@ -101,7 +101,7 @@ def arch_from_model(path: str | Path | None):
 
     from kvwise.models.arch import ModelArchConfig
 
-    p = _model_file(path)
+    p = model_file(path)
     if p.suffix == ".gguf":
         from kvwise.models.gguf_weights import open_gguf
 
@@ -114,7 +114,7 @@ def arch_from_model(path: str | Path | None):
     return arch, p.name
 
 
-def _model_file(path: str | Path | None) -> Path:
+def model_file(path: str | Path | None) -> Path:
     """The file a model path names: a GGUF or config.json (a directory's config.json, else its
     first GGUF); None: the default model."""
     from kvwise.models.default import default_model_path
@@ -238,7 +238,7 @@ def gguf_weight_report(path: str | Path | None) -> str | None:
     from kvwise.models.gguf_file import GGUFFile
     from kvwise.models.gguf_types import resident_bytes
 
-    p = _model_file(path)
+    p = model_file(path)
     if p.suffix != ".gguf":
         return None
     reader = GGUFFile(p)

@@ -284,20 +284,14 @@ def cost_curves(
     shown = set(_log_grid(len(scan), num_points))  # 1-based positions in ``scan``
     keep = [i for i in range(len(scan)) if i + 1 in shown]
     updates = cost.num_updates()
+    loads = [
+        _prefix_reads(n, block_size, chunk_blocks, entry_bytes, entries_per_chunk,
+                      block_bytes_per_token, extra)
+        for n in scan
+    ]  # fmt: skip
     curves = []
     for tier in tiers:
-        ttft = []
-        for num_blocks, n, tail in zip(scan, lengths, last_token):
-            full, rest = divmod(num_blocks, chunk_blocks)
-            num_chunks = full + (rest > 0)
-            num_bytes = full * entry_bytes(chunk_blocks) + (entry_bytes(rest) if rest else 0)
-            copy = int(n * block_bytes_per_token)
-            entries = num_chunks * entries_per_chunk
-            if extra is not None:
-                xn, xb = extra(num_blocks)
-                entries, num_bytes, copy = entries + xn, num_bytes + xb, copy + xb
-            ttft.append(cost.predict_load(tier, entries, num_bytes, copy))
-            ttft[-1] += tail
+        ttft = [cost.predict_load(tier, *r) + tail for r, tail in zip(loads, last_token)]
         break_even = _break_even(lengths, ttft, recompute)
         kept = tuple(ttft[i] for i in keep)
         curves.append(TierCurve(tier, kept, break_even, updates.get(f"tier_{tier}", 0)))
@@ -307,6 +301,20 @@ def cost_curves(
         tuple(curves),
         updates["step"],
     )
+
+
+def _prefix_reads(
+    num_blocks: int, block_size: int, chunk_blocks: int, entry_bytes, entries_per_chunk: int,
+    block_bytes_per_token: float, extra,
+) -> tuple[int, int, int]:  # fmt: skip
+    """(entries read, bytes read, bytes copied) of a stored prefix of ``num_blocks`` blocks
+    (``cost_curves``' arguments)."""
+    full, rest = divmod(num_blocks, chunk_blocks)
+    num_bytes = full * entry_bytes(chunk_blocks) + (entry_bytes(rest) if rest else 0)
+    entries = (full + (rest > 0)) * entries_per_chunk
+    copy = int(num_blocks * block_size * block_bytes_per_token)
+    xn, xb = extra(num_blocks) if extra is not None else (0, 0)
+    return entries + xn, num_bytes + xb, copy + xb
 
 
 def _break_even(

@@ -74,8 +74,8 @@ def gemma3_reference(hf_gemma3, gemma3_ids):
 
 
 def _gemma3_engine(loaded, **kwargs):
-    config = EngineConfig.from_kwargs(kv_cache_memory="128MiB", kv_host_memory="off",
-                                      kv_disk_path="off", **kwargs)  # fmt: skip
+    defaults = {"kv_cache_memory": "128MiB", "kv_host_memory": "off", "kv_disk_path": "off"}
+    config = EngineConfig.from_kwargs(**{**defaults, **kwargs})
     return build_engine(config, progress=False, loaded=loaded)
 
 
