@@ -37,6 +37,7 @@ class KVBlock:
         "next_free",
         "retain_until",
         "tenant",
+        "reported",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -45,6 +46,7 @@ class KVBlock:
         self.block_hash: BlockHash | None = None
         self.retain_until = 0.0  # > 0: kept until this time (pool clock); 0: not kept
         self.tenant: str | None = None  # who keeps it (for the per-tenant cap)
+        self.reported = False  # its hash went out as a KV event (its eviction goes too)
         # NOTE: the free queue is threaded through the blocks so that removing a cached
         # block from the middle of the queue (a prefix hit on a free block) is O(1).
         self.prev_free: KVBlock | None = None
@@ -284,6 +286,7 @@ class BlockPool:
                 run = []
                 continue
             block.block_hash = block_hash
+            block.reported = log is not None
             self.cached[block_hash] = block
             if not run:
                 parent = block_hashes[i - 1] if i else None
@@ -296,8 +299,9 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            if self.events is not None:
+            if self.events is not None and block.reported:  # (a hybrid pool's group 0 only)
                 self.events.removed([block.block_hash])
+        block.reported = False
         self.num_evictions += 1
         block.block_hash = None
 

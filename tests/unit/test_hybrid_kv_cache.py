@@ -153,3 +153,21 @@ def test_the_cost_model_counts_every_groups_bytes_of_a_load():
     assert extra(1024)[1] == num_bytes  # twice as long: the same windows
     assert extra(4)[1] < num_bytes / 5  # shorter than the window: what there is
     assert other_groups_cost(EntryFormat(KVSpec(3, 1, 256, 16), "m"), 0, 8) is None
+
+
+def test_routers_hear_of_group_0_only():
+    """KV events name group 0's hashes (the chain a router computes), stored and evicted;
+    the windowed group's own hashes never go out."""
+    from kvwise.core.kv_events import BlockRemoved, BlockStored
+
+    manager = KVCacheManager(24, BS, windows=(0, W), kv_events=True)
+    first = Request("a", list(range(40)), P)
+    _run(manager, first, chunk=40)
+    manager.free(first)
+    _run(manager, Request("b", list(range(100, 160)), P), chunk=4)  # evicts "a"'s blocks
+    events = manager.take_kv_events()
+    stored = {h for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
+    removed = {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
+    assert set(first.block_hashes) <= stored
+    assert removed and removed <= stored
+    assert not stored & set(manager.group_hashes(first, 1))
