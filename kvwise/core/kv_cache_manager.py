@@ -347,17 +347,26 @@ class KVCacheManager:
         tables = self.req_to_blocks.get(request.request_id)
         if not tables:
             return
-        null = self.null_block
         until = self.pool.clock() + request.retention_s if request.retention_s else None
         for g, blocks in enumerate(tables):
-            first = 0
-            while first < num_full and first < len(blocks) and blocks[first] is null:
-                first += 1
+            first = self._first_held(blocks, num_full)
             hashes = self.group_hashes(request, g)
             self.pool.cache_blocks(blocks[:num_full], hashes[:num_full], first,
                                    events=g == 0)  # fmt: skip
             if until is not None:
                 self.pool.retain(blocks[first:num_full], request.tenant, until)
+
+    def first_held(self, request_id: str, group: int, num_blocks: int) -> int:
+        """The first of a request's first ``num_blocks`` blocks group ``group`` holds (a
+        windowed group holds none before its window)."""
+        tables = self.req_to_blocks.get(request_id)
+        return self._first_held(tables[group], num_blocks) if tables else 0
+
+    def _first_held(self, blocks: list[KVBlock], num_blocks: int) -> int:
+        first, end = 0, min(num_blocks, len(blocks))
+        while first < end and blocks[first] is self.null_block:
+            first += 1
+        return first
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so its tail is evicted before its head)."""

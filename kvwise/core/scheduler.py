@@ -317,17 +317,13 @@ class Scheduler:
             (request.num_prompt_tokens - 1) // bs,
             request.num_prompt_tokens // bs,
         )
-        null = self.kv.null_block
         for g, window in enumerate(self.kv.windows):
             if windowed_only and not window:
                 continue
             block_ids = self.kv.block_ids(request.request_id, g)
             hashes = self.kv.group_hashes(request, g)
             num_full = min(request.num_computed_tokens // bs, len(hashes), len(block_ids))
-            first = 0
-            if null is not None:
-                while first < num_full and block_ids[first] == null.block_id:
-                    first += 1
+            first = self.kv.first_held(request.request_id, g, num_full)
             writes = self.tiers.plan_writes(hashes, num_full, cuts, first_block=first)
             for chunk in writes:
                 ids = block_ids[chunk.first_block : chunk.first_block + len(chunk.block_hashes)]

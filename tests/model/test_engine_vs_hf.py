@@ -48,16 +48,22 @@ def hf_greedy(model, prompt_ids: list[int], num_new: int) -> list[int]:
     return out
 
 
-def run(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
+def run_outputs(engine: LLMEngine, prompts, params=GREEDY) -> list:
+    """Run prompts to the end together; their final ``RequestOutput``s, in order."""
     ids = [engine.add_request(p, params) for p in prompts]
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = out.token_ids
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def run(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
+    outputs = run_outputs(engine, prompts, params)
     engine.check_integrity()
     assert engine.kv_manager.pool.num_used_blocks == 0
-    return [done[i] for i in ids]
+    return [out.token_ids for out in outputs]
 
 
 @pytest.fixture(scope="module")

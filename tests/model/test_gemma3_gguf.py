@@ -16,7 +16,7 @@ from kvwise.engine.builder import build_engine  # noqa: E402
 from kvwise.models.default import gemma3_model_path  # noqa: E402
 from kvwise.models.layer_ops import TorchLayerOps  # noqa: E402
 from kvwise.models.loader import load_model  # noqa: E402
-from tests.model.test_engine_vs_hf import hf_greedy, run  # noqa: E402
+from tests.model.test_engine_vs_hf import hf_greedy, run, run_outputs  # noqa: E402
 from tests.model.test_gemma import _logits  # noqa: E402
 
 GEMMA3_NEW = 32
@@ -157,14 +157,9 @@ def _records(first: int) -> str:
 
 
 def _drain(engine, prompts, params):
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    outputs = run_outputs(engine, prompts, params)
     engine.check_integrity()
-    return [done[i] for i in ids]
+    return outputs
 
 
 @pytest.mark.slow

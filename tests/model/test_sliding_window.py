@@ -25,7 +25,7 @@ from kvwise.models import registry  # noqa: E402
 from kvwise.models.arch import ModelArchConfig  # noqa: E402
 from kvwise.models.loader import load_model  # noqa: E402
 from kvwise.worker.attention import LayerAttention  # noqa: E402
-from tests.model.test_engine_vs_hf import hf_greedy, run  # noqa: E402
+from tests.model.test_engine_vs_hf import hf_greedy, run, run_outputs  # noqa: E402
 from tests.model.test_model_family import _write_tokenizer  # noqa: E402
 from tests.model.test_models_tiny import _save_random_model  # noqa: E402
 from tests.tiers_util import evict_device  # noqa: E402
@@ -107,14 +107,9 @@ def test_cold_from_the_pool_after_preemption_and_from_disk(model, kv, tmp_path):
         assert cold == reference
     engine = _engine(model, kv_cache_dtype=kv)
     assert run(engine, prompts, GREEDY) == cold
-    again = [engine.add_request(p, GREEDY) for p in prompts]  # the prompts' blocks, cached
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert [done[i].token_ids for i in again] == cold
-    assert done[again[0]].num_cached_tokens >= 176
+    again = run_outputs(engine, prompts, GREEDY)  # the prompts' blocks, cached
+    assert [out.token_ids for out in again] == cold
+    assert again[0].num_cached_tokens >= 176
     spec = engine.runner.spec  # a pool of 20 blocks of every layer: the four won't fit
     block_bytes = spec.block_bytes * spec.num_model_layers // spec.num_layers
     small = _engine(model, kv_cache_dtype=kv, enable_prefix_caching=False,
@@ -125,14 +120,9 @@ def test_cold_from_the_pool_after_preemption_and_from_disk(model, kv, tmp_path):
                    kv_load_policy="always")  # fmt: skip
     run(disk, prompts, GREEDY)
     evict_device(disk)
-    loaded = [disk.add_request(p, GREEDY) for p in prompts]
-    done = {}
-    while disk.has_unfinished():
-        for out in disk.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert [done[i].token_ids for i in loaded] == cold
-    assert done[loaded[0]].num_loaded_tokens >= 176
+    loaded = run_outputs(disk, prompts, GREEDY)
+    assert [out.token_ids for out in loaded] == cold
+    assert loaded[0].num_loaded_tokens >= 176
     disk.close()
 
 
