@@ -87,7 +87,6 @@ def build_model_parts(
         group_size=config.cache.kv_int4_group_size,
         groups=groups,
     )
-    _check_kv_format(spec, kinds)
     num_blocks = spec.num_blocks_in(config.cache.kv_cache_bytes())
     if num_blocks < 2:
         raise ValueError(
@@ -129,20 +128,6 @@ def tokenizer_for(loaded: LoadedModel) -> Tokenizer:
     if loaded.gguf_reader is not None:
         return Tokenizer.from_gguf(loaded.gguf_reader)
     return Tokenizer.from_path(loaded.source)
-
-
-def _check_kv_format(spec: KVSpec, kinds) -> None:
-    """Raises ValueError where the KV format's kernel lacks an attention the model's layers
-    run (int4, whose keys are sealed: no sliding window, no soft cap yet)."""
-    lacking = [what for what, used in (
-        ("sliding-window attention", any(k.sliding_window for k in kinds)),
-        ("attention-logit soft-capping", any(k.softcap for k in kinds)),
-    ) if used]  # fmt: skip
-    if lacking and spec.sealed_keys:
-        raise ValueError(
-            f"kv_cache_dtype: {spec.dtype} KV has no {' or '.join(lacking)} yet, which this "
-            "model's layers use; use float32, bfloat16, float16 or int8"
-        )
 
 
 def _max_model_len(config: EngineConfig, arch) -> int:

@@ -31,8 +31,7 @@ row's bits still depend on the row alone), the torch path masks. A soft-capped l
 ``attn_logit_softcapping``) turns every scaled score s into ``c * tanh(s / c)`` before the
 softmax: the paged kernels take ``softcap=c``; SDPA cannot, so the torch path computes that
 layer's scores explicitly (``models/layers.softcapped_attention``). A layer with neither calls
-the kernels exactly as before. The int4 format's kernel has neither yet: the engine refuses
-int4 KV for a model with sliding-window or soft-capped layers.
+the kernels exactly as before; the int4 kernel (``csrc/kv_int4.cpp``) takes both the same way.
 
 A format with sealed keys (int4: ``KVSpec.sealed_keys``) quantizes a block's keys once it is
 full. A query then attends to the keys of earlier blocks as their sealed bytes hold them and to
@@ -89,6 +88,7 @@ class AttentionMetadata:
     # every row, decodes then prefill rows (the paged kernels' view of the step):
     row_block_table: torch.Tensor | None = None  # (T, max_blocks) long: its sequence's blocks
     row_ctx_lens: torch.Tensor | None = None  # (T,) long: position + 1, the keys it attends to
+    group: int = 0  # a hybrid KV cache's group these tables are of
 
 
 class TorchSDPAAttention:
@@ -119,9 +119,6 @@ class TorchSDPAAttention:
         self._layer = (lambda i: self.layers[i]) if layers is not None else (lambda i: full)
         self.places = places
         self.sealed_keys = kv_cache.spec.sealed_keys
-        if self.sealed_keys and any(k.softcap for k in self.layers or ()):
-            raise ValueError(f"kv_cache_dtype: {kv_cache.spec.dtype} KV has no attention-logit "
-                             "soft-capping yet")  # fmt: skip
         # every row through the format's paged kernel, chosen once
         self._rows = kv_cache.rows_attention if paged_kernel else None
         self.paged_kernel = self._rows is not None
@@ -192,7 +189,7 @@ class TorchSDPAAttention:
         if self._rows is not None:  # every row through the paged kernel (it writes first)
             out = self._rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap)
             return out.view(num_tokens, self.num_heads * self.head_dim)
-        self.kv_cache.write(layer, meta.slot_mapping, k, v)
+        self.kv_cache.write(layer, meta.slot_mapping, k, v, group=meta.group)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         nd = meta.num_decodes
         if nd:
@@ -239,7 +236,7 @@ class TorchSDPAAttention:
             kc, vc = cache.gather(layer, chunk.block_table, chunk.first_block)
             open_k = cache.open_block_keys(layer, chunk, k)
             return attend_open_blocks(
-                qp, kc[0], vc[0], open_k, chunk.start_pos, cache.block_size, kind.scale
+                qp, kc[0], vc[0], open_k, chunk.start_pos, cache.block_size, kind
             )
         if chunk.start_pos == 0 and not cache.lossy and (not window or e - s <= window):
             kp = k[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, kv_heads, n, head_dim)
@@ -282,11 +279,12 @@ def attend_open_blocks(
     open_k: torch.Tensor,  # (ctx - first_open, kv_heads, head_dim): full-precision keys
     start: int,
     block_size: int,
-    scale: float,
+    kind: LayerAttention,
 ) -> torch.Tensor:
     """Causal attention where each query sees earlier blocks' keys as sealed and its own
     block's keys in full precision (``open_k`` from ``first_open``, the start of the first
-    query's block). One call per block of queries, ``(n, num_heads, head_dim)``."""
+    query's block), within the layer's window and soft cap. One call per block of queries,
+    ``(n, num_heads, head_dim)``."""
     n = qp.shape[2]
     ctx = start + n
     first_open = start // block_size * block_size
@@ -299,10 +297,12 @@ def attend_open_blocks(
         q_lo = max(start, lo)
         sealed = kt[:, lo:hi].clone()
         kt[:, lo:hi] = open_t[:, lo - first_open : hi - first_open]
-        mask = torch.arange(hi).unsqueeze(0) <= torch.arange(q_lo, hi).unsqueeze(1)
-        out[:, :, q_lo - start : hi - start] = F.scaled_dot_product_attention(
-            qp[:, :, q_lo - start : hi - start], kt[:, :hi].unsqueeze(0), vt[:, :, :hi],
-            attn_mask=mask, scale=scale, enable_gqa=True,
-        )  # fmt: skip
+        keys, q_pos = torch.arange(hi).unsqueeze(0), torch.arange(q_lo, hi).unsqueeze(1)
+        mask = keys <= q_pos
+        if kind.window:
+            mask &= keys > q_pos - kind.window
+        out[:, :, q_lo - start : hi - start] = _sdpa(
+            qp[:, :, q_lo - start : hi - start], kt[:, :hi].unsqueeze(0), vt[:, :, :hi], kind, mask
+        )
         kt[:, lo:hi] = sealed
     return out.squeeze(0).transpose(0, 1)

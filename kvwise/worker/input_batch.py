@@ -55,7 +55,8 @@ def build_input_batch(
         for g in range(num_groups - 1):
             d, p = ([replace(s, block_ids=s.group_block_ids[g]) for s in part]
                     for part in (decodes, prefills))  # fmt: skip
-            metas.append(_metadata(d, p, _flatten(d + p, block_size), block_size))
+            metas.append(replace(_metadata(d, p, _flatten(d + p, block_size), block_size),
+                                 group=g + 1))  # fmt: skip
     return InputBatch(
         input_ids=torch.tensor(rows.input_ids, dtype=torch.long),
         positions=torch.tensor(rows.positions, dtype=torch.long),

@@ -75,9 +75,11 @@ class ModelRunner:
             self.kv_cache.begin_step(sched_out.released_block_ids)
             return ModelOutput()
         batch = build_input_batch(sched_out, self.block_size, self.num_groups)
-        # the releases, then the step's slots: a format with per-step state (int4's staging)
-        # plans its writes once for every layer
-        self.kv_cache.begin_step(sched_out.released_block_ids, batch.attn_meta.slot_mapping)
+        # the releases, then the step's slots (each KV group's): a format with per-step state
+        # (int4's staging) plans its writes once for every layer of a group
+        metas = batch.group_metas
+        slots = [m.slot_mapping for m in metas] if metas else batch.attn_meta.slot_mapping
+        self.kv_cache.begin_step(sched_out.released_block_ids, slots)
         attn = self.attention.bind(batch.attn_meta, layer_ready, batch.group_metas)
         hidden = self.model(batch.input_ids, batch.positions, attn)  # (T, hidden)
         if not batch.sample_requests:

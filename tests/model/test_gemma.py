@@ -157,7 +157,7 @@ def test_tiny_greedy_tokens_are_transformers_alone_and_batched(tiny):
 def test_without_the_attention_soft_cap_the_tokens_are_not_transformers(tmp_path):
     """The cap-2 Gemma 2 through the engine: transformers' tokens through the paged kernel
     and through the torch path (explicit scores); other tokens with the cap taken off its
-    layers; int4 KV (no soft cap in its kernel) refused."""
+    layers; int4 KV (its kernel caps too): alone as batched, and other tokens uncapped."""
     hf = _save_random_gemma(*CASES["gemma2_cap2"], tmp_path)
     reference = [hf_greedy(hf, ids, NUM_NEW) for ids in PROMPTS]
     loaded = load_model(tmp_path, progress=False)
@@ -176,10 +176,15 @@ def test_without_the_attention_soft_cap_the_tokens_are_not_transformers(tmp_path
     attention = uncapped.runner.attention
     attention.layers = [LayerAttention(k.window, k.scale) for k in attention.layers]
     assert run(uncapped, PROMPTS, GREEDY) != reference
-    with pytest.raises(ValueError, match="int4 KV has no sliding-window attention or "
-                                         "attention-logit soft-capping"):  # fmt: skip
-        build_engine(EngineConfig.from_kwargs(model=str(tmp_path), kv_cache_dtype="int4",
-                                              **ENGINE_KV), progress=False, loaded=loaded)  # fmt: skip
+    int4 = EngineConfig.from_kwargs(model=str(tmp_path), **{**ENGINE_KV, "kv_cache_dtype": "int4"})
+    capped = build_engine(int4, progress=False, loaded=loaded)
+    assert capped.runner.attention.paged_kernel == kernels.available()
+    tokens = run(capped, PROMPTS, GREEDY)
+    assert [run(capped, [ids], GREEDY)[0] for ids in PROMPTS] == tokens
+    uncapped = build_engine(int4, progress=False, loaded=loaded)
+    attention = uncapped.runner.attention
+    attention.layers = [LayerAttention(k.window, k.scale) for k in attention.layers]
+    assert run(uncapped, PROMPTS, GREEDY) != tokens
 
 
 def test_tiny_declarations(tiny):

@@ -163,15 +163,16 @@ def _drain(engine, prompts, params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("kv", ["float32", "int8", "int4"])
 def test_gemma3_hybrid_cache_cold_pool_preempted_disk_and_all_full(gemma3_path, kv, tmp_path):
     """Two ~1,600-token prompts (3x the window) on the hybrid KV cache: the same greedy tokens
     cold, from the pool (a hit past the window: the local layers' last window only), after
     preemptions in a small pool, loaded from the disk tier, and with every layer keeping
     every token (--no-hybrid-kv-cache)."""
     loaded = load_model(gemma3_path, progress=False)
+    kv_args = dict(kv_cache_dtype=kv, block_size=16)  # int4's too (its default is 32)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    engine = _gemma3_engine(loaded, kv_cache_dtype=kv, prefill_chunk_size=256,
+    engine = _gemma3_engine(loaded, **kv_args, prefill_chunk_size=256,
                             max_num_batched_tokens=256)  # fmt: skip
     prompts = [engine.tokenize(_records(i)) for i in (0, 40)]
     assert all(1500 < len(p) < 2000 for p in prompts)
@@ -180,21 +181,21 @@ def test_gemma3_hybrid_cache_cold_pool_preempted_disk_and_all_full(gemma3_path, 
     cold = [o.token_ids for o in _drain(engine, prompts, params)]
     again = _drain(engine, prompts, params)
     assert [o.token_ids for o in again] == cold
-    assert all(o.num_cached_tokens >= len(p) - 16 for o, p in zip(again, prompts))
-    small = _gemma3_engine(loaded, kv_cache_dtype=kv, prefill_chunk_size=256,
+    assert all(o.num_cached_tokens >= len(p) - spec.block_size for o, p in zip(again, prompts))
+    small = _gemma3_engine(loaded, **kv_args, prefill_chunk_size=256,
                            max_num_batched_tokens=256, enable_prefix_caching=False,
                            kv_cache_memory=f"{450 * spec.block_bytes}B")  # fmt: skip
     assert [o.token_ids for o in _drain(small, prompts, params)] == cold
     assert small.scheduler.num_preemptions > 0
-    full = _gemma3_engine(loaded, kv_cache_dtype=kv, hybrid_kv_cache=False)
+    full = _gemma3_engine(loaded, **kv_args, hybrid_kv_cache=False)
     assert not full.runner.spec.groups
     assert [o.token_ids for o in _drain(full, prompts, params)] == cold
-    disk = _gemma3_engine(loaded, kv_cache_dtype=kv, kv_disk_path=str(tmp_path),
+    disk = _gemma3_engine(loaded, **kv_args, kv_disk_path=str(tmp_path),
                           kv_store_min_tokens=16, kv_load_policy="always")  # fmt: skip
     _drain(disk, prompts, params)
     disk.flush()
     disk.kv_manager.pool.reset_prefix_cache()
     loads = _drain(disk, prompts, params)
     assert [o.token_ids for o in loads] == cold
-    assert all(o.num_loaded_tokens >= len(p) - 16 for o, p in zip(loads, prompts))
+    assert all(o.num_loaded_tokens >= len(p) - spec.block_size for o, p in zip(loads, prompts))
     disk.close()

@@ -5,9 +5,9 @@ Qwen2 with max_window_layers=1, whose window is on its layer 1 alone, as transfo
 puts it on layers i >= max_window_layers), prompts up to 4x the window: greedy tokens identical
 to transformers' greedy decoding (its cache keeps the window's semantics), alone and batched,
 with prefill chunks smaller than the window, and the same tokens cold, from the pool's prefix
-cache, after preemption and from the disk tier, for float32 and int8 KV (int8: identical among
-themselves). No context cap at the window any more; int4 KV, whose kernel has no window, is
-refused with a clear error. Which layers a config.json windows (Qwen2/3's use_sliding_window
+cache, after preemption and from the disk tier, for float32, int8 and int4 KV (int8, int4:
+identical among themselves; int4's kernel takes the window as the others do: other tokens
+without it). No context cap at the window any more. Which layers a config.json windows (Qwen2/3's use_sliding_window
 and max_window_layers, an explicit layer_types) is checked against transformers' configs.
 """
 
@@ -64,6 +64,7 @@ def model(request, tmp_path_factory):
 
 def _engine(model, **kwargs):
     kwargs.setdefault("kv_cache_memory", "16MiB")
+    kwargs.setdefault("block_size", 16)  # int4's too (its default is 32): the same pools
     kwargs.setdefault("kv_host_memory", "off")
     kwargs.setdefault("kv_disk_path", "off")
     config = EngineConfig.from_kwargs(model=str(model[0]), **kwargs)
@@ -99,7 +100,7 @@ def test_prefill_chunks_smaller_than_the_window(model):
     assert run(engine, prompts, GREEDY) == reference
 
 
-@pytest.mark.parametrize("kv", ["float32", "int8"])
+@pytest.mark.parametrize("kv", ["float32", "int8", "int4"])
 def test_cold_from_the_pool_after_preemption_and_from_disk(model, kv, tmp_path):
     _, _, prompts, reference, _ = model
     cold = run(_engine(model, kv_cache_dtype=kv, enable_prefix_caching=False), prompts, GREEDY)
@@ -126,9 +127,18 @@ def test_cold_from_the_pool_after_preemption_and_from_disk(model, kv, tmp_path):
     disk.close()
 
 
-def test_int4_kv_is_refused_for_a_windowed_model(model):
-    with pytest.raises(ValueError, match="kv_cache_dtype: int4 KV has no sliding-window"):
-        _engine(model, kv_cache_dtype="int4")
+def test_int4_kv_attends_within_the_window(model):
+    """int4 KV: alone as batched, and other tokens with the windows taken off (the window
+    reaches its kernel)."""
+    _, _, prompts, _, _ = model
+    engine = _engine(model, kv_cache_dtype="int4")
+    assert engine.runner.attention.paged_kernel
+    batched = run(engine, prompts, GREEDY)
+    assert [run(engine, [p], GREEDY)[0] for p in prompts] == batched
+    unwindowed = _engine(model, kv_cache_dtype="int4", enable_prefix_caching=False)
+    attention = unwindowed.runner.attention
+    attention.layers = [LayerAttention(0, k.scale) for k in attention.layers]
+    assert run(unwindowed, prompts, GREEDY) != batched
 
 
 def test_llm_runs_past_the_window(model):

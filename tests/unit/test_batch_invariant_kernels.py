@@ -165,7 +165,7 @@ def test_sequence_attention_is_the_engines_step_for_a_cold_prompt(dtype):
     same sealed keys."""
     from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
     from kvwise.types import SamplingParams
-    from kvwise.worker.attention import TorchSDPAAttention, attend_open_blocks
+    from kvwise.worker.attention import LayerAttention, TorchSDPAAttention, attend_open_blocks
     from kvwise.worker.input_batch import build_input_batch
     from kvwise.worker.kv_quant import round_trip
     from kvwise.worker.one_sequence import sequence_attention
@@ -187,5 +187,5 @@ def test_sequence_attention_is_the_engines_step_for_a_cold_prompt(dtype):
         stored_k = round_trip(k, "int4", keys=True, key_block=block_size)
         qp = q.transpose(0, 1).contiguous().unsqueeze(0)
         want = attend_open_blocks(qp, stored_k, round_trip(v, "int4"), k, 0, block_size,
-                                  DIM**-0.5)  # fmt: skip
+                                  LayerAttention(0, DIM**-0.5))  # fmt: skip
         torch.testing.assert_close(got, want.reshape(n, -1), rtol=1e-5, atol=1e-5)

@@ -16,6 +16,9 @@
 // every element: q . k = sum_d (q_d * scale_d) * code_d + sum_d q_d * min_d, and
 // sum_t p_t v_t = sum_t (p_t * scale_t) * code_t + sum_t p_t * min_t per group. Same maths as
 // the torch path (gather, dequantize, SDPA), another rounding order.
+// Per call, a layer's kind, as in paged_attention.cpp: window = W > 0, a row sees its last W
+// keys only (the blocks before them never read); softcap = c > 0, each score (after the scale)
+// becomes c * tanh(score / c) before the softmax, by `cap_scores`, a function of the score alone.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -144,7 +147,10 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
                                        const at::Tensor& v_raw, const at::Tensor& staged,
                                        const at::Tensor& block_tables, const at::Tensor& ctx_lens,
                                        const at::Tensor& open_slots, double scale_in,
-                                       int64_t block_size, int64_t group) {
+                                       int64_t block_size, int64_t group, int64_t window,
+                                       double softcap_in) {
+  TORCH_CHECK(window >= 0, "paged_decode_attention_int4: window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap_in >= 0, "paged_decode_attention_int4: softcap must be >= 0 (0: none)");
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "paged_decode_attention_int4: q must be float32 (B, H, D)");
   TORCH_CHECK(staged.dim() == 4 && staged.scalar_type() == at::kFloat && staged.is_contiguous(),
@@ -180,8 +186,17 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
   const uint8_t* vb = v_raw.data_ptr<uint8_t>();
   const float* st = staged.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
-  const float scale = static_cast<float>(scale_in);
+  const float scale = static_cast<float>(scale_in), softcap = static_cast<float>(softcap_in);
   const int64_t groups = D / group;
+  // a sliding window (window > 0): row b attends to keys [first_key(b), lens[b]) only. Its
+  // scores are kept from the start of that key's block (`from(b)`, `span(b)` of them), the
+  // blocks before it never read (they may be gone from the table), the keys of the first
+  // block before first_key(b) weighted 0.
+  auto first_key = [&](int64_t b) {
+    return window > 0 ? std::max<int64_t>(0, lens[b] - window) : int64_t{0};
+  };
+  auto from = [&](int64_t b) { return first_key(b) / bs * bs; };
+  auto span = [&](int64_t b) { return lens[b] - from(b); };
   at::Tensor out = at::empty({B, H, D}, q.options());
   float* op = out.data_ptr<float>();
 
@@ -210,25 +225,29 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
       const int64_t gi = order[task / KVH], h = task % KVH;
       const int64_t b0 = group_start[gi], b1 = group_start[gi + 1];
       const int64_t* table = tables + b0 * max_blocks;
-      int64_t n_max = 0, total = 0;
+      int64_t n_max = 0, total = 0, j_min = max_blocks;
       score_at.resize(b1 - b0);
       for (int64_t b = b0; b < b1; ++b) {
         score_at[b - b0] = total;
-        total += G * lens[b];
+        total += G * span(b);
         n_max = std::max(n_max, lens[b]);
+        j_min = std::min(j_min, from(b) / bs);
       }
       scores.assign(total, 0.f);
       const int64_t nblk_max = (n_max + bs - 1) / bs;
-      for (int64_t j = 0; j < nblk_max; ++j) {
+      // row b's score of query head g and key pos (from(b) <= pos < lens[b])
+      auto score_of = [&](int64_t b, int64_t g, int64_t pos) {
+        return scores.data() + score_at[b - b0] + g * span(b) + (pos - from(b));
+      };
+      auto covers = [&](int64_t b, int64_t j) { return j * bs < lens[b] && j * bs >= from(b); };
+      for (int64_t j = j_min; j < nblk_max; ++j) {
         const int64_t blk = table[j];
-        TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode_attention_int4: block id");
         tile_rows.clear();
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n = lens[b], own = (n - 1) / bs;
-          if (j * bs >= n) continue;  // past this row's context
+          if (!covers(b, j)) continue;  // past this row's context, or before its window
           const int64_t rows = std::min(bs, n - j * bs);
           const float* qh = qp + (b * H + h * G) * D;  // the G query heads of this KV head
-          float* row_scores = scores.data() + score_at[b - b0];
           if (j == own) {  // full precision, from staging
             const float* krows = st + slots[b] * bs * KVH * D;
             for (int64_t t = 0; t < rows; ++t) {
@@ -236,7 +255,7 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
               for (int64_t g = 0; g < G; ++g) {
                 float s = 0.f;
                 for (int64_t d = 0; d < D; ++d) s += qh[g * D + d] * k[d];
-                row_scores[g * n + j * bs + t] = s * scale;
+                *score_of(b, g, j * bs + t) = s * scale;
               }
             }
             continue;
@@ -244,6 +263,7 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
           tile_rows.push_back(b);  // sealed: scored below, with the group's other rows
         }
         if (tile_rows.empty()) continue;
+        TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode_attention_int4: block id");
         {  // the block's codes and scales, once for the group
           const uint8_t* kc = kb + blk * half + h * D * (bs / 2);  // (D, bs / 2)
           const uint8_t* ks = kb + blk * half + codes_bytes + h * D * 4;  // (D, 2) float16
@@ -265,11 +285,11 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
         for (int64_t q0 = 0; q0 < num_q; q0 += kTile) {
           const int64_t count = std::min(kTile, num_q - q0);
           for (int64_t i = 0; i < count; ++i) {
-            const int64_t b = tile_rows[(q0 + i) / G], g = (q0 + i) % G, n = lens[b];
+            const int64_t b = tile_rows[(q0 + i) / G], g = (q0 + i) % G;
             const float* qg = qp + (b * H + h * G + g) * D;
             for (int64_t d = 0; d < D; ++d) qs[d * count + i] = qg[d] * ksm[d];
             qm[i] = dot_mins(qg, ksm.data() + D, D);
-            tile_scores[i] = scores.data() + score_at[b - b0] + g * n + j * bs;
+            tile_scores[i] = score_of(b, g, j * bs);
           }
 #if defined(__AVX2__) && defined(__FMA__)
           if (bs % 8 == 0) {  // a sealed block is always full
@@ -287,10 +307,12 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
           }
         }
       }
-      for (int64_t b = b0; b < b1; ++b) {  // softmax over each row's context
-        const int64_t n = lens[b];
+      for (int64_t b = b0; b < b1; ++b) {  // softmax over each row's keys (its window's)
+        const int64_t n = lens[b] - first_key(b), skip = first_key(b) - from(b);
         for (int64_t g = 0; g < G; ++g) {
-          float* s = scores.data() + score_at[b - b0] + g * n;
+          float* s = score_of(b, g, first_key(b));
+          std::fill(s - skip, s, 0.f);  // before the window: weight 0
+          if (softcap > 0.f) cap_scores(s, n, softcap);
           const float mx = max_of(s, n);
           float sum = 0.f;
           int64_t t = 0;
@@ -315,7 +337,15 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
       }
       acc.assign((b1 - b0) * G * D, 0.f);
       accm.assign((b1 - b0) * G * groups, 0.f);
-      for (int64_t j = 0; j < nblk_max; ++j) {
+      for (int64_t j = j_min; j < nblk_max; ++j) {
+        // the rows that cover this block, those with all of its tokens first (in tiles)
+        tile_rows.clear();
+        for (int64_t b = b0; b < b1; ++b)
+          if (covers(b, j) && lens[b] >= (j + 1) * bs) tile_rows.push_back(b);
+        const int64_t num_full = static_cast<int64_t>(tile_rows.size());
+        for (int64_t b = b0; b < b1; ++b)
+          if (covers(b, j) && lens[b] < (j + 1) * bs) tile_rows.push_back(b);
+        if (tile_rows.empty()) continue;
         const int64_t blk = table[j];
         const uint8_t* vc = vb + blk * half;
         const uint8_t* vs = vb + blk * half + codes_bytes;
@@ -330,13 +360,6 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
           const uint8_t* sm = vs + (t * KVH + h) * groups * 4;  // (groups, 2) float16
           for (int64_t i = 0; i < 2 * groups; ++i) vsm[t * 2 * groups + i] = half_at(sm, i);
         }
-        // the rows that cover this block, those with all of its tokens first (in tiles)
-        tile_rows.clear();
-        for (int64_t b = b0; b < b1; ++b)
-          if (lens[b] >= (j + 1) * bs) tile_rows.push_back(b);
-        const int64_t num_full = static_cast<int64_t>(tile_rows.size());
-        for (int64_t b = b0; b < b1; ++b)
-          if (lens[b] > j * bs && lens[b] < (j + 1) * bs) tile_rows.push_back(b);
 #if defined(__AVX2__) && defined(__FMA__)
         if (group == 16 || group == 32 || group == 64) {
           // query vectors (row, head): the full rows' together, a partial row's on their own
@@ -351,10 +374,10 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
               float* am[6];
               const float* pr[6];
               for (int64_t i = 0; i < count; ++i) {
-                const int64_t b = tile_rows[(q0 + i) / G], g = (q0 + i) % G, n = lens[b];
+                const int64_t b = tile_rows[(q0 + i) / G], g = (q0 + i) % G;
                 a[i] = acc.data() + ((b - b0) * G + g) * D + gr * group;
                 am[i] = accm.data() + ((b - b0) * G + g) * groups + gr;
-                pr[i] = scores.data() + score_at[b - b0] + g * n + j * bs;
+                pr[i] = score_of(b, g, j * bs);
               }
               if (group == 16) block_values_rows<2, 6>(count, a, am, pr, codes.data(), D, vsm.data(), groups, gr, rows);
               if (group == 32) block_values_rows<4, 3>(count, a, am, pr, codes.data(), D, vsm.data(), groups, gr, rows);
@@ -366,15 +389,13 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
         }
 #endif
         for (const int64_t b : tile_rows) {
-          const int64_t n = lens[b];
-          const int64_t rows = std::min(bs, n - j * bs);
-          const float* row_scores = scores.data() + score_at[b - b0];
+          const int64_t rows = std::min(bs, lens[b] - j * bs);
           float* row_acc = acc.data() + (b - b0) * G * D;
           float* row_accm = accm.data() + (b - b0) * G * groups;
           for (int64_t g = 0; g < G; ++g) {
             float* a = row_acc + g * D;
             for (int64_t t = 0; t < rows; ++t) {
-              const float p = row_scores[g * n + j * bs + t];
+              const float p = score_of(b, g, j * bs + t)[0];
               const float* row = codes.data() + t * D;
               for (int64_t gr = 0; gr < groups; ++gr) {
                 const float ps = p * vsm[(t * groups + gr) * 2];
@@ -467,7 +488,7 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def(
       "paged_decode_attention_int4(Tensor q, Tensor k_raw, Tensor v_raw, Tensor staged, "
       "Tensor block_tables, Tensor ctx_lens, Tensor open_slots, float scale, int block_size, "
-      "int group) -> Tensor");
+      "int group, int window=0, float softcap=0.0) -> Tensor");
   m.def(
       "kv_write_int4(Tensor(a!) v_raw, Tensor(b!) staged, Tensor k, Tensor v, Tensor slots, "
       "Tensor stage_rows, int block_size, int group) -> ()");

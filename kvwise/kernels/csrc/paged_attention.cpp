@@ -492,53 +492,6 @@ inline void ask_ahead(const Pool& P, const int64_t* table, int64_t start, int64_
   ahead = Ahead{&P, table, P.D * static_cast<int64_t>(sizeof(E)), h, start, stop};
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// tanh(x) within 4.4 ulp (2.6e-7; measured against float64 over [-12, 12]), never past +-1:
-// Eigen's rational approximation, an odd degree-13 numerator over an even degree-6
-// denominator, x clamped to +-7.9053 (where tanh is 1 - 2.7e-7); x itself below 4e-4 (where
-// tanh(x) rounds to x).
-inline __m256 tanh256(__m256 x) {
-  const __m256 abs = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-  const __m256 tiny = _mm256_cmp_ps(abs, _mm256_set1_ps(4e-4f), _CMP_LT_OQ);
-  const __m256 bound = _mm256_set1_ps(7.90531110763549805f);
-  const __m256 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), bound)),
-                                 bound);
-  const __m256 x2 = _mm256_mul_ps(c, c);
-  __m256 p = _mm256_set1_ps(-2.76076847742355e-16f);
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.00018790482477e-13f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-8.60467152213735e-11f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(5.12229709037114e-08f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(1.48572235717979e-05f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(6.37261928875436e-04f));
-  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(4.89352455891786e-03f));
-  p = _mm256_mul_ps(p, c);
-  __m256 q = _mm256_set1_ps(1.19825839466702e-06f);
-  q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(1.18534705686654e-04f));
-  q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(2.26843463243900e-03f));
-  q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(4.89352518554385e-03f));
-  return _mm256_blendv_ps(_mm256_div_ps(p, q), x, tiny);
-}
-#endif
-
-// s[i] = cap * tanh(s[i] / cap) for n scores (Gemma 2's attention-logit soft cap, after the
-// scale, before the softmax). Eight at a time, the tail padded to eight: each score's bits are
-// a function of its value alone, wherever it lies in the array (noinline: one body for all).
-__attribute__((noinline)) void cap_scores(float* s, int64_t n, float cap) {
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 c = _mm256_set1_ps(cap);
-  auto capped = [&](__m256 x) { return _mm256_mul_ps(tanh256(_mm256_div_ps(x, c)), c); };
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, capped(_mm256_loadu_ps(s + i)));
-  if (i < n) {
-    alignas(32) float tail[8] = {};
-    std::copy(s + i, s + n, tail);
-    _mm256_store_ps(tail, capped(_mm256_load_ps(tail)));
-    std::copy(tail, tail + (n - i), s + i);
-  }
-#else
-  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
-#endif
-}
 
 // The softmax partial of keys [start, stop) for nv query vectors qv of KV head h (its query
 // heads, of one row or of several rows that all see these keys), each score soft-capped where

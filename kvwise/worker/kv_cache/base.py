@@ -9,9 +9,11 @@ The contract:
   blocks as the format's kernels take them. ``read_blocks`` / ``write_blocks`` /
   ``payload_views`` move ``raw``'s bytes (here, the same for every format).
 - ``begin_step(released_block_ids, slot_mapping)``: once before each step (``slot_mapping``
-  ``(T,)``: the step's rows' slots; None for a step with no rows); ``write(layer,
-  slot_mapping, k, v)`` then stores each layer's new rows (``(T, kv_heads, head_dim)``) at
-  those slots, and ``gather(layer, block_table)`` reads blocks back in the compute dtype.
+  ``(T,)``: the step's rows' slots, or a hybrid cache's list of them, one per KV group; None
+  for a step with no rows); ``write(layer, slot_mapping, k, v, group)`` then stores each
+  layer's new rows (``(T, kv_heads, head_dim)``) at those slots (``group``: the layer's KV
+  group, whose slots they are), and ``gather(layer, block_table)`` reads blocks back in the
+  compute dtype.
 - ``rows_attention``: where the format has a paged kernel (and ``use_kernels``, float32
   compute), ``rows_attention(layer, q, k, v, meta, scale, window=0, softcap=0.0) -> (T,
   num_heads, head_dim)`` writes the step's rows and attends every row over the pool in one go
@@ -83,13 +85,24 @@ class PagedKVCache:
         return self.raw.numel()
 
     def begin_step(
-        self, released_block_ids: list[int] = (), slot_mapping: torch.Tensor | None = None
+        self,
+        released_block_ids: list[int] = (),
+        slot_mapping: torch.Tensor | list[torch.Tensor] | None = None,
     ) -> None:
         """Before a step: blocks the core freed since the last one, and the slots the step's
-        rows will be written to. Nothing to do for a format without per-step state."""
+        rows will be written to (a hybrid cache: each KV group's). Nothing to do for a format
+        without per-step state."""
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store new K/V rows ``(T, kv_heads, head_dim)`` at their slots ``(T,)``."""
+    def write(
+        self,
+        layer: int,
+        slot_mapping: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: int = 0,
+    ):
+        """Store new K/V rows ``(T, kv_heads, head_dim)`` at their slots ``(T,)`` (of KV group
+        ``group``)."""
         raise NotImplementedError
 
     def gather(

@@ -53,7 +53,14 @@ class FloatKVCache(PagedKVCache):
             self._write_in_op = not self._cast
             self.rows_attention = self._attend_rows
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def write(
+        self,
+        layer: int,
+        slot_mapping: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: int = 0,
+    ):
         if self._cast:
             k, v = k.to(self.dtype), v.to(self.dtype)
         self.k_slots[layer].index_copy_(0, slot_mapping, k)

@@ -59,7 +59,7 @@ class Int4KVCache(QuantizedKVCache):
         self.staging = StagingSlots(spec.block_size, INITIAL_SLOTS)
         # zeros: rows a decode has not reached are masked, but must be finite (NaN * 0 is NaN)
         self.staged = torch.zeros(spec.num_layers, INITIAL_SLOTS, *spec.block_shape)
-        self._plan: _StepPlan | None = None
+        self._plans: list[_StepPlan] = []  # this step's, one per KV group
         # values and staging written by a C++ op where it is built (the same bytes)
         self._write_op = torch.ops.kvwise.kv_write_int4.default if self.use_kernels else None
         if self.paged_kernels:
@@ -85,13 +85,17 @@ class Int4KVCache(QuantizedKVCache):
     # ---- the step's plan ---------------------------------------------------------------
 
     def begin_step(
-        self, released_block_ids: list[int] = (), slot_mapping: torch.Tensor | None = None
+        self,
+        released_block_ids: list[int] = (),
+        slot_mapping: torch.Tensor | list[torch.Tensor] | None = None,
     ) -> None:
         """Free the staging slots of blocks sealed in the last step and of open blocks the core
         has freed since (``StagingSlots.release``), then plan where this step's rows at
-        ``slot_mapping`` go: every ``write`` of the step follows that plan."""
+        ``slot_mapping`` go (a hybrid cache: one plan per KV group, over its own blocks, which
+        no other group holds): every ``write`` of the step follows its group's plan."""
         self.staging.release(released_block_ids)
-        self._plan = None if slot_mapping is None else self._make_plan(slot_mapping.tolist())
+        mappings = [slot_mapping] if isinstance(slot_mapping, torch.Tensor) else slot_mapping
+        self._plans = [self._make_plan(m.tolist()) for m in mappings or ()]
 
     def _make_plan(self, slots: list[int]) -> _StepPlan:
         plan = self.staging.plan(slots)
@@ -110,11 +114,11 @@ class Int4KVCache(QuantizedKVCache):
             seal_blocks=_tensor(plan.seal_blocks),
         )
 
-    def _step_plan(self, num_rows: int) -> _StepPlan:
-        plan = self._plan
+    def _step_plan(self, num_rows: int, group: int = 0) -> _StepPlan:
+        plan = self._plans[group] if group < len(self._plans) else None
         if plan is None or plan.num_rows != num_rows:
             raise RuntimeError(
-                f"int4 KV: {num_rows} rows written, but begin_step planned "
+                f"int4 KV: {num_rows} rows written to KV group {group}, but begin_step planned "
                 f"{0 if plan is None else plan.num_rows} (call begin_step(released, slot_mapping) "
                 f"before a step's writes)"
             )
@@ -122,10 +126,18 @@ class Int4KVCache(QuantizedKVCache):
 
     # ---- writes ------------------------------------------------------------------------
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def write(
+        self,
+        layer: int,
+        slot_mapping: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: int = 0,
+    ):
         """Values quantized per token now; keys staged, and those of blocks the step fills
-        sealed (``slot_mapping``: the step's, as given to ``begin_step``)."""
-        plan = self._step_plan(k.shape[0])
+        sealed (``slot_mapping``: KV group ``group``'s for the step, as given to
+        ``begin_step``)."""
+        plan = self._step_plan(k.shape[0], group)
         k = k.float()
         staged = self.staged[layer]  # (slots, block_size, kv_heads, head_dim)
         if self._write_op is not None:  # values and staging in one C++ call, same bytes
@@ -165,7 +177,7 @@ class Int4KVCache(QuantizedKVCache):
         kc, vc = self.gather(layer, meta.decode_block_table, meta.decode_first_block)
         bd = kc.shape[0]
         blocks = kc.view(bd, -1, *self.spec.block_shape)
-        own = self.staged[layer].index_select(0, self._plan.row_slots[:bd])
+        own = self.staged[layer].index_select(0, self._plans[meta.group].row_slots[:bd])
         blocks[torch.arange(bd), meta.decode_open_index] = own
         return kc, vc
 
@@ -187,14 +199,10 @@ class Int4KVCache(QuantizedKVCache):
     ):
         """Every row through the int4 kernel ``(T, num_heads, head_dim)``: the decodes read
         their own block's keys from the staging slots, the prefill rows from blocks of
-        full-precision keys built from their chunk's rows. No sliding window and no score soft
-        cap (the engine refuses int4 KV for a model that has either)."""
-        if window:
-            raise ValueError("kv_cache_dtype: int4 KV has no sliding-window attention yet")
-        if softcap:
-            raise ValueError("kv_cache_dtype: int4 KV has no attention-logit soft-capping yet")
-        self.write(layer, meta.slot_mapping, k, v)
-        op, plan = self._rows_op, self._plan
+        full-precision keys built from their chunk's rows; ``window``, ``softcap``: the
+        layer's (0: none)."""
+        self.write(layer, meta.slot_mapping, k, v, group=meta.group)
+        op, plan = self._rows_op, self._plans[meta.group]
         kc, vc, bs, group = (
             self.k_blocks[layer],
             self.v_blocks[layer],
@@ -203,15 +211,17 @@ class Int4KVCache(QuantizedKVCache):
         )
         if not meta.prefills:
             return op(q, kc, vc, self.staged[layer], meta.row_block_table, meta.row_ctx_lens,
-                      plan.row_slots, scale, bs, group)  # fmt: skip
+                      plan.row_slots, scale, bs, group, window, softcap)  # fmt: skip
         nd = meta.num_decodes
         out = q.new_empty(q.shape[0], q.shape[1], q.shape[2])
         if nd:
             out[:nd] = op(q[:nd], kc, vc, self.staged[layer], meta.row_block_table[:nd],
-                          meta.row_ctx_lens[:nd], plan.row_slots[:nd], scale, bs, group)  # fmt: skip
+                          meta.row_ctx_lens[:nd], plan.row_slots[:nd], scale, bs, group,
+                          window, softcap)  # fmt: skip
         open_keys, open_index = self._prefill_open_keys(layer, k, meta.prefills)
         out[nd:] = op(q[nd:], kc, vc, open_keys, meta.row_block_table[nd:],
-                      meta.row_ctx_lens[nd:], open_index, scale, bs, group)  # fmt: skip
+                      meta.row_ctx_lens[nd:], open_index, scale, bs, group, window,
+                      softcap)  # fmt: skip
         return out
 
     def _prefill_open_keys(self, layer: int, k: torch.Tensor, chunks) -> tuple:

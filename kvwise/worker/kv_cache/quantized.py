@@ -89,7 +89,14 @@ class Int8KVCache(QuantizedKVCache):
     def _dequantize(self, kv: int, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return kv_quant.dequantize_int8(codes, scales)
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def write(
+        self,
+        layer: int,
+        slot_mapping: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: int = 0,
+    ):
         if self._write_op is not None:
             self._write_op(self.k_blocks[layer], self.v_blocks[layer], k, v, slot_mapping,
                            self.block_size)  # fmt: skip
