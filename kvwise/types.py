@@ -15,6 +15,8 @@ MAX_KEY_CHARS = 256  # tenant, cache_salt, session_id (prompt_cache_key)
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024  # one stop string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # top logprobs a token (OpenAI's bound)
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI's 300; a bound on a step's work)
 
 
 class FinishReason(str, enum.Enum):
@@ -30,6 +32,16 @@ class SamplingParams:
     temperature 0 means greedy. ``top_k`` 0 (or -1) and ``top_p`` 1 and ``min_p`` 0 turn those
     filters off. With a ``seed`` the draw for the i-th output token depends only on (seed, i),
     so a seeded request gives the same text alone, batched or after preemption.
+
+    Before the draw (greedy too), in this order: ``logit_bias`` (token id → added to its
+    logit, as OpenAI's), the repetition penalty (HF's: a logit of a token seen in the prompt or
+    the output divided by it when positive, multiplied when negative; 1: off), then the
+    presence and frequency penalties (OpenAI's: ``presence * [count > 0] + frequency *
+    count`` subtracted, counts over the output). ``logprobs`` k: each output token's logprob
+    and the k most likely tokens' (0: the chosen one's only); ``prompt_logprobs`` k: the same
+    for every prompt token after the first (such a request computes its whole prompt: a
+    prefix cache hit would skip the rows). Logprobs are of the model's own distribution
+    (log-softmax of its logits, before any bias, penalty or temperature).
     """
 
     max_tokens: int = 128
@@ -41,6 +53,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is accepted
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,10 +105,56 @@ class SamplingParams:
             _check_int("stop_token_ids", token_id)
             if token_id < 0:
                 raise InvalidRequest("stop_token_ids", f"ids must be >= 0, got {token_id}")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise InvalidRequest(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequest(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= 10:
+            raise InvalidRequest(
+                "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}"
+            )
+        bias = self.logit_bias
+        pairs = tuple(bias.items()) if isinstance(bias, dict) else tuple(bias)
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(pairs)}"
+            )
+        for pair in pairs:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise InvalidRequest("logit_bias", f"expected (token id, bias) pairs, got {pair!r}")
+            _check_int("logit_bias", pair[0])
+            _check_number("logit_bias", pair[1])
+            if pair[0] < 0 or not -100 <= pair[1] <= 100:
+                raise InvalidRequest(
+                    "logit_bias", f"token ids >= 0 and biases in [-100, 100], got {pair!r}"
+                )
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in pairs))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """A penalty is on: sampling reads the request's tokens."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def processed(self) -> bool:
+        """Something changes the logits before the draw (a bias or a penalty)."""
+        return self.penalized or bool(self.logit_bias)
 
 
 def _check_int(name: str, value: object) -> None:
@@ -144,6 +208,10 @@ class RequestOutput:
     delta_text: str = ""
     num_loaded_tokens: int = 0  # of the cached tokens, those loaded from the slower tiers
     delta_token_ids: list[int] = field(default_factory=list)
+    # SamplingParams.logprobs: each output token's k most likely (token id, logprob), best first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # SamplingParams.prompt_logprobs: each prompt token's (logprob, top k); None for the first
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compare llama.cpp's tokens with kvwise's for each candidate")  # fmt: skip
     p.add_argument("--with-kvwise", metavar="QUANT", default=None,
                    help="also run kvwise eval at this --quantization on each candidate")  # fmt: skip
+    p.add_argument("--cache-type", metavar="TYPE", default=None,
+                   help="the candidates' KV cache type (llama.cpp's -ctk/-ctv, e.g. q4_0, with "
+                        "flash attention on, which a quantized V cache needs); the reference's "
+                        "stays f16")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results here")
     args = p.parse_args(argv)
     for path in (args.llama_perplexity, args.reference, *args.candidate):
@@ -252,8 +256,10 @@ def measure(args, text: Path, base_file: Path) -> dict:
         "reference": {"model": str(args.reference), "seconds": seconds, **parse_base(output)},
         "candidates": [],
     }
+    kv = ["-fa", "on", "-ctk", args.cache_type, "-ctv", args.cache_type] if args.cache_type else []
+    results["cache_type"] = args.cache_type or "f16"
     for candidate in args.candidate:
-        output, seconds = run_llama([binary, "-m", str(candidate), *common, "--kl-divergence",
+        output, seconds = run_llama([binary, "-m", str(candidate), *common, *kv, "--kl-divergence",
                                      "--kl-divergence-base", str(base_file)])  # fmt: skip
         row = {"model": str(candidate), "llama_cpp": {"seconds": seconds, **parse_kld(output)}}
         if args.check_tokens:

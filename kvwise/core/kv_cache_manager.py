@@ -202,8 +202,8 @@ class KVCacheManager:
 
         Does not take references; pass the blocks to ``allocate_slots``.
         """
-        if not self.enable_caching:
-            return [[] for _ in self.windows], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [[] for _ in self.windows], 0  # (prompt logprobs: every row computed)
         tables = self._find_hit(request)
         self.num_prefix_query_tokens += request.num_tokens
         self.num_prefix_hit_tokens += len(tables[0]) * self.block_size

@@ -29,6 +29,10 @@ class ScheduledRequest:
     # hybrid KV groups 1.. (``core/kv_spec.kv_groups``): their block tables; block_ids is
     # group 0's. Empty: one table for every layer
     group_block_ids: tuple[list[int], ...] = ()
+    # the request's token ids (prompt then output), where sampling reads them: a penalty, or
+    # prompt logprobs (the targets of this chunk's rows); None otherwise
+    history: list[int] | None = None
+    num_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +66,9 @@ class SchedulerOutput:
     kv_loads: list[KVLoad] = field(default_factory=list)  # copy in before the step runs
     # blocks freed before being cached (open tails): the worker drops what it kept for them
     released_block_ids: list[int] = field(default_factory=list)
+    # structured outputs: the tokens each sampling request's grammar allows now, a bitmask of
+    # little-endian 32-bit words (bit i of word w: token 32 w + i), set by the engine
+    token_bitmasks: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -73,3 +80,10 @@ class ModelOutput:
     """Sampled token id and its logprob for each request whose chunk asked to sample."""
 
     sampled: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # SamplingParams.logprobs k > 0: the sampled row's k most likely (token id, logprob)
+    top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: (position, logprob of the prompt token there, top k)
+    # for each prompt position this step's rows predict
+    prompt_logprobs: dict[str, list[tuple[int, float, list[tuple[int, float]]]]] = field(
+        default_factory=dict
+    )

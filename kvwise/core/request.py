@@ -51,6 +51,9 @@ class Request:
         self.num_tokens_projected = 0  # token positions whose K/V were computed (any layer)
         self.num_preemptions = 0
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []  # SamplingParams.logprobs
+        # SamplingParams.prompt_logprobs: position -> (logprob, top k), positions 1..
+        self.prompt_logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}
         self.block_hashes: list[BlockHash] = []  # hashes of the full blocks of token_ids
         self.group_hashes: list[list[BlockHash]] = []  # hybrid KV groups 1..: theirs
         self.num_public_blocks: int | None = None  # leading blocks hashed as a public prefix

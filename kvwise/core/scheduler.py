@@ -180,6 +180,8 @@ class Scheduler:
                     sample=end == request.num_tokens,
                     sampling_params=request.sampling_params,
                     output_index=request.num_output_tokens,
+                    history=request.token_ids if _reads_history(request) else None,
+                    num_prompt_tokens=request.num_prompt_tokens,
                 )
             )
         return out
@@ -267,8 +269,8 @@ class Scheduler:
         NOTE: a request that waits for blocks keeps its plan, so that the tiers are not asked
         again at every step while it waits.
         """
-        if self.tiers is None:
-            return []
+        if self.tiers is None or request.sampling_params.prompt_logprobs is not None:
+            return []  # (prompt logprobs: every prompt row is computed)
         kept = self._waiting_loads.get(request.request_id)
         if kept is not None and kept[0] == num_device_blocks:
             return kept[1]
@@ -368,12 +370,16 @@ class Scheduler:
                 continue
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_full_blocks(request)
+            for pos, logprob, top in model_out.prompt_logprobs.get(item.request_id, ()):
+                request.prompt_logprobs[pos] = (logprob, top)
             if not item.sample:
                 continue
             if self._windowed and not request.num_output_tokens:
                 self._plan_saves(request, windowed_only=True)  # its prompt is done
             token_id, logprob = model_out.sampled[item.request_id]
             reason = request.append_token(token_id, logprob)
+            if request.sampling_params.logprobs is not None:
+                request.output_top_logprobs.append(model_out.top_logprobs.get(item.request_id, []))
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
@@ -409,3 +415,9 @@ class Scheduler:
         if self.tiers is not None:
             for _, group_plan, _ in loads:
                 self.tiers.roll_back(group_plan, num_loaded)
+
+
+def _reads_history(request: Request) -> bool:
+    """Sampling reads the request's tokens: a penalty, or its prompt's logprobs."""
+    params = request.sampling_params
+    return params.penalized or params.prompt_logprobs is not None

@@ -87,6 +87,11 @@ class LLMEngine:
             )
         if self._closed:
             raise RuntimeError("the engine is closed")
+        outside = [t for t, _ in params.logit_bias if t >= self._vocab_size]
+        if outside:
+            raise InvalidRequest(
+                "logit_bias", f"token ids must be in [0, {self._vocab_size}), got {outside[:5]}"
+            )
         token_ids = self.tokenize(prompt)
         if request_id is None:
             request_id = f"req-{self._next_id}"

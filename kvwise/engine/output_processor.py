@@ -128,4 +128,21 @@ class OutputProcessor:
             metrics=state.metrics,
             delta_text=delta_text,
             delta_token_ids=list(delta_ids),
+            top_logprobs=_tops(request),
+            prompt_logprobs=_prompt_logprobs(request),
         )
+
+
+def _tops(request: Request) -> list[list[tuple[int, float]]] | None:
+    if request.sampling_params.logprobs is None:
+        return None
+    return list(request.output_top_logprobs)
+
+
+def _prompt_logprobs(request: Request) -> list | None:
+    """The prompt's logprobs by position (None at 0, and where none came: a position never
+    computed)."""
+    if request.sampling_params.prompt_logprobs is None:
+        return None
+    found = request.prompt_logprobs
+    return [None] + [found.get(p) for p in range(1, request.num_prompt_tokens)]

@@ -11,7 +11,7 @@ their own ``AttentionMetadata`` over the same rows (``group_metas``; group 0's i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,6 +28,8 @@ class InputBatch:
     sample_rows: torch.Tensor  # (S,) long
     sample_requests: list[ScheduledRequest]
     group_metas: list[AttentionMetadata] | None = None  # each KV group's (0: attn_meta)
+    # requests asking for prompt logprobs: (item, the row of its first token)
+    prompt_items: list[tuple[ScheduledRequest, int]] | None = None
 
 
 @dataclass
@@ -40,6 +42,7 @@ class _Rows:
     sample_rows: list[int]
     sample_requests: list[ScheduledRequest]
     chunks: list[PrefillChunk]
+    prompt_items: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
 
 
 def build_input_batch(
@@ -64,6 +67,7 @@ def build_input_batch(
         sample_rows=torch.tensor(rows.sample_rows, dtype=torch.long),
         sample_requests=rows.sample_requests,
         group_metas=metas,
+        prompt_items=rows.prompt_items or None,
     )
 
 
@@ -118,6 +122,8 @@ def _flatten(ordered: list[ScheduledRequest], block_size: int) -> _Rows:
                     first_block=first_if_consecutive(table[:num_blocks]),
                 )
             )
+        if item.sampling_params.prompt_logprobs is not None:
+            rows.prompt_items.append((item, row))
         if item.sample:
             rows.sample_rows.append(row + n - 1)
             rows.sample_requests.append(item)

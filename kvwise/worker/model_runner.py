@@ -21,7 +21,9 @@ from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.worker.attention import LayerAttention, TorchSDPAAttention
 from kvwise.worker.input_batch import build_input_batch
 from kvwise.worker.kv_cache import make_kv_cache
-from kvwise.worker.sampler import sample
+from kvwise.worker.sampler import allowed_masks, sample, top_logprobs
+
+PROMPT_LOGITS_ROWS = 64  # prompt logprobs: rows of logits computed at a time
 
 
 class ModelRunner:
@@ -82,18 +84,43 @@ class ModelRunner:
         self.kv_cache.begin_step(sched_out.released_block_ids, slots)
         attn = self.attention.bind(batch.attn_meta, layer_ready, batch.group_metas)
         hidden = self.model(batch.input_ids, batch.positions, attn)  # (T, hidden)
+        out = ModelOutput()
+        if batch.prompt_items:
+            out.prompt_logprobs = self._prompt_logprobs(batch.prompt_items, hidden)
         if not batch.sample_requests:
-            return ModelOutput()
+            return out
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # (S, vocab)
         reqs = batch.sample_requests
-        token_ids, logprobs = sample(
-            logits, [r.sampling_params for r in reqs], [r.output_index for r in reqs]
-        )
-        return ModelOutput(
-            sampled={
-                r.request_id: (t, lp) for r, t, lp in zip(reqs, token_ids, logprobs, strict=True)
-            }
-        )
+        histories = [None if r.history is None else (r.history, r.num_prompt_tokens) for r in reqs]
+        allowed = allowed_masks(reqs, sched_out.token_bitmasks, logits.shape[-1])
+        picked = sample(logits, [r.sampling_params for r in reqs], [r.output_index for r in reqs],
+                        histories, allowed)  # fmt: skip
+        for i, r in enumerate(reqs):
+            out.sampled[r.request_id] = (picked.token_ids[i], picked.logprobs[i])
+            if picked.top[i] is not None:
+                out.top_logprobs[r.request_id] = picked.top[i]
+        return out
+
+    def _prompt_logprobs(self, items, hidden: torch.Tensor) -> dict:
+        """Each item's prompt positions its rows predict: (position, the prompt token's
+        logprob, the top k), the logits computed ``PROMPT_LOGITS_ROWS`` rows at a time."""
+        found = {}
+        for item, first_row in items:
+            start, k = item.start_pos, item.sampling_params.prompt_logprobs
+            # row i predicts position start + i + 1; the prompt's last row predicts an output
+            last = min(start + item.num_tokens, item.num_prompt_tokens - 1)
+            rows = []
+            for lo in range(start, last, PROMPT_LOGITS_ROWS):
+                hi = min(last, lo + PROMPT_LOGITS_ROWS)
+                h = hidden[first_row + lo - start : first_row + hi - start]
+                logprobs = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
+                targets = torch.tensor(item.history[lo + 1 : hi + 1], dtype=torch.long)
+                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                for i in range(hi - lo):
+                    top = top_logprobs(logprobs[i], k) if k else []
+                    rows.append((lo + 1 + i, chosen[i], top))
+            found[item.request_id] = rows
+        return found
 
 
 def layer_attention(model, arch) -> list[LayerAttention] | None:

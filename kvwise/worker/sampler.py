@@ -1,14 +1,22 @@
-"""Sampling: a pure function from logits and per-request parameters to (token id, logprob).
+"""Sampling: a pure function from logits and per-request parameters to token ids, their
+logprobs and, where asked, the most likely tokens' logprobs.
 
-Greedy rows take the argmax. Other rows apply temperature, then top-k, top-p and min-p
-filters, then draw. A request with a seed draws its i-th output token from a generator seeded
-with (seed, i) alone, so the draw does not depend on batching or preemption.
+Before the draw, each row's logits are changed by what its request asks (``SamplingParams``:
+logit bias, repetition, presence and frequency penalties) and by its grammar's token mask
+(``allowed``: tokens outside it cannot be drawn). Greedy rows then take the argmax. Other rows
+apply temperature, then top-k, top-p and min-p filters, then draw. A request with a seed draws
+its i-th output token from a generator seeded with (seed, i) alone, so the draw does not depend
+on batching or preemption.
 
-The returned logprob is that of the chosen token under the model's unmodified distribution
-(log-softmax of the raw logits).
+Every logprob returned is of the model's unmodified distribution (log-softmax of the raw
+logits), the chosen token's and the top ones' alike. A step of greedy rows with nothing to
+change and no top logprobs to report takes the argmax and its logprob in one C++ pass a row.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +26,15 @@ from kvwise.types import SamplingParams
 _SEED_STRIDE = 1_000_003
 _SEED_RANGE = 2**63  # manual_seed takes a signed 64-bit value
 _MIN_TEMPERATURE = 1e-5  # below this, sampling is treated as greedy
+
+
+@dataclass
+class Sampled:
+    """One token a row: its id, its logprob and (``logprobs`` asked) the top tokens'."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]] | None]
 
 
 def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -39,27 +56,98 @@ def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def process_row(
+    row: torch.Tensor,  # (V,) float32, changed in place
+    params: SamplingParams,
+    history: tuple[Sequence[int], int] | None = None,
+) -> None:
+    """Logit bias, then the repetition penalty (over prompt and output), then the presence
+    and frequency penalties (over the output); ``history``: (the request's token ids, how many
+    of them are the prompt)."""
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        row.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias]))
+    if history is None or not params.penalized:
+        return
+    token_ids, num_prompt = history
+    if params.repetition_penalty != 1.0 and token_ids:
+        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
+        values = row[seen]
+        penalty = params.repetition_penalty
+        row[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    outputs = token_ids[num_prompt:]
+    if (params.presence_penalty or params.frequency_penalty) and outputs:
+        ids, counts = torch.unique(
+            torch.tensor(list(outputs), dtype=torch.long), return_counts=True
+        )
+        row[ids] -= params.frequency_penalty * counts.float() + params.presence_penalty
+
+
 def sample(
     logits: torch.Tensor,  # (S, V) float32
     params: list[SamplingParams],
     output_indices: list[int],
-) -> tuple[list[int], list[float]]:
-    """Pick one token per row; return the token ids and their logprobs."""
-    if all(p.temperature < _MIN_TEMPERATURE for p in params) and kernels.available():
+    histories: Sequence[tuple[Sequence[int], int] | None] | None = None,
+    allowed: Sequence[torch.Tensor | None] | None = None,
+) -> Sampled:
+    """Pick one token per row. ``histories[row]``: (token ids, prompt length) of a request
+    with a penalty; ``allowed[row]``: a bool mask ``(V,)`` of the tokens its grammar allows."""
+    num_rows = len(params)
+    histories = histories or [None] * num_rows
+    allowed = allowed or [None] * num_rows
+    plain = all(p.temperature < _MIN_TEMPERATURE and not p.processed and p.logprobs is None
+                for p in params) and not any(m is not None for m in allowed)  # fmt: skip
+    if plain and kernels.available():
         # all greedy: the argmax and its logprob in one C++ pass a row (no (S, V) log-softmax)
         ids, chosen = torch.ops.kvwise.greedy_pick(logits.float().contiguous())
-        return ids.tolist(), chosen.tolist()
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (S, V)
-    token_ids = torch.argmax(logits, dim=-1)  # (S,)
+        return Sampled(ids.tolist(), chosen.tolist(), [None] * num_rows)
+    raw = logits.float()
+    logprobs = torch.log_softmax(raw, dim=-1)  # (S, V)
+    work = raw
+    changed = [p.processed or allowed[i] is not None for i, p in enumerate(params)]
+    if any(changed):
+        work = raw.clone()
+        for row, p in enumerate(params):
+            if changed[row]:
+                process_row(work[row], p, histories[row])
+                if allowed[row] is not None:
+                    work[row].masked_fill_(~allowed[row], float("-inf"))
+    token_ids = torch.argmax(work, dim=-1)  # (S,)
     for row, p in enumerate(params):
         if p.temperature < _MIN_TEMPERATURE:
             continue  # greedy; a vanishing temperature would only overflow the softmax
-        filtered = apply_filters(logits[row].float(), p)
-        probs = filtered.softmax(-1)
+        probs = apply_filters(work[row], p).softmax(-1)
         generator = None
         if p.seed is not None:
             seed = (p.seed * _SEED_STRIDE + output_indices[row]) % _SEED_RANGE
             generator = torch.Generator().manual_seed(seed)
         token_ids[row] = torch.multinomial(probs, 1, generator=generator)[0]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (S,)
-    return token_ids.tolist(), chosen.tolist()
+    top = [top_logprobs(logprobs[row], p.logprobs) if p.logprobs else None
+           for row, p in enumerate(params)]  # fmt: skip
+    return Sampled(token_ids.tolist(), chosen.tolist(), top)
+
+
+def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely tokens of a logprob row, best first."""
+    values, ids = torch.topk(row, min(k, row.shape[-1]))
+    return list(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def unpack_bitmask(words: bytes, vocab_size: int) -> torch.Tensor:
+    """A grammar's token bitmask (little-endian 32-bit words, bit i of word w: token 32 w + i)
+    as a bool mask ``(vocab_size,)``; tokens past the mask's end are not allowed."""
+    packed = torch.frombuffer(bytearray(words), dtype=torch.int32)
+    bits = (packed.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+    mask = bits.reshape(-1).bool()
+    if mask.numel() >= vocab_size:
+        return mask[:vocab_size]
+    return torch.cat([mask, mask.new_zeros(vocab_size - mask.numel())])
+
+
+def allowed_masks(requests, bitmasks: dict[str, bytes], vocab_size: int):
+    """Each sampling request's allowed-token mask (None: no grammar), or None for none."""
+    if not bitmasks:
+        return None
+    return [None if (words := bitmasks.get(r.request_id)) is None
+            else unpack_bitmask(words, vocab_size) for r in requests]  # fmt: skip
