@@ -212,6 +212,8 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # SamplingParams.prompt_logprobs: each prompt token's (logprob, top k); None for the first
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # with logprobs of either kind: the text of every token id they name (special tokens too)
+    token_texts: dict[int, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,31 @@ class KVCacheManager:
         self.num_prefix_hit_tokens += len(tables[0]) * self.block_size
         return tables, len(tables[0]) * self.block_size
 
+    def shared_prefill(self, request: Request, running: list[Request]) -> Request | None:
+        """A running request still prefilling the blocks that hold most of ``request``'s
+        prompt (the same tokens in the same namespace: n choices of one prompt, or the same
+        prompt sent twice at once), or None. The caller waits for its blocks to be cached,
+        rather than compute them twice."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return None
+        num_full = (request.num_tokens - 1) // self.block_size
+        if num_full == 0:
+            return None
+        self._update_block_hashes(request, num_full * self.block_size)
+        mine = request.block_hashes[:num_full]
+        for other in running:
+            computed = other.num_computed_tokens // self.block_size
+            if other.num_computed_tokens >= other.num_prompt_tokens or computed >= num_full:
+                continue
+            shared = 0
+            theirs = other.block_hashes
+            while shared < min(num_full, len(theirs)) and theirs[shared] == mine[shared]:
+                shared += 1
+            # worth waiting for: most of the prompt, and more than what is already cached
+            if shared > computed and 2 * shared * self.block_size >= request.num_prompt_tokens:
+                return other
+        return None
+
     def cached_prefix_tokens(self, request: Request) -> int:
         """Tokens of a waiting request's prompt its pool holds now (a load estimate: counts
         nothing, takes nothing)."""

@@ -74,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prefill_waits = 0  # admissions put off a step: their prompt was being computed
         self.num_load_rollbacks = 0
         self._finished_while_scheduling: list[Request] = []  # reported by the next update()
 
@@ -161,6 +162,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if out.preempted_ids:
                 break  # the pool is full: do not admit while evicting
+            if self.kv.shared_prefill(self.waiting[0], self.running) is not None:
+                self.num_prefill_waits += 1
+                break  # its prompt is being computed now: one prefill, then a prefix hit
             admitted = self._admit(self.waiting[0], out, budget)
             if admitted is None:
                 break

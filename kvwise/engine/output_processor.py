@@ -28,6 +28,7 @@ class _RequestState:
     metrics: RequestMetrics
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    token_texts: dict[int, str] | None = None  # logprobs asked: each named id's text
 
 
 @dataclass
@@ -130,7 +131,27 @@ class OutputProcessor:
             delta_token_ids=list(delta_ids),
             top_logprobs=_tops(request),
             prompt_logprobs=_prompt_logprobs(request),
+            token_texts=self._token_texts(state),
         )
+
+    def _token_texts(self, state: _RequestState) -> dict[int, str] | None:
+        """The text of every id the request's logprobs name, decoded once each."""
+        request, params = state.request, state.request.sampling_params
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return None
+        if state.token_texts is None:
+            state.token_texts = {}
+            ids = set(request.token_ids[: request.num_prompt_tokens])
+            for entry in request.prompt_logprobs.values():
+                ids.update(t for t, _ in entry[1])
+        else:
+            ids = set(request.token_ids[-8:])  # (a step appends one token)
+        for top in request.output_top_logprobs[-8:]:
+            ids.update(t for t, _ in top)
+        texts = state.token_texts
+        for token_id in ids - texts.keys():
+            texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return dict(texts)
 
 
 def _tops(request: Request) -> list[list[tuple[int, float]]] | None:

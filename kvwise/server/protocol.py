@@ -4,8 +4,8 @@ Requests are validated here for types and ranges (a failure becomes a 400 naming
 `sampling_params`, `request_options` and `prompt_of` / `messages_of` turn them into the
 engine's typed inputs (`SamplingParams`, `RequestOptions`, a prompt).
 Fields the engine does not implement are accepted at their neutral value and rejected with a
-400 otherwise (``n`` > 1, penalties, logprobs, tools, ...). Unknown fields are ignored, as
-OpenAI clients send many.
+400 otherwise (``suffix``, ``best_of`` > 1, ...). Unknown fields are ignored, as OpenAI
+clients send many.
 
 Prompt caching: ``cache_salt`` is an extra salt *within* the caller's tenant (the tenant itself
 comes from the API key, never from the body). ``prompt_cache_key`` names the conversation (the
@@ -24,11 +24,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from kvwise.engine.chat_template import MAX_MESSAGES
 from kvwise.errors import InvalidRequest, KVWiseError
-from kvwise.types import MAX_KEY_CHARS, MAX_STOP_STRINGS, RequestOptions, SamplingParams
+from kvwise.types import (
+    MAX_KEY_CHARS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    RequestOptions,
+    SamplingParams,
+)
 
 # Below this a temperature is treated as greedy: dividing logits by a tinier one overflows.
 _GREEDY_TEMPERATURE = 1e-5
 _INT64 = 2**63
+MAX_N = 16  # choices of one request
+MAX_PROMPTS = 64  # prompts of one /v1/completions request
 
 
 class APIError(Exception):
@@ -119,10 +127,11 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = Field(False, description="keep generating past EOS (extension)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, description="only 1 is supported")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices, sharing the prompt's KV blocks")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10, description="(extension)")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> [-100, 100]")
     user: str | None = Field(None, description="ignored; the tenant comes from the API key")
     cache_salt: str | None = Field(
         None,
@@ -141,13 +150,19 @@ class _SamplingRequest(BaseModel):
     )
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise unsupported("n", f"n={self.n} (only n=1)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise unsupported(name, "a non-zero penalty")
-        if self.logit_bias:
-            raise unsupported("logit_bias", "logit_bias")
+        """Refuse what the engine does not do, naming the field."""
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise InvalidRequest("logit_bias", f"keys are token ids, got {key!r}")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) for the engine."""
+        return None, None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters (InvalidRequest naming the field on a bad value)."""
@@ -155,8 +170,11 @@ class _SamplingRequest(BaseModel):
         if temperature < _GREEDY_TEMPERATURE:
             temperature = 0.0
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        logprobs, prompt_logprobs = self._logprobs()
+        max_tokens = self._max_tokens()
         return SamplingParams(
-            max_tokens=self._max_tokens() or default_max_tokens,
+            # max_tokens 0 (completions' echo): one token is generated and dropped
+            max_tokens=max(max_tokens, 1) if max_tokens is not None else default_max_tokens,
             temperature=temperature,
             top_k=self.top_k or 0,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -166,6 +184,12 @@ class _SamplingRequest(BaseModel):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=self._logit_bias(),
         )
 
     def _max_tokens(self) -> int | None:
@@ -187,31 +211,40 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        ..., description="one prompt: a string or token ids (a list of one is accepted)"
+        ...,
+        description=f"a string or token ids, or a list of up to {MAX_PROMPTS} of either",
     )
-    echo: bool = Field(False, description="only false is supported")
+    max_tokens: int | None = Field(None, ge=0, description="0: none (with echo: the prompt)")
+    echo: bool = Field(
+        False, description="the prompt before each choice's text (logprobs: its too)"
+    )
     suffix: str | None = Field(None, description="not supported")
-    logprobs: int | None = Field(None, ge=0, description="not supported")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top k a token")
     best_of: int | None = Field(None, ge=1, description="only 1 is supported")
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise unsupported("echo", "echo")
         if self.suffix:
             raise unsupported("suffix", "suffix")
-        if self.logprobs is not None:
-            raise unsupported("logprobs", "logprobs")
         if self.best_of not in (None, 1):
             raise unsupported("best_of", f"best_of={self.best_of}")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens", "0 generates nothing: only with echo")
+        if self.max_tokens == 0 and self.stream:
+            raise InvalidRequest("max_tokens", "0 (echo only) cannot be streamed")
 
-    def prompt_of(self) -> str | list[int]:
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        # echo: the prompt's logprobs (and its tokens' texts) too, every prompt row computed
+        return self.logprobs, (self.logprobs or 0) if self.echo else None
+
+    def prompts_of(self) -> list[str | list[int]]:
+        """The request's prompts (one, or each of a list)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise unsupported("prompt", f"a batch of {len(prompt)} prompts (send one)")
-            prompt = prompt[0]
-        return prompt  # type: ignore[return-value]
+            if len(prompt) > MAX_PROMPTS:
+                raise InvalidRequest("prompt", f"at most {MAX_PROMPTS} prompts, got {len(prompt)}")
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
 
 
 class ContentPart(BaseModel):
@@ -232,18 +265,16 @@ class ChatCompletionRequest(_SamplingRequest):
     # length check, not a validation per message (or a rendering and tokenizing later)
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
-    logprobs: bool | None = Field(None, description="only false is supported")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="not supported")
+    logprobs: bool | None = Field(None, description="each output token's logprob")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="(logprobs) top k")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported")
     tool_choice: str | dict[str, Any] | None = Field(None, description="only none")
     response_format: dict[str, Any] | None = Field(None, description="only {type: text}")
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise unsupported("logprobs", "logprobs")
-        if self.top_logprobs:
-            raise unsupported("top_logprobs", "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs", "needs logprobs: true")
         if self.tools:
             raise unsupported("tools", "tool calling")
         if self.tool_choice not in (None, "none", "auto"):
@@ -253,6 +284,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def messages_of(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them: str role and str content."""
@@ -299,10 +333,32 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -325,7 +381,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -350,7 +406,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

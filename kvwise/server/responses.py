@@ -25,15 +25,18 @@ logger = logging.getLogger("kvwise.server")
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
-async def collect_or_disconnect(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """Wait for the last output, or return None as soon as the client disconnects."""
+async def collect_or_disconnect(
+    streams: list[RequestStream], request: Request
+) -> list[RequestOutput] | None:
+    """Wait for every stream's last output, or return None as soon as the client
+    disconnects."""
 
-    async def consume() -> RequestOutput | None:
+    async def consume(stream: RequestStream) -> RequestOutput | None:
         async for _ in stream:
             pass
         return stream.last
 
-    task = asyncio.ensure_future(consume())
+    task = asyncio.ensure_future(asyncio.gather(*(consume(s) for s in streams)))
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)

@@ -5,6 +5,8 @@ key), then answers with JSON or server-sent events; engine errors propagate by t
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvwise.engine.client import EngineClient, RequestStream
 from kvwise.errors import InvalidRequest, KVWiseError
+from kvwise.server.logprobs import chat_logprobs, completion_logprobs, prompt_text
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.protocol import (
     APIError,
@@ -71,8 +74,10 @@ class OpenAIRoutes:
                 code="model_not_found",
             )
 
-    async def admit(self, body, prompt, request_id: str, tenant: str, prompt_param: str):
-        """Check the body and admit its request; errors propagate by type (see errors.py)."""
+    async def admit(self, body, prompt, request_id: str, tenant: str, prompt_param: str,
+                    choice: int = 0):  # fmt: skip
+        """Check the body and admit its request (``choice`` j of n: its seed + j); errors
+        propagate by type (see errors.py)."""
         check_unicode(body)  # first: nothing below may echo or tokenize such text
         self.check_model(body.model)
         body.check_supported()
@@ -83,11 +88,31 @@ class OpenAIRoutes:
         )
         try:
             params = body.sampling_params(default_max)
+            if choice and params.seed is not None:
+                params = dataclasses.replace(params, seed=(params.seed + choice) % 2**32)
             options = body.request_options(tenant)
             return await self.engine.add_request(prompt, params, options, request_id=request_id)
         except InvalidRequest as exc:
             # the chat prompt is the rendered messages: name the field the client sent
             raise (exc.renamed(prompt_param) if exc.param == "prompt" else exc) from None
+
+    async def admit_all(self, body, prompts, request_id: str, tenant: str, prompt_param: str):
+        """Every choice of every prompt (n each, choice i * n + j), in order: a later choice
+        of a prompt finds the first one's prefill under way and shares its blocks. One
+        refused: the others are aborted and the error propagates."""
+        streams: list[RequestStream] = []
+        try:
+            for prompt in prompts:
+                for j in range(body.n):
+                    rid = (
+                        request_id if len(prompts) * body.n == 1 else f"{request_id}-{len(streams)}"
+                    )
+                    streams.append(await self.admit(body, prompt, rid, tenant, prompt_param, j))
+        except BaseException:
+            for stream in streams:
+                self.ended(stream, tenant)
+            raise
+        return streams
 
     def ended(self, stream: RequestStream, tenant: str) -> None:
         stream.close()
@@ -97,101 +122,151 @@ class OpenAIRoutes:
 
     def sse(
         self,
-        stream: RequestStream,
+        streams: list[RequestStream],
         tenant: str,
         include_usage: bool,
-        on_output: Callable[[RequestOutput], str],
+        on_output: Callable[[int, RequestOutput], str | None],
         on_usage: Callable[[Usage], str],
-        first: str | None = None,
+        first: Callable[[int], str] | None = None,
+        per_prompt: int = 1,
     ) -> SSEResponse:
-        """Stream a request as server-sent events: ``first``, one event per output with new
-        text (or the end), the usage when asked, then ``[DONE]``."""
+        """Stream requests as server-sent events: ``first(choice)`` for each, then their
+        outputs as they come (``on_output``: an event, or None for none), the usage when
+        asked, then ``[DONE]``."""
 
         async def events() -> AsyncIterator[str]:
             if first is not None:
-                yield first
-            async for out in _outputs_or_error(stream):
+                for index in range(len(streams)):
+                    yield first(index)
+            async for index, out in _merged(streams):
                 if isinstance(out, str):  # an error event: the stream ends with it (and [DONE])
                     yield out
                     yield "data: [DONE]\n\n"
                     return
-                if out.delta_text or out.finished:
-                    yield on_output(out)
-            if include_usage and stream.last is not None:
-                yield on_usage(_usage(stream.last))
+                event = on_output(index, out)
+                if event is not None:
+                    yield event
+            lasts = [s.last for s in streams]
+            if include_usage and all(last is not None for last in lasts):
+                yield on_usage(_usage(lasts, per_prompt))
             yield "data: [DONE]\n\n"
 
-        return SSEResponse(events(), on_close=lambda: self.ended(stream, tenant))
+        def close() -> None:
+            for stream in streams:
+                self.ended(stream, tenant)
 
-    async def collect(self, stream: RequestStream, request: Request, tenant: str):
-        """The final output, or None when the client went away first."""
+        return SSEResponse(events(), on_close=close)
+
+    async def collect(self, streams: list[RequestStream], request: Request, tenant: str):
+        """Every final output, or None when the client went away first."""
         try:
-            return await collect_or_disconnect(stream, request)
+            return await collect_or_disconnect(streams, request)
         finally:
-            self.ended(stream, tenant)
+            for stream in streams:
+                self.ended(stream, tenant)
 
     # ---- routes -------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request):
         tenant = request.state.tenant
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self.admit(body, body.prompt_of(), request_id, tenant, "prompt")
-        now, model = int(time.time()), self.model_name
+        prompts = body.prompts_of()
+        streams = await self.admit_all(body, prompts, request_id, tenant, "prompt")
+        now, model, n = int(time.time()), self.model_name, body.n
+        echo_only = body.max_tokens == 0
 
-        def chunk(text: str, finish: str | None = None, usage: Usage | None = None) -> str:
-            choices = [] if usage else [CompletionChoice(text=text, finish_reason=finish)]
+        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
             c = CompletionResponse(
                 id=request_id, created=now, model=model, choices=choices, usage=usage
             )
             return f"data: {c.model_dump_json()}\n\n"
 
+        def text_before(index: int, out: RequestOutput) -> str:
+            if not body.echo:
+                return ""
+            prompt = prompts[index // n]
+            return prompt if isinstance(prompt, str) else prompt_text(out)
+
         if body.stream:
-            return self.sse(
-                stream,
-                tenant,
-                body.include_usage,
-                on_output=lambda out: chunk(out.delta_text, _finish(out)),
-                on_usage=lambda usage: chunk("", usage=usage),
-            )
-        out = await self.collect(stream, request, tenant)
-        if out is None:
+            sent = [0] * len(streams)  # output tokens already streamed, per choice
+
+            def on_output(index: int, out: RequestOutput) -> str | None:
+                if not (out.delta_text or out.finished):
+                    return None
+                text = (text_before(index, out) if sent[index] == 0 else "") + out.delta_text
+                logprobs = None
+                if body.logprobs is not None:
+                    start, sent[index] = sent[index], len(out.token_ids)
+                    logprobs = completion_logprobs(
+                        _tail(out, start), False, len(out.token_ids) - start
+                    )
+                sent[index] = max(sent[index], 1)
+                choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                          finish_reason=_finish(out))  # fmt: skip
+                return chunk([choice])
+
+            return self.sse(streams, tenant, body.include_usage, on_output,
+                            on_usage=lambda usage: chunk([], usage), per_prompt=n)  # fmt: skip
+        outs = await self.collect(streams, request, tenant)
+        if outs is None:
             return Response(status_code=499)
-        choice = CompletionChoice(text=out.text, finish_reason=_finish(out))
-        return CompletionResponse(
-            id=request_id, created=now, model=model, choices=[choice], usage=_usage(out)
-        )
+        choices = []
+        for index, out in enumerate(outs):
+            before = text_before(index, out)
+            num_outputs = 0 if echo_only else len(out.token_ids)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(out, body.echo, num_outputs)
+            text = before + ("" if echo_only else out.text)
+            finish = "length" if echo_only else _finish(out)
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                            finish_reason=finish))  # fmt: skip
+        usage = _usage(outs, n, generated=0 if echo_only else None)
+        return CompletionResponse(id=request_id, created=now, model=model, choices=choices,
+                                  usage=usage)  # fmt: skip
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         tenant = request.state.tenant
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self.admit(body, body.messages_of(), request_id, tenant, "messages")
+        streams = await self.admit_all(body, [body.messages_of()], request_id, tenant, "messages")
         now, model = int(time.time()), self.model_name
 
-        def chunk(delta: DeltaMessage | None, finish: str | None = None, usage=None) -> str:
-            choices = [] if delta is None else [ChatStreamChoice(delta=delta, finish_reason=finish)]
+        def chunk(choices: list[ChatStreamChoice], usage=None) -> str:
             c = ChatCompletionChunk(
                 id=request_id, created=now, model=model, choices=choices, usage=usage
             )
             return f"data: {c.model_dump_json()}\n\n"
 
         if body.stream:
-            return self.sse(
-                stream,
-                tenant,
-                body.include_usage,
-                on_output=lambda out: chunk(
-                    DeltaMessage(content=out.delta_text or None), _finish(out)
-                ),
-                on_usage=lambda usage: chunk(None, usage=usage),
-                first=chunk(DeltaMessage(role="assistant", content="")),
-            )
-        out = await self.collect(stream, request, tenant)
-        if out is None:
+            sent = [0] * len(streams)
+
+            def on_output(index: int, out: RequestOutput) -> str | None:
+                if not (out.delta_text or out.finished):
+                    return None
+                start, sent[index] = sent[index], len(out.token_ids)
+                logprobs = chat_logprobs(out, start, len(out.token_ids)) if body.logprobs else None
+                choice = ChatStreamChoice(index=index, delta=DeltaMessage(content=out.delta_text or None),
+                                          logprobs=logprobs, finish_reason=_finish(out))  # fmt: skip
+                return chunk([choice])
+
+            def first(index: int) -> str:
+                delta = DeltaMessage(role="assistant", content="")
+                return chunk([ChatStreamChoice(index=index, delta=delta)])
+
+            return self.sse(streams, tenant, body.include_usage, on_output,
+                            on_usage=lambda usage: chunk([], usage), first=first,
+                            per_prompt=body.n)  # fmt: skip
+        outs = await self.collect(streams, request, tenant)
+        if outs is None:
             return Response(status_code=499)
-        choice = ChatChoice(message=AssistantMessage(content=out.text), finish_reason=_finish(out))
-        return ChatCompletionResponse(
-            id=request_id, created=now, model=model, choices=[choice], usage=_usage(out)
-        )
+        choices = [
+            ChatChoice(index=index, message=AssistantMessage(content=out.text),
+                       logprobs=chat_logprobs(out, 0, len(out.token_ids)) if body.logprobs else None,
+                       finish_reason=_finish(out))
+            for index, out in enumerate(outs)
+        ]  # fmt: skip
+        return ChatCompletionResponse(id=request_id, created=now, model=model, choices=choices,
+                                      usage=_usage(outs, body.n))  # fmt: skip
 
     async def park(self, body: ParkRequest, request: Request) -> ParkResponse:
         """Move a conversation's KV to the tiers until its next turn (kvwise extension)."""
@@ -223,18 +298,59 @@ class OpenAIRoutes:
 # ---- helpers ---------------------------------------------------------------------------------
 
 
-def _usage(out: RequestOutput) -> Usage:
-    num_generated = len(out.token_ids)
+def _usage(outs: list[RequestOutput], per_prompt: int = 1, generated: int | None = None) -> Usage:
+    """The choices' usage: each prompt counted once (its first choice's), every choice's
+    output tokens (``generated``: each choice's, when its tokens were dropped)."""
+    firsts = outs[::per_prompt]
+    prompt = sum(out.num_prompt_tokens for out in firsts)
+    num_generated = sum(len(out.token_ids) if generated is None else generated for out in outs)
+    cached = sum(int(out.num_cached_tokens) for out in firsts)
     return Usage(
-        prompt_tokens=out.num_prompt_tokens,
+        prompt_tokens=prompt,
         completion_tokens=num_generated,
-        total_tokens=out.num_prompt_tokens + num_generated,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=int(out.num_cached_tokens)),
+        total_tokens=prompt + num_generated,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
+
+
+def _tail(out: RequestOutput, start: int) -> RequestOutput:
+    """The output with its first ``start`` tokens left out (a stream's new tokens)."""
+    tops = out.top_logprobs[start:] if out.top_logprobs is not None else None
+    return dataclasses.replace(out, token_ids=out.token_ids[start:], logprobs=out.logprobs[start:],
+                               top_logprobs=tops)  # fmt: skip
 
 
 def _finish(out: RequestOutput) -> str | None:
     return out.finish_reason.value if out.finished and out.finish_reason else None
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput | str]]:
+    """Every stream's outputs (or its error event) with its index, as they come."""
+    if len(streams) == 1:
+        async for out in _outputs_or_error(streams[0]):
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in _outputs_or_error(stream):
+                await queue.put((index, out))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, out = await queue.get()
+            if out is None:
+                remaining -= 1
+            else:
+                yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _outputs_or_error(stream: RequestStream) -> AsyncIterator[RequestOutput | str]:
