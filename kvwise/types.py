@@ -25,6 +25,56 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the caller
 
 
+STRUCTURED_KINDS = ("json", "regex", "grammar", "choice")
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex, grammar or the choices, as text
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match: ``json`` (a JSON schema as a dict or its text; ``{}`` or
+    ``{"type": "object"}`` for any object), ``regex``, ``grammar`` (Lark, llguidance's
+    dialect) or ``choice`` (one of a list of strings). Compiled by llguidance; a schema or
+    grammar it refuses is a ValueError naming ``field``."""
+
+    kind: str
+    value: object
+    field: str = "structured"  # the request field it came from, for errors
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest(
+                self.field, f"kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}"
+            )
+        if self.kind == "choice":
+            if (
+                not isinstance(self.value, (list, tuple))
+                or not self.value
+                or not all(isinstance(c, str) and c for c in self.value)
+            ):
+                raise InvalidRequest(self.field, "choice: a non-empty list of non-empty strings")
+            object.__setattr__(self, "value", tuple(self.value))
+        elif self.kind == "json":
+            if not isinstance(self.value, (dict, str)):
+                raise InvalidRequest(self.field, "json: a JSON schema (an object or its text)")
+        elif not isinstance(self.value, str) or not self.value:
+            raise InvalidRequest(self.field, f"{self.kind}: a non-empty string")
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(
+                self.field, f"at most {MAX_GRAMMAR_CHARS} characters, got {len(self.text)}"
+            )
+
+    @property
+    def text(self) -> str:
+        """The constraint as text (its size, and a schema's canonical form)."""
+        if isinstance(self.value, str):
+            return self.value
+        if self.kind == "choice":
+            return "\n".join(self.value)  # type: ignore[arg-type]
+        import json
+
+        return json.dumps(self.value, sort_keys=True)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each new token, and when to stop.
@@ -59,6 +109,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is accepted
+    structured: StructuredOutput | None = None  # the output must match it (llguidance)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

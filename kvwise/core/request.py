@@ -58,6 +58,9 @@ class Request:
         self.group_hashes: list[list[BlockHash]] = []  # hybrid KV groups 1..: theirs
         self.num_public_blocks: int | None = None  # leading blocks hashed as a public prefix
         self.num_loaded_tokens = 0  # prefix tokens loaded from the slower tiers
+        # structured outputs: the engine's matcher (engine/structured.Grammar: bitmask(),
+        # accept(token), finished), opaque here
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

@@ -240,10 +240,14 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if self._dead or self._stopping:
             raise EngineDeadError(self._dead or "the engine is shutting down")
+
         # NOTE: off the engine thread and off the event loop: bad input is refused here, and
         # a large prompt costs a tokenizer thread, never a step
+        def prepare():  # the prompt's ids and the request's grammar, off the step loop
+            return self.engine.tokenized(prompt), self.engine.compile_grammar(params)
+
         try:
-            tokenized = await loop.run_in_executor(self._tokenizers, self.engine.tokenized, prompt)
+            tokenized, grammar = await loop.run_in_executor(self._tokenizers, prepare)
         except RuntimeError as exc:  # the pool is shut down: the loop has stopped
             if self._dead or self._stopping:
                 raise EngineDeadError(self._dead or "the engine is shutting down") from None
@@ -254,7 +258,8 @@ class AsyncEngine:
 
         def add(engine: LLMEngine) -> None:
             try:
-                engine.add_request(tokenized, params, options, request_id=request_id)
+                engine.add_request(tokenized, params, options, request_id=request_id,
+                                   grammar=grammar)  # fmt: skip
             except QueueFullError:
                 raise QueueFullError(retry_after_s) from None
             self._sinks[request_id] = _Sink(loop, queue)

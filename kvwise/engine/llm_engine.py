@@ -23,6 +23,7 @@ from kvwise.engine.output_processor import OutputProcessor
 from kvwise.engine.prompts import Prompt, TokenizedPrompt, Tokenizer, tokenize_prompt
 from kvwise.engine.sessions import SessionMap
 from kvwise.engine.stats import EngineStats
+from kvwise.engine.structured import Grammar, GrammarCompiler
 from kvwise.errors import InvalidRequest, SessionBusy, SessionNotFound
 from kvwise.store.tiered import TieredStore
 from kvwise.types import FinishReason, RequestOptions, RequestOutput, SamplingParams
@@ -51,6 +52,7 @@ class LLMEngine:
         self._vocab_size = runner.vocab_size
         self.outputs = outputs
         self.sessions = SessionMap()
+        self.grammars = GrammarCompiler(tokenizer, runner.vocab_size)
         self._next_id = 0
         self._closed = False
 
@@ -67,15 +69,24 @@ class LLMEngine:
         """``tokenize`` as a prompt ``add_request`` takes without further work."""
         return TokenizedPrompt(tuple(self.tokenize(prompt)))
 
+    def compile_grammar(self, params: SamplingParams) -> Grammar | None:
+        """The request's grammar (``params.structured``), compiled; None without one. Safe
+        from any thread: ``AsyncEngine`` compiles where it tokenizes, off the step loop."""
+        if params.structured is None:
+            return None
+        return self.grammars.compile(params.structured)
+
     def add_request(
         self,
         prompt: Prompt,
         params: SamplingParams | None = None,
         options: RequestOptions | None = None,
         request_id: str | None = None,
+        grammar: Grammar | None = None,
     ) -> str:
         """Queue a prompt; ``options`` says how it uses the cache (tenant, salt, retention,
-        session). Raises ``InvalidRequest`` (a ValueError naming the field) on bad input and
+        session); ``grammar``: ``params.structured`` compiled already (else compiled here).
+        Raises ``InvalidRequest`` (a ValueError naming the field) on bad input and
         ``QueueFullError`` when the bounded waiting queue is full."""
         params = params or SamplingParams()
         options = options or RequestOptions()
@@ -93,6 +104,8 @@ class LLMEngine:
                 "logit_bias", f"token ids must be in [0, {self._vocab_size}), got {outside[:5]}"
             )
         token_ids = self.tokenize(prompt)
+        if grammar is None:
+            grammar = self.compile_grammar(params)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -105,6 +118,7 @@ class LLMEngine:
             options=options,
             arrival_time=now,
         )
+        request.grammar = grammar
         self.scheduler.add_request(request)
         self.outputs.add(request, now)
         return request_id
@@ -136,11 +150,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
         self._save_blocks()  # of requests preempted just now, before their blocks are reused
+        self._grammar_masks(sched_out)
         model_out, short_loads = self._execute(sched_out)
         updates = self.scheduler.update(sched_out, model_out, short_loads)
+        completed = self._grammar_accept(updates)
         processed = self.outputs.process(updates)
-        if processed.stopped_ids:
-            self.scheduler.finish_requests(processed.stopped_ids, FinishReason.STOP)
+        if processed.stopped_ids or completed:
+            self.scheduler.finish_requests(processed.stopped_ids + completed, FinishReason.STOP)
         for request in processed.finished:
             if request.options.session_id is not None:
                 num_full = request.num_computed_tokens // self.kv_manager.block_size
@@ -149,6 +165,29 @@ class LLMEngine:
                 )
         self._save_blocks()  # of requests that finished in this step
         return processed.outputs
+
+    def _grammar_masks(self, sched_out: SchedulerOutput) -> None:
+        """Each sampling request's grammar's mask of the tokens it allows next."""
+        requests = self.scheduler.requests
+        for item in sched_out.scheduled:
+            request = requests.get(item.request_id) if item.sample else None
+            if request is not None and request.grammar is not None:
+                sched_out.token_bitmasks[item.request_id] = request.grammar.bitmask()
+
+    def _grammar_accept(self, updates) -> list[str]:
+        """Feed the sampled tokens to their grammars; returns the requests a grammar ended
+        (complete, or in error), their updates marked finished."""
+        completed = []
+        for update in updates:
+            grammar = update.request.grammar
+            if grammar is None or not update.new_token_ids:
+                continue
+            accepted = all(grammar.accept(t) for t in update.new_token_ids)
+            if (grammar.finished or not accepted) and not update.finished:
+                update.finished = True
+                update.request.finish_reason = FinishReason.STOP
+                completed.append(update.request.request_id)
+        return completed
 
     def _execute(self, sched_out: SchedulerOutput) -> tuple[ModelOutput, dict[str, int]]:
         """Run the model, streaming the step's planned loads in on a loader thread. Returns

@@ -220,6 +220,10 @@ class Tokenizer:
         """Text of `ids`. Bytes that are not valid UTF-8 become U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` model as JSON (what llguidance builds its vocabulary from)."""
+        return self._backend.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of `token_id` (byte-level spelling for BPE), or None."""
         return self._backend.id_to_token(token_id)

@@ -226,9 +226,12 @@ class CausalLM(nn.Module):
             layer.forward(layer_idx, residual, rope_cos, rope_sin, attn)
         return self._final_norm(residual, self.norm, self.arch.rms_norm_eps)  # (T, hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`(N, hidden)` -> `(N, vocab)` float32 logits."""
-        logits = self.head.logits(hidden)  # (N, vocab)
+    def compute_logits(
+        self, hidden: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`(N, hidden)` -> `(N, vocab)` float32 logits; ``allowed`` `(N, vocab)` bool: the
+        tokens a grammar allows (a quantized head refines the top allowed logits)."""
+        logits = self.head.logits(hidden, allowed)  # (N, vocab)
         if self.logit_softcap is not None:
             logits = soft_cap(logits, self.logit_softcap)
         return logits

@@ -81,8 +81,8 @@ class FloatHead:
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`(N, hidden)` -> `(N, vocab)` float32."""
+    def logits(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """`(N, hidden)` -> `(N, vocab)` float32 (exact: ``allowed`` changes nothing)."""
         return float_mm(hidden, self.weight).float()
 
 
@@ -108,14 +108,17 @@ class RefinedHead:
     def __init__(self, weight: HeadWeight) -> None:
         self.weight = weight
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`(N, hidden)` -> `(N, vocab)` float32."""
+    def logits(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """`(N, hidden)` -> `(N, vocab)` float32. ``allowed`` `(N, vocab)` bool (a grammar's
+        mask): the top logits recomputed are the top ALLOWED ones, so that a constrained row
+        draws from exact logits even where the model prefers what the grammar forbids."""
         head = self.weight
         logits = head.mm(hidden)  # (N, vocab), int8-activation precision
         k = min(EXACT_TOP_K, logits.shape[-1])
+        ranked = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
         if kernels.available():
-            top = FUSED.top_k_ids(logits, k)  # (N, k), one pass a row
+            top = FUSED.top_k_ids(ranked.contiguous(), k)  # (N, k), one pass a row
         else:
-            top = logits.topk(k, dim=-1).indices  # (N, k)
+            top = ranked.topk(k, dim=-1).indices  # (N, k)
         exact = head.dot_rows(hidden, top)  # (N, k)
         return logits.scatter_(1, top, exact)

@@ -28,8 +28,10 @@ from kvwise.types import (
     MAX_KEY_CHARS,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
+    STRUCTURED_KINDS,
     RequestOptions,
     SamplingParams,
+    StructuredOutput,
 )
 
 # Below this a temperature is treated as greedy: dividing logits by a tinier one overflows.
@@ -148,6 +150,9 @@ class _SamplingRequest(BaseModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
         None, description="in_memory: default LRU; 24h: keep the cached prefix for a day"
     )
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="(extension) one of json (a schema), regex, grammar (Lark), choice"
+    )
 
     def check_supported(self) -> None:
         """Refuse what the engine does not do, naming the field."""
@@ -163,6 +168,19 @@ class _SamplingRequest(BaseModel):
     def _logprobs(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) for the engine."""
         return None, None
+
+    def _structured(self) -> StructuredOutput | None:
+        """What the output must match (``structured_outputs``), or None."""
+        spec = self.structured_outputs
+        if not spec:
+            return None
+        given = [k for k in spec if spec[k] is not None]
+        if len(given) != 1 or given[0] not in STRUCTURED_KINDS:
+            raise InvalidRequest(
+                "structured_outputs", f"exactly one of {', '.join(STRUCTURED_KINDS)}, got {given}"
+            )
+        kind = given[0]
+        return StructuredOutput(kind, spec[kind], f"structured_outputs.{kind}")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters (InvalidRequest naming the field on a bad value)."""
@@ -190,6 +208,7 @@ class _SamplingRequest(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias=self._logit_bias(),
+            structured=self._structured(),
         )
 
     def _max_tokens(self) -> int | None:
@@ -269,7 +288,9 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="(logprobs) top k")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported")
     tool_choice: str | dict[str, Any] | None = Field(None, description="only none")
-    response_format: dict[str, Any] | None = Field(None, description="only {type: text}")
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object or json_schema ({name, schema, strict})"
+    )
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -279,14 +300,33 @@ class ChatCompletionRequest(_SamplingRequest):
             raise unsupported("tools", "tool calling")
         if self.tool_choice not in (None, "none", "auto"):
             raise unsupported("tool_choice", "tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", "a structured response_format")
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     def _logprobs(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None
+
+    def _structured(self) -> StructuredOutput | None:
+        """``response_format`` (json_object, json_schema), else ``structured_outputs``."""
+        fmt = self.response_format
+        kind = (fmt or {}).get("type", "text")
+        if kind == "text":
+            return super()._structured()
+        if self.structured_outputs:
+            raise InvalidRequest("structured_outputs", "not with a structured response_format")
+        if kind == "json_object":
+            return StructuredOutput("json", {"type": "object"}, "response_format")
+        if kind != "json_schema":
+            raise InvalidRequest(
+                "response_format", f"type must be text, json_object or json_schema, got {kind!r}"
+            )
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidRequest("response_format.json_schema", "expected {name, schema, strict}")
+        return StructuredOutput(
+            "json", spec.get("schema", {}), "response_format.json_schema.schema"
+        )
 
     def messages_of(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them: str role and str content."""

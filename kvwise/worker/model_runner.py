@@ -89,10 +89,13 @@ class ModelRunner:
             out.prompt_logprobs = self._prompt_logprobs(batch.prompt_items, hidden)
         if not batch.sample_requests:
             return out
-        logits = self.model.compute_logits(hidden[batch.sample_rows])  # (S, vocab)
         reqs = batch.sample_requests
+        allowed = allowed_masks(reqs, sched_out.token_bitmasks, self.vocab_size)
+        rank = None if allowed is None else torch.stack(
+            [m if m is not None else torch.ones(self.vocab_size, dtype=torch.bool) for m in allowed]
+        )  # fmt: skip
+        logits = self.model.compute_logits(hidden[batch.sample_rows], rank)  # (S, vocab)
         histories = [None if r.history is None else (r.history, r.num_prompt_tokens) for r in reqs]
-        allowed = allowed_masks(reqs, sched_out.token_bitmasks, logits.shape[-1])
         picked = sample(logits, [r.sampling_params for r in reqs], [r.output_index for r in reqs],
                         histories, allowed)  # fmt: skip
         for i, r in enumerate(reqs):

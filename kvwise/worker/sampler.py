@@ -96,10 +96,19 @@ def sample(
     histories = histories or [None] * num_rows
     allowed = allowed or [None] * num_rows
     plain = all(p.temperature < _MIN_TEMPERATURE and not p.processed and p.logprobs is None
-                for p in params) and not any(m is not None for m in allowed)  # fmt: skip
+                for p in params)  # fmt: skip
     if plain and kernels.available():
         # all greedy: the argmax and its logprob in one C++ pass a row (no (S, V) log-softmax)
-        ids, chosen = torch.ops.kvwise.greedy_pick(logits.float().contiguous())
+        if not any(m is not None for m in allowed):
+            ids, chosen = torch.ops.kvwise.greedy_pick(logits.float().contiguous())
+            return Sampled(ids.tolist(), chosen.tolist(), [None] * num_rows)
+        raw = logits.float()
+        masked = raw.clone()
+        for row, mask in enumerate(allowed):
+            if mask is not None:
+                masked[row].masked_fill_(~mask, float("-inf"))
+        ids, _ = torch.ops.kvwise.greedy_pick(masked)  # the best allowed token
+        chosen = raw.gather(1, ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
         return Sampled(ids.tolist(), chosen.tolist(), [None] * num_rows)
     raw = logits.float()
     logprobs = torch.log_softmax(raw, dim=-1)  # (S, V)
