@@ -244,7 +244,8 @@ class AsyncEngine:
         # NOTE: off the engine thread and off the event loop: bad input is refused here, and
         # a large prompt costs a tokenizer thread, never a step
         def prepare():  # the prompt's ids and the request's grammar, off the step loop
-            return self.engine.tokenized(prompt), self.engine.compile_grammar(params)
+            tenant = options.tenant if options is not None else "default"
+            return self.engine.tokenized(prompt, tenant), self.engine.compile_grammar(params)
 
         try:
             tokenized, grammar = await loop.run_in_executor(self._tokenizers, prepare)

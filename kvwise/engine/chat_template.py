@@ -106,3 +106,55 @@ def compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"chat_template: not valid Jinja: {exc}") from exc
+
+
+TOOLS_PREAMBLE = (
+    "You may call one or more functions to assist with the user query. The functions you "
+    "may call are described within <tools></tools>:\n<tools>\n{tools}\n</tools>\n\nTo call "
+    "a function, answer with a JSON object of its name and arguments within "
+    '<tool_call></tool_call> tags:\n<tool_call>\n{{"name": <function-name>, '
+    '"arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def tool_call_text(call: Mapping[str, Any]) -> str:
+    """One call (OpenAI's ``{"function": {"name", "arguments"}}``) as Hermes writes it."""
+    function = call.get("function", call)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    # name first, json.dumps' separators: as a required call's grammar writes it
+    # (server/tools.call_grammar), so that the next turn's prompt repeats the answer's text
+    # and hits its cached blocks
+    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def with_tools(messages: Sequence[Mapping[str, Any]], tools: list[dict] | None) -> list[dict]:
+    """Messages for a template that knows no tools: the tools described in the system
+    message (Hermes' wording, as Qwen 2.5 and SmolLM3 ship it), assistant calls written as
+    ``<tool_call>`` text and tool results as ``<tool_response>`` in a user turn."""
+    out: list[dict] = []
+    for message in messages:
+        m = dict(message)
+        content = m.get("content") or ""
+        if m.get("tool_calls"):
+            calls = "\n".join(tool_call_text(c) for c in m.pop("tool_calls"))
+            m["content"] = f"{content}\n{calls}" if content else calls
+        elif m.get("role") == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        else:
+            m["content"] = content
+        m.pop("tool_call_id", None)
+        out.append(m)
+    if tools:
+        described = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        preamble = TOOLS_PREAMBLE.format(tools=described)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{preamble}"}
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    return out

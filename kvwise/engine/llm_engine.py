@@ -20,7 +20,13 @@ from kvwise.core.runner import ModelRunner
 from kvwise.core.scheduler import Scheduler
 from kvwise.engine.kv_loader import KVLoader
 from kvwise.engine.output_processor import OutputProcessor
-from kvwise.engine.prompts import Prompt, TokenizedPrompt, Tokenizer, tokenize_prompt
+from kvwise.engine.prompts import (
+    Prompt,
+    RecentAnswers,
+    TokenizedPrompt,
+    Tokenizer,
+    tokenize_prompt,
+)
 from kvwise.engine.sessions import SessionMap
 from kvwise.engine.stats import EngineStats
 from kvwise.engine.structured import Grammar, GrammarCompiler
@@ -53,21 +59,23 @@ class LLMEngine:
         self.outputs = outputs
         self.sessions = SessionMap()
         self.grammars = GrammarCompiler(tokenizer, runner.vocab_size)
+        self.answers = RecentAnswers()
         self._next_id = 0
         self._closed = False
 
     # ---- requests -----------------------------------------------------------------------
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, tenant: str = "default") -> list[int]:
         """A string, a chat message list or token ids → token ids (InvalidRequest on bad
         input). Safe to call from any thread (it reads the tokenizer and immutable sizes
         only): ``AsyncEngine`` tokenizes on its own threads and hands ``add_request`` a
         ``TokenizedPrompt``, so the step loop never renders or tokenizes."""
-        return tokenize_prompt(self.tokenizer, prompt, self._vocab_size, self.max_model_len)
+        return tokenize_prompt(self.tokenizer, prompt, self._vocab_size, self.max_model_len,
+                               self.answers.lookup(tenant))  # fmt: skip
 
-    def tokenized(self, prompt: Prompt) -> TokenizedPrompt:
+    def tokenized(self, prompt: Prompt, tenant: str = "default") -> TokenizedPrompt:
         """``tokenize`` as a prompt ``add_request`` takes without further work."""
-        return TokenizedPrompt(tuple(self.tokenize(prompt)))
+        return TokenizedPrompt(tuple(self.tokenize(prompt, tenant)))
 
     def compile_grammar(self, params: SamplingParams) -> Grammar | None:
         """The request's grammar (``params.structured``), compiled; None without one. Safe
@@ -103,7 +111,7 @@ class LLMEngine:
             raise InvalidRequest(
                 "logit_bias", f"token ids must be in [0, {self._vocab_size}), got {outside[:5]}"
             )
-        token_ids = self.tokenize(prompt)
+        token_ids = self.tokenize(prompt, options.tenant)
         if grammar is None:
             grammar = self.compile_grammar(params)
         if request_id is None:
@@ -157,6 +165,7 @@ class LLMEngine:
         processed = self.outputs.process(updates)
         if processed.stopped_ids or completed:
             self.scheduler.finish_requests(processed.stopped_ids + completed, FinishReason.STOP)
+        self._record_answers(processed)
         for request in processed.finished:
             if request.options.session_id is not None:
                 num_full = request.num_computed_tokens // self.kv_manager.block_size
@@ -165,6 +174,20 @@ class LLMEngine:
                 )
         self._save_blocks()  # of requests that finished in this step
         return processed.outputs
+
+    def _record_answers(self, processed) -> None:
+        """Finished answers' ids by their text (``RecentAnswers``), where the ids are that
+        text exactly (not an answer a stop string cut short, say)."""
+        finished = {r.request_id: r for r in processed.finished}
+        for out in processed.outputs:
+            request = finished.get(out.request_id)
+            if request is None or out.finish_reason is FinishReason.ABORT or not out.text:
+                continue
+            ids = out.token_ids
+            if ids and ids[-1] in request.eos_token_ids:
+                ids = ids[:-1]  # the template writes the end of the turn itself
+            if self.tokenizer.decode(ids) == out.text:
+                self.answers.record(request.tenant, out.text, ids)
 
     def _grammar_masks(self, sched_out: SchedulerOutput) -> None:
         """Each sampling request's grammar's mask of the tokens it allows next."""

@@ -3,6 +3,9 @@ from a tokenizer to turn them into token ids. No torch."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +22,18 @@ class TokenizedPrompt:
     token_ids: tuple[int, ...]
 
 
-Prompt = str | list[dict] | list[int] | TokenizedPrompt
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages with the tools the model may call (OpenAI's function ``tools``, passed to
+    the chat template as its ``tools`` variable; a template without one gets them described in
+    a system message, ``chat_template.with_tools``). Messages may hold assistant ``tool_calls``
+    and ``tool`` results."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+Prompt = str | list[dict] | list[int] | TokenizedPrompt | ChatPrompt
 
 
 class Tokenizer(Decoder, Protocol):
@@ -41,14 +55,50 @@ class Tokenizer(Decoder, Protocol):
         add_generation_prompt: bool = True,
         *,
         max_chars: int | None = None,
+        tools: list[dict] | None = None,
+        answers: Callable[[str], Sequence[int] | None] | None = None,
     ) -> list[int]:
         """The rendered chat's ids; a rendering over ``max_chars`` characters is refused
         before it is tokenized (``ContextLengthExceeded``)."""
         ...
 
 
+class RecentAnswers:
+    """The token ids of recent answers by their text, per tenant (bounded, least recently
+    used out first; thread-safe): a chat prompt that repeats an answer as an assistant
+    message gets the ids the model generated, not a new tokenization of the text
+    (``Tokenizer.encode_chat``), so the next turn of a conversation hits the blocks its last
+    turn cached. Per tenant: which ids a text gets (its prompt's length) never depends on
+    another tenant's answers."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def record(self, tenant: str, text: str, token_ids: Sequence[int]) -> None:
+        if not text or not token_ids:
+            return
+        with self._lock:
+            self._ids[(tenant, text)] = tuple(token_ids)
+            self._ids.move_to_end((tenant, text))
+            while len(self._ids) > self.capacity:
+                self._ids.popitem(last=False)
+
+    def lookup(self, tenant: str) -> Callable[[str], Sequence[int] | None]:
+        def find(text: str) -> Sequence[int] | None:
+            with self._lock:
+                return self._ids.get((tenant, text))
+
+        return find
+
+
 def tokenize_prompt(
-    tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, max_tokens: int | None = None
+    tokenizer: Tokenizer,
+    prompt: Prompt,
+    vocab_size: int,
+    max_tokens: int | None = None,
+    answers: Callable[[str], Sequence[int] | None] | None = None,
 ) -> list[int]:
     """A string, a chat message list or token ids → token ids (InvalidRequest on bad input).
 
@@ -62,6 +112,11 @@ def tokenize_prompt(
     checked one by one."""
     if isinstance(prompt, TokenizedPrompt):
         return list(prompt.token_ids)
+    tools = None
+    if isinstance(prompt, ChatPrompt):
+        prompt, tools = prompt.messages, prompt.tools
+        if not prompt:
+            raise InvalidRequest("messages", "expected a non-empty list of messages")
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("prompt", "must not be empty")
@@ -78,7 +133,8 @@ def tokenize_prompt(
         num_chars = sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))
         _check_length(tokenizer, "messages", num_chars, max_tokens)
         max_chars = None if max_tokens is None else max_tokens * tokenizer.max_token_chars
-        return tokenizer.encode_chat(prompt, max_chars=max_chars)
+        extra = {k: v for k, v in (("tools", tools), ("answers", answers)) if v}
+        return tokenizer.encode_chat(prompt, max_chars=max_chars, **extra)
     if (
         isinstance(prompt, list)
         and prompt

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from kvwise.engine.chat_template import (
     check_rendered_length,
     compile_template,
     pick_template,
+    with_tools,
 )
 from kvwise.engine.gguf_tokenizer import read_gguf_tokenizer
 from kvwise.errors import InvalidRequest
@@ -231,31 +232,48 @@ class Tokenizer:
     # ---- chat ---------------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str:
         """Render `messages` with the model's chat template.
 
         Args:
             messages: non-empty list of dicts, each with str ``role`` and str ``content``; other
-                keys are passed to the template as they are.
+                keys are passed to the template as they are (assistant ``tool_calls``, a
+                tool result's ``tool_call_id``).
             add_generation_prompt: end with the header that opens the assistant's turn.
+            tools: the functions the model may call, as the template's ``tools``; a template
+                that never reads them gets them (and the calls and results in ``messages``)
+                written as Hermes-style text (``chat_template.with_tools``).
 
         Raises:
             ValueError: bad messages, no chat template, or the template raised an error.
         """
-        check_messages(messages)
+        return self._render(messages, add_generation_prompt, tools)[0]
+
+    def _render(self, messages, add_generation_prompt: bool, tools) -> tuple[str, list[dict]]:
+        """The rendered chat and the messages as the template got them."""
         if self._chat_template is None:
             raise InvalidRequest("messages", "this model has no chat template")
+        native = "tools" in self._chat_template and "tool_call" in self._chat_template
+        if not native and (tools or any(m.get("tool_calls") or m.get("role") == "tool"
+                                        for m in messages if isinstance(m, Mapping))):  # fmt: skip
+            messages, tools = with_tools(messages, tools), None
+        check_messages(messages)
         if self._compiled_template is None:
             self._compiled_template = compile_template(self._chat_template)
+        messages = [dict(m) for m in messages]
         try:
-            return self._compiled_template.render(
-                messages=[dict(m) for m in messages],
-                tools=None,
+            text = self._compiled_template.render(
+                messages=messages,
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._template_tokens(),
             )
+            return text, messages
         except jinja2.TemplateError as exc:
             raise InvalidRequest("messages", f"rendering the chat template failed: {exc}") from exc
 
@@ -265,14 +283,34 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         *,
         max_chars: int | None = None,
+        tools: list[dict] | None = None,
+        answers: Callable[[str], Sequence[int] | None] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat; BOS is not added again if the template wrote it.
         A rendering longer than ``max_chars`` is refused before it is tokenized
-        (``ContextLengthExceeded`` naming ``messages``)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        (``ContextLengthExceeded`` naming ``messages``).
+
+        ``answers(text)``: the token ids the model generated as an assistant message's
+        ``text``, if it did (``RecentAnswers``). Those ids stand in the prompt for the text,
+        the rest tokenized around them: a model's answer is not always the canonical
+        tokenization of its text (a grammar-constrained tool call seldom is), and a prompt
+        that repeats the ids hits the blocks the answer's turn cached."""
+        text, rendered = self._render(messages, add_generation_prompt, tools)
         check_rendered_length(text, max_chars)
         bos = self._template_tokens().get("bos_token")
-        return self.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+        first = not (bos and text.startswith(bos))
+        ids: list[int] = []
+        cursor = 0
+        for m in rendered if answers is not None else ():
+            content = m.get("content")
+            known = answers(content) if m.get("role") == "assistant" and content else None
+            start = text.find(content, cursor) if known else -1
+            if start < 0:
+                continue
+            ids += self.encode(text[cursor:start], add_special_tokens=first and not cursor)
+            ids += known
+            cursor = start + len(content)
+        return ids + self.encode(text[cursor:], add_special_tokens=first and not cursor)
 
     def _template_tokens(self) -> dict[str, str]:
         names = {"bos_token": self._bos_token_id, "eos_token": self._eos_token_id}

@@ -18,11 +18,13 @@ blocks).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from kvwise.engine.chat_template import MAX_MESSAGES
+from kvwise.engine.prompts import ChatPrompt
 from kvwise.errors import InvalidRequest, KVWiseError
 from kvwise.types import (
     MAX_KEY_CHARS,
@@ -272,11 +274,40 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -286,8 +317,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
     logprobs: bool | None = Field(None, description="each output token's logprob")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="(logprobs) top k")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="only none")
+    tools: list[Tool] | None = Field(None, max_length=128, description="functions to call")
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
+        None, description="none, auto (default with tools), required, or a named function"
+    )
+    parallel_tool_calls: bool | None = Field(None, description="several calls in one turn")
     response_format: dict[str, Any] | None = Field(
         None, description="text, json_object or json_schema ({name, schema, strict})"
     )
@@ -296,10 +330,27 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
-        if self.tools:
-            raise unsupported("tools", "tool calling")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice", "tool_choice")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise InvalidRequest("tool_choice", "needs tools")
+        self.named_tool()  # a named function must be among the tools
+
+    def named_tool(self) -> str | None:
+        """The function ``tool_choice`` names, or None."""
+        choice = self.tool_choice
+        if not isinstance(choice, dict):
+            return None
+        name = (
+            (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        )
+        if not isinstance(name, str) or name not in {t.function.name for t in self.tools or ()}:
+            raise InvalidRequest("tool_choice", "expected {type: function, function: {name}} "
+                                 "naming one of the tools")  # fmt: skip
+        return name
+
+    @property
+    def calls_tools(self) -> bool:
+        """The answer may be tool calls (tools given, tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -308,7 +359,16 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def _structured(self) -> StructuredOutput | None:
-        """``response_format`` (json_object, json_schema), else ``structured_outputs``."""
+        """A required or named tool call's grammar, else ``response_format`` (json_object,
+        json_schema), else ``structured_outputs``."""
+        if self.tools and (self.tool_choice == "required" or self.named_tool()):
+            if self.response_format or self.structured_outputs:
+                raise InvalidRequest("tool_choice", "a required tool call takes no response_format")
+            from kvwise.server.tools import call_grammar
+
+            tools = [t.function for t in self.tools]
+            lark = call_grammar(tools, self.named_tool(), self.parallel_tool_calls is not False)
+            return StructuredOutput("grammar", lark, "tool_choice")
         fmt = self.response_format
         kind = (fmt or {}).get("type", "text")
         if kind == "text":
@@ -328,8 +388,18 @@ class ChatCompletionRequest(_SamplingRequest):
             "json", spec.get("schema", {}), "response_format.json_schema.schema"
         )
 
-    def messages_of(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects them: str role and str content."""
+    def prompt_of(self):
+        """The chat prompt: the messages, with the tools when there are any."""
+        messages = self.messages_of()
+        if not self.tools:
+            return messages
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        return ChatPrompt(messages, tools)
+
+    def messages_of(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them: str role and str content, and an
+        assistant's ``tool_calls`` (arguments as objects, as templates write them) and a tool
+        result's ``tool_call_id``."""
         out = []
         for i, message in enumerate(self.messages):
             content = message.content
@@ -342,7 +412,14 @@ class ChatCompletionRequest(_SamplingRequest):
                     texts.append(part.text)
                 content = "".join(texts)
             role = "system" if message.role == "developer" else message.role
-            out.append({"role": role, "content": content or ""})
+            entry: dict[str, Any] = {"role": role, "content": content or ""}
+            if message.tool_calls:
+                entry["tool_calls"] = [_call_dict(c) for c in message.tool_calls]
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
+            if message.name is not None and role == "tool":
+                entry["name"] = message.name
+            out.append(entry)
         return out
 
 
@@ -415,7 +492,27 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
 
 
 class ChatChoice(BaseModel):
@@ -437,6 +534,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
@@ -515,3 +613,14 @@ def _invalid_text(value: Any, path: str) -> str | None:
         if found is not None:
             return found
     return None
+
+
+def _call_dict(call: ToolCall) -> dict[str, Any]:
+    """An assistant's call as chat templates read it: its arguments parsed (JSON text kept as
+    it is when it is not JSON)."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": arguments}}  # fmt: skip

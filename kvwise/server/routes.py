@@ -30,7 +30,9 @@ from kvwise.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
     ErrorResponse,
     Health,
     ModelCard,
@@ -42,6 +44,7 @@ from kvwise.server.protocol import (
     check_unicode,
 )
 from kvwise.server.responses import SSEResponse, collect_or_disconnect
+from kvwise.server.tools import may_be_a_call, parse_tool_calls
 from kvwise.types import RequestOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -228,8 +231,9 @@ class OpenAIRoutes:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         tenant = request.state.tenant
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.admit_all(body, [body.messages_of()], request_id, tenant, "messages")
+        streams = await self.admit_all(body, [body.prompt_of()], request_id, tenant, "messages")
         now, model = int(time.time()), self.model_name
+        names = {t.function.name for t in body.tools or ()} if body.calls_tools else set()
 
         def chunk(choices: list[ChatStreamChoice], usage=None) -> str:
             c = ChatCompletionChunk(
@@ -238,35 +242,62 @@ class OpenAIRoutes:
             return f"data: {c.model_dump_json()}\n\n"
 
         if body.stream:
-            sent = [0] * len(streams)
-
-            def on_output(index: int, out: RequestOutput) -> str | None:
-                if not (out.delta_text or out.finished):
-                    return None
-                start, sent[index] = sent[index], len(out.token_ids)
-                logprobs = chat_logprobs(out, start, len(out.token_ids)) if body.logprobs else None
-                choice = ChatStreamChoice(index=index, delta=DeltaMessage(content=out.delta_text or None),
-                                          logprobs=logprobs, finish_reason=_finish(out))  # fmt: skip
-                return chunk([choice])
-
-            def first(index: int) -> str:
-                delta = DeltaMessage(role="assistant", content="")
-                return chunk([ChatStreamChoice(index=index, delta=delta)])
-
-            return self.sse(streams, tenant, body.include_usage, on_output,
-                            on_usage=lambda usage: chunk([], usage), first=first,
-                            per_prompt=body.n)  # fmt: skip
+            return self._chat_stream(body, streams, tenant, chunk, names)
         outs = await self.collect(streams, request, tenant)
         if outs is None:
             return Response(status_code=499)
-        choices = [
-            ChatChoice(index=index, message=AssistantMessage(content=out.text),
-                       logprobs=chat_logprobs(out, 0, len(out.token_ids)) if body.logprobs else None,
-                       finish_reason=_finish(out))
-            for index, out in enumerate(outs)
-        ]  # fmt: skip
+        choices = []
+        for index, out in enumerate(outs):
+            content, calls = parse_tool_calls(out.text, names) if names else (out.text, [])
+            message = AssistantMessage(content=content, tool_calls=calls or None)
+            logprobs = chat_logprobs(out, 0, len(out.token_ids)) if body.logprobs else None
+            finish = "tool_calls" if calls else _finish(out)
+            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
+                                      finish_reason=finish))  # fmt: skip
         return ChatCompletionResponse(id=request_id, created=now, model=model, choices=choices,
                                       usage=_usage(outs, body.n))  # fmt: skip
+
+    def _chat_stream(self, body, streams, tenant: str, chunk, names: set[str]) -> SSEResponse:
+        """A chat answer as events. With tools, text that may still become a call is held
+        back; a finished answer's calls go out as tool-call deltas (each call whole: its id,
+        name and arguments), then ``finish_reason: tool_calls``."""
+        sent = [0] * len(streams)  # output tokens already streamed, per choice
+        held = [""] * len(streams)  # text held back while it may be a call
+        holding = [bool(names)] * len(streams)
+
+        def on_output(index: int, out: RequestOutput) -> str | None:
+            if not (out.delta_text or out.finished):
+                return None
+            text, finish = out.delta_text, _finish(out)
+            calls = []
+            if holding[index]:
+                held[index] += text
+                if out.finished:
+                    content, calls = parse_tool_calls(held[index], names)
+                    text = content or ""
+                    holding[index] = False
+                elif may_be_a_call(held[index]):
+                    return None
+                else:
+                    text, holding[index] = held[index], False
+            start, sent[index] = sent[index], len(out.token_ids)
+            logprobs = chat_logprobs(out, start, len(out.token_ids)) if body.logprobs else None
+            deltas = [DeltaToolCall(index=i, id=c.id, type="function",
+                                    function=DeltaFunction(name=c.function.name,
+                                                           arguments=c.function.arguments))
+                      for i, c in enumerate(calls)]  # fmt: skip
+            delta = DeltaMessage(content=text or None, tool_calls=deltas or None)
+            choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                      finish_reason="tool_calls" if calls else finish)  # fmt: skip
+            return chunk([choice])
+
+        def first(index: int) -> str:
+            delta = DeltaMessage(role="assistant", content="")
+            return chunk([ChatStreamChoice(index=index, delta=delta)])
+
+        return self.sse(streams, tenant, body.include_usage, on_output,
+                        on_usage=lambda usage: chunk([], usage), first=first,
+                        per_prompt=body.n)  # fmt: skip
 
     async def park(self, body: ParkRequest, request: Request) -> ParkResponse:
         """Move a conversation's KV to the tiers until its next turn (kvwise extension)."""

@@ -108,7 +108,8 @@ def test_sampler_filters():
     f = apply_filters(logits, SamplingParams(temperature=1.0, min_p=0.3))
     p = logits.softmax(-1)
     assert (torch.isinf(f) == (p < 0.3 * p.max())).all()
-    ids, lps = sample(logits.unsqueeze(0), [SamplingParams(temperature=0)], [0])
+    picked = sample(logits.unsqueeze(0), [SamplingParams(temperature=0)], [0])
+    ids, lps = picked.token_ids, picked.logprobs
     assert ids == [0] and math.isclose(lps[0], torch.log_softmax(logits, -1)[0].item())
 
 
@@ -141,11 +142,11 @@ def test_offline_api_shapes(smollm2):
 
 def test_sampler_extreme_values_do_not_crash():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
-    ids, _ = sample(logits, [SamplingParams(temperature=1e-40)], [0])
+    ids = sample(logits, [SamplingParams(temperature=1e-40)], [0]).token_ids
     assert ids == [0]  # a vanishing temperature is greedy
     big = SamplingParams(temperature=1.0, seed=10**30)
-    assert sample(logits, [big], [5])[0] == sample(logits, [big], [5])[0]
-    assert sample(logits, [SamplingParams(temperature=1.0, seed=-7)], [0])[0][0] in range(4)
+    assert sample(logits, [big], [5]).token_ids == sample(logits, [big], [5]).token_ids
+    assert sample(logits, [SamplingParams(temperature=1.0, seed=-7)], [0]).token_ids[0] in range(4)
 
 
 def test_kv_cache_dtype_is_its_own_setting(make_engine):
