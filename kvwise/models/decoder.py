@@ -227,11 +227,11 @@ class CausalLM(nn.Module):
         return self._final_norm(residual, self.norm, self.arch.rms_norm_eps)  # (T, hidden)
 
     def compute_logits(
-        self, hidden: torch.Tensor, allowed: torch.Tensor | None = None
+        self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """`(N, hidden)` -> `(N, vocab)` float32 logits; ``allowed`` `(N, vocab)` bool: the
-        tokens a grammar allows (a quantized head refines the top allowed logits)."""
-        logits = self.head.logits(hidden, allowed)  # (N, vocab)
+        """`(N, hidden)` -> `(N, vocab)` float32 logits; ``bitmask`` `(N, W)` int32: the
+        tokens grammars allow (a quantized head refines the top allowed logits)."""
+        logits = self.head.logits(hidden, bitmask)  # (N, vocab)
         if self.logit_softcap is not None:
             logits = soft_cap(logits, self.logit_softcap)
         return logits

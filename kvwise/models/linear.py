@@ -81,8 +81,8 @@ class FloatHead:
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
 
-    def logits(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """`(N, hidden)` -> `(N, vocab)` float32 (exact: ``allowed`` changes nothing)."""
+    def logits(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """`(N, hidden)` -> `(N, vocab)` float32 (exact: ``bitmask`` changes nothing)."""
         return float_mm(hidden, self.weight).float()
 
 
@@ -108,17 +108,33 @@ class RefinedHead:
     def __init__(self, weight: HeadWeight) -> None:
         self.weight = weight
 
-    def logits(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """`(N, hidden)` -> `(N, vocab)` float32. ``allowed`` `(N, vocab)` bool (a grammar's
-        mask): the top logits recomputed are the top ALLOWED ones, so that a constrained row
-        draws from exact logits even where the model prefers what the grammar forbids."""
+    def logits(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """`(N, hidden)` -> `(N, vocab)` float32. ``bitmask`` `(N, W)` (grammars' masks,
+        ``sampler.bitmask_words``): the top logits recomputed are the top ALLOWED ones, so that
+        a constrained row draws from exact logits even where the model prefers what the
+        grammar forbids."""
         head = self.weight
         logits = head.mm(hidden)  # (N, vocab), int8-activation precision
         k = min(EXACT_TOP_K, logits.shape[-1])
-        ranked = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+        ranked = logits if bitmask is None else mask_logits(logits, bitmask)
         if kernels.available():
             top = FUSED.top_k_ids(ranked.contiguous(), k)  # (N, k), one pass a row
         else:
             top = ranked.topk(k, dim=-1).indices  # (N, k)
         exact = head.dot_rows(hidden, top)  # (N, k)
         return logits.scatter_(1, top, exact)
+
+
+def mask_logits(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``(S, V)`` float32 with every token its row's mask forbids at -inf (a new
+    tensor)."""
+    out = logits.float().contiguous().clone()
+    if kernels.available():
+        torch.ops.kvwise.mask_logits(out, words)
+        return out
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # (S, W, 32)
+    allowed = bits.view(words.shape[0], -1)[:, : out.shape[1]].bool()
+    if allowed.shape[1] < out.shape[1]:
+        pad = allowed.new_zeros(allowed.shape[0], out.shape[1] - allowed.shape[1])
+        allowed = torch.cat([allowed, pad], dim=1)
+    return out.masked_fill_(~allowed, float("-inf"))

@@ -21,7 +21,7 @@ from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.worker.attention import LayerAttention, TorchSDPAAttention
 from kvwise.worker.input_batch import build_input_batch
 from kvwise.worker.kv_cache import make_kv_cache
-from kvwise.worker.sampler import allowed_masks, sample, top_logprobs
+from kvwise.worker.sampler import bitmask_words, sample, top_logprobs
 
 PROMPT_LOGITS_ROWS = 64  # prompt logprobs: rows of logits computed at a time
 
@@ -90,14 +90,11 @@ class ModelRunner:
         if not batch.sample_requests:
             return out
         reqs = batch.sample_requests
-        allowed = allowed_masks(reqs, sched_out.token_bitmasks, self.vocab_size)
-        rank = None if allowed is None else torch.stack(
-            [m if m is not None else torch.ones(self.vocab_size, dtype=torch.bool) for m in allowed]
-        )  # fmt: skip
-        logits = self.model.compute_logits(hidden[batch.sample_rows], rank)  # (S, vocab)
+        bitmask = bitmask_words(reqs, sched_out.token_bitmasks, self.vocab_size)
+        logits = self.model.compute_logits(hidden[batch.sample_rows], bitmask)  # (S, vocab)
         histories = [None if r.history is None else (r.history, r.num_prompt_tokens) for r in reqs]
         picked = sample(logits, [r.sampling_params for r in reqs], [r.output_index for r in reqs],
-                        histories, allowed)  # fmt: skip
+                        histories, bitmask)  # fmt: skip
         for i, r in enumerate(reqs):
             out.sampled[r.request_id] = (picked.token_ids[i], picked.logprobs[i])
             if picked.top[i] is not None:

@@ -3,7 +3,7 @@ logprobs and, where asked, the most likely tokens' logprobs.
 
 Before the draw, each row's logits are changed by what its request asks (``SamplingParams``:
 logit bias, repetition, presence and frequency penalties) and by its grammar's token mask
-(``allowed``: tokens outside it cannot be drawn). Greedy rows then take the argmax. Other rows
+(``bitmask``: tokens outside it cannot be drawn). Greedy rows then take the argmax. Other rows
 apply temperature, then top-k, top-p and min-p filters, then draw. A request with a seed draws
 its i-th output token from a generator seeded with (seed, i) alone, so the draw does not depend
 on batching or preemption.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvwise import kernels
+from kvwise.models.linear import mask_logits
 from kvwise.types import SamplingParams
 
 _SEED_STRIDE = 1_000_003
@@ -88,39 +89,31 @@ def sample(
     params: list[SamplingParams],
     output_indices: list[int],
     histories: Sequence[tuple[Sequence[int], int] | None] | None = None,
-    allowed: Sequence[torch.Tensor | None] | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> Sampled:
     """Pick one token per row. ``histories[row]``: (token ids, prompt length) of a request
-    with a penalty; ``allowed[row]``: a bool mask ``(V,)`` of the tokens its grammar allows."""
+    with a penalty; ``bitmask``: the rows' grammar masks ``(S, W)`` (``bitmask_words``)."""
     num_rows = len(params)
     histories = histories or [None] * num_rows
-    allowed = allowed or [None] * num_rows
     plain = all(p.temperature < _MIN_TEMPERATURE and not p.processed and p.logprobs is None
                 for p in params)  # fmt: skip
     if plain and kernels.available():
         # all greedy: the argmax and its logprob in one C++ pass a row (no (S, V) log-softmax)
-        if not any(m is not None for m in allowed):
+        if bitmask is None:
             ids, chosen = torch.ops.kvwise.greedy_pick(logits.float().contiguous())
             return Sampled(ids.tolist(), chosen.tolist(), [None] * num_rows)
         raw = logits.float()
-        masked = raw.clone()
-        for row, mask in enumerate(allowed):
-            if mask is not None:
-                masked[row].masked_fill_(~mask, float("-inf"))
-        ids, _ = torch.ops.kvwise.greedy_pick(masked)  # the best allowed token
+        ids, _ = torch.ops.kvwise.greedy_pick(mask_logits(raw, bitmask))  # the best allowed
         chosen = raw.gather(1, ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)
         return Sampled(ids.tolist(), chosen.tolist(), [None] * num_rows)
     raw = logits.float()
     logprobs = torch.log_softmax(raw, dim=-1)  # (S, V)
-    work = raw
-    changed = [p.processed or allowed[i] is not None for i, p in enumerate(params)]
-    if any(changed):
-        work = raw.clone()
+    work = raw if bitmask is None else mask_logits(raw, bitmask)
+    if any(p.processed for p in params):
+        work = work.clone() if work is raw else work
         for row, p in enumerate(params):
-            if changed[row]:
+            if p.processed:
                 process_row(work[row], p, histories[row])
-                if allowed[row] is not None:
-                    work[row].masked_fill_(~allowed[row], float("-inf"))
     token_ids = torch.argmax(work, dim=-1)  # (S,)
     for row, p in enumerate(params):
         if p.temperature < _MIN_TEMPERATURE:
@@ -143,20 +136,16 @@ def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
     return list(zip(ids.tolist(), values.tolist(), strict=True))
 
 
-def unpack_bitmask(words: bytes, vocab_size: int) -> torch.Tensor:
-    """A grammar's token bitmask (little-endian 32-bit words, bit i of word w: token 32 w + i)
-    as a bool mask ``(vocab_size,)``; tokens past the mask's end are not allowed."""
-    packed = torch.frombuffer(bytearray(words), dtype=torch.int32)
-    bits = (packed.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
-    mask = bits.reshape(-1).bool()
-    if mask.numel() >= vocab_size:
-        return mask[:vocab_size]
-    return torch.cat([mask, mask.new_zeros(vocab_size - mask.numel())])
-
-
-def allowed_masks(requests, bitmasks: dict[str, bytes], vocab_size: int):
-    """Each sampling request's allowed-token mask (None: no grammar), or None for none."""
+def bitmask_words(requests, bitmasks: dict[str, bytes], vocab_size: int) -> torch.Tensor | None:
+    """The sampling requests' grammar masks as one ``(S, W)`` int32 tensor (llguidance's
+    layout: bit i of word w allows token 32 w + i; a row without a grammar allows every
+    token), or None when no request has one."""
     if not bitmasks:
         return None
-    return [None if (words := bitmasks.get(r.request_id)) is None
-            else unpack_bitmask(words, vocab_size) for r in requests]  # fmt: skip
+    width = -(-vocab_size // 32)
+    everything = b"\xff" * (4 * width)
+    rows = []
+    for r in requests:
+        words = bitmasks.get(r.request_id, everything)
+        rows.append(words[: 4 * width].ljust(4 * width, b"\x00"))
+    return torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.int32).view(len(rows), width)

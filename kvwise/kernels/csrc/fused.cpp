@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -648,6 +649,38 @@ at::Tensor top_k_ids(const at::Tensor& x, int64_t k) {
   return ids;
 }
 
+// Grammars' token masks on logits (N, V) float32, in place: row n keeps token t where bit t % 32
+// of words[n][t / 32] is set (a grammar allows it) and becomes -inf elsewhere, tokens past the
+// words' end too. words (N, W) int32: llguidance's bitmask layout.
+void mask_logits(at::Tensor& logits, const at::Tensor& words) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "mask_logits: logits must be a contiguous float32 (N, V) tensor");
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.is_contiguous() &&
+                  words.size(0) == logits.size(0),
+              "mask_logits: words must be contiguous int32 (N, W), a row per logits row");
+  const int64_t N = logits.size(0), V = logits.size(1), W = words.size(1);
+  float* xp = logits.data_ptr<float>();
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>());
+  const float inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float* row = xp + n * V;
+      const uint32_t* w = wp + n * W;
+      for (int64_t t0 = 0; t0 < V; t0 += 32) {
+        const uint32_t bits = t0 / 32 < W ? w[t0 / 32] : 0u;
+        if (bits == 0xffffffffu) continue;  // (the common words: all allowed, or none)
+        const int64_t stop = std::min<int64_t>(32, V - t0);
+        if (bits == 0u) {
+          std::fill(row + t0, row + t0 + stop, inf);
+          continue;
+        }
+        for (int64_t i = 0; i < stop; ++i)
+          if (!((bits >> i) & 1u)) row[t0 + i] = inf;
+      }
+    }
+  });
+}
+
 // greedy picks of logits (N, V) float32: the id of each row's largest value (the first, on a
 // tie) and its log-probability, -log(sum exp(x - max)), in one pass and a half a row
 std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
@@ -753,6 +786,7 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def("q8_rows_dot(Tensor hidden, Tensor packed, Tensor ids) -> Tensor");
   m.def("top_k_ids(Tensor x, int k) -> Tensor");
   m.def("greedy_pick(Tensor logits) -> (Tensor, Tensor)");
+  m.def("mask_logits(Tensor(a!) logits, Tensor words) -> ()");
   m.def("rms_norm_q4mm(Tensor x, Tensor weight, float eps, Tensor packed) -> Tensor");
   m.def("rms_norm_f32(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul_f32(Tensor gate_up) -> Tensor");
@@ -771,6 +805,7 @@ TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
   m.impl("q8_rows_dot", &q8_rows_dot);
   m.impl("top_k_ids", &top_k_ids);
   m.impl("greedy_pick", &greedy_pick);
+  m.impl("mask_logits", &mask_logits);
   m.impl("rms_norm_q4mm", &rms_norm_q4mm);
   m.impl("rms_norm_f32", &rms_norm_f32);
   m.impl("silu_mul_f32", &silu_mul_f32);
