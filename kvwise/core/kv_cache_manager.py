@@ -131,6 +131,16 @@ class KVCacheManager:
         """Declare a prefix every tenant may share (in whole chunks of ``public_min_tokens``)."""
         self.public_prefixes.append(list(token_ids))
 
+    def retain_cached(self, block_hashes: Sequence[BlockHash], tenant: str, seconds: float) -> int:
+        """Keep the cached blocks with these (group 0) hashes, and every group's copy of them,
+        for ``seconds`` on ``tenant``'s account (evicted after every unkept block: a
+        conversation waiting for a tool). Returns how many were newly kept."""
+        hashes = list(block_hashes)
+        for g in range(1, self.num_groups):
+            hashes += [group_hash(h, g) for h in block_hashes]
+        blocks = [b for b in map(self.pool.get_cached_block, hashes) if b is not None]
+        return self.pool.retain(blocks, tenant, self.pool.clock() + seconds)
+
     def drop_cached(self, block_hashes: Iterable[BlockHash]) -> int:
         """Forget the cached blocks with these (group 0) hashes, and every group's copy of
         them, where they are free (their KV is safe in a slower tier); blocks in use stay.

@@ -294,6 +294,10 @@ class AsyncEngine:
         """
         return await self.call(lambda engine: engine.park(session_id, tenant))
 
+    async def tool_pause(self, request_id: str) -> int:
+        """`LLMEngine.tool_pause` on the engine thread: a finished turn ended in tool calls."""
+        return await self.call(lambda engine: engine.tool_pause(request_id))
+
     def abort(self, request_id: str) -> None:
         """Abort a request (fire and forget); unknown or finished ids are ignored."""
 

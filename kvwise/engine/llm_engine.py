@@ -28,8 +28,9 @@ from kvwise.engine.prompts import (
     tokenize_prompt,
 )
 from kvwise.engine.sessions import SessionMap
-from kvwise.engine.stats import EngineStats
+from kvwise.engine.stats import EngineStats, tool_pause_stats
 from kvwise.engine.structured import Grammar, GrammarCompiler
+from kvwise.engine.tool_pauses import ToolPauses
 from kvwise.errors import InvalidRequest, SessionBusy, SessionNotFound
 from kvwise.store.tiered import TieredStore
 from kvwise.types import FinishReason, RequestOptions, RequestOutput, SamplingParams
@@ -60,6 +61,7 @@ class LLMEngine:
         self.sessions = SessionMap()
         self.grammars = GrammarCompiler(tokenizer, runner.vocab_size)
         self.answers = RecentAnswers()
+        self.tool_pauses = ToolPauses()
         self._next_id = 0
         self._closed = False
 
@@ -166,7 +168,12 @@ class LLMEngine:
         if processed.stopped_ids or completed:
             self.scheduler.finish_requests(processed.stopped_ids + completed, FinishReason.STOP)
         self._record_answers(processed)
+        bs = self.kv_manager.block_size
+        for update in updates:
+            if update.new_token_ids and update.request.num_output_tokens == 1:
+                self.tool_pauses.resumed(update.request, bs)  # a tool's result, if any
         for request in processed.finished:
+            self.tool_pauses.finished(request, bs)
             if request.options.session_id is not None:
                 num_full = request.num_computed_tokens // self.kv_manager.block_size
                 self.sessions.record(
@@ -256,6 +263,7 @@ class LLMEngine:
             num_load_rollbacks=scheduler.num_load_rollbacks,
             kv=self.kv_manager.stats(scheduler.running),
             store=self.store.stats() if self.store is not None else None,
+            **tool_pause_stats(self.tool_pauses.counts),
         )
 
     def add_public_prefix(self, prompt: Prompt) -> int:
@@ -298,6 +306,17 @@ class LLMEngine:
         num_stored = self.store.num_stored_blocks(hashes, len(hashes))
         self.kv_manager.drop_cached(hashes[:num_stored])
         return num_stored * self.kv_manager.block_size
+
+    def tool_pause(self, request_id: str) -> int:
+        """A finished turn ended in tool calls: keep its KV in the pool ahead of unkept
+        blocks until the turn with the tool's result (``ToolPauses``). Returns the tokens
+        kept (0: the turn is not remembered)."""
+        found = self.tool_pauses.pause(request_id, self.kv_manager.block_size)
+        if found is None:
+            return 0
+        tenant, hashes = found
+        self.kv_manager.retain_cached(hashes, tenant, self.tool_pauses.pause_s)
+        return len(hashes) * self.kv_manager.block_size
 
     def flush(self) -> None:
         """Wait until every queued write has reached the tiers."""

@@ -11,6 +11,22 @@ from kvwise.core.kv_cache_manager import KVCacheStats
 from kvwise.core.stat_fields import GAUGE, metric
 from kvwise.store.stats import StoreStats
 
+_RESUMED = "kvwise_tool_resumed_tokens"
+_RESUMED_HELP = (
+    "paused tokens of resumed turns: found in the pool, loaded from a tier, or recomputed"
+)
+
+
+def tool_pause_stats(counts) -> dict[str, int]:
+    """``EngineStats``' tool-pause fields from ``ToolPauses.counts``."""
+    return {
+        "tool_pauses": counts.pauses,
+        "tool_resumes": counts.resumes,
+        "tool_resumed_device_tokens": counts.resumed_device_tokens,
+        "tool_resumed_tier_tokens": counts.resumed_tier_tokens,
+        "tool_recomputed_tokens": counts.recomputed_tokens,
+    }
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -24,6 +40,25 @@ class EngineStats:
     )
     kv: KVCacheStats  # the device pool and the prefix cache
     store: StoreStats | None = None  # the tiers below the pool; None without tiers
+    tool_pauses: int = metric(
+        "kvwise_tool_pauses",
+        "turns that ended in tool calls, their KV kept for the pause",
+        default=0,
+    )
+    tool_resumes: int = metric(
+        "kvwise_tool_resumes",
+        "turns with a tool's result that extended a paused turn",
+        default=0,
+    )
+    tool_resumed_device_tokens: int = metric(
+        _RESUMED, _RESUMED_HELP, default=0, labels={"source": "device"}
+    )
+    tool_resumed_tier_tokens: int = metric(
+        _RESUMED, _RESUMED_HELP, default=0, labels={"source": "tier"}
+    )
+    tool_recomputed_tokens: int = metric(
+        _RESUMED, _RESUMED_HELP, default=0, labels={"source": "recomputed"}
+    )
     kv_integrity_checks: int = metric(  # the async engine's
         "kvwise_kv_integrity_checks",
         "KV pool integrity checks passed while idle (a failure stops the engine)",

@@ -249,6 +249,8 @@ class OpenAIRoutes:
         choices = []
         for index, out in enumerate(outs):
             content, calls = parse_tool_calls(out.text, names) if names else (out.text, [])
+            if calls:
+                await self.tool_pause(streams[index].request_id)
             message = AssistantMessage(content=content, tool_calls=calls or None)
             logprobs = chat_logprobs(out, 0, len(out.token_ids)) if body.logprobs else None
             finish = "tool_calls" if calls else _finish(out)
@@ -280,6 +282,8 @@ class OpenAIRoutes:
                     return None
                 else:
                     text, holding[index] = held[index], False
+            if calls:
+                asyncio.ensure_future(self.tool_pause(streams[index].request_id))
             start, sent[index] = sent[index], len(out.token_ids)
             logprobs = chat_logprobs(out, start, len(out.token_ids)) if body.logprobs else None
             deltas = [DeltaToolCall(index=i, id=c.id, type="function",
@@ -298,6 +302,13 @@ class OpenAIRoutes:
         return self.sse(streams, tenant, body.include_usage, on_output,
                         on_usage=lambda usage: chunk([], usage), first=first,
                         per_prompt=body.n)  # fmt: skip
+
+    async def tool_pause(self, request_id: str) -> None:
+        """A turn ended in tool calls: the engine keeps its KV for the tool's pause (an
+        engine without ``tool_pause``, a router over replicas say, keeps nothing more)."""
+        pause = getattr(self.engine, "tool_pause", None)
+        if pause is not None:
+            await pause(request_id)
 
     async def park(self, body: ParkRequest, request: Request) -> ParkResponse:
         """Move a conversation's KV to the tiers until its next turn (kvwise extension)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -114,7 +115,8 @@ def test_auto_and_none_answer_in_text(alice):
     assert (message.tool_calls is None) == (r.choices[0].finish_reason != "tool_calls")
 
 
-def test_the_tool_result_turn_reuses_the_call_turns_blocks(alice):
+def test_the_tool_result_turn_reuses_the_call_turns_blocks(server, alice):
+    before = server.engine.stats()
     messages = [{"role": "user", "content": PROMPTS[1]}]
     first = alice.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
                                           tool_choice="required", parallel_tool_calls=False,
@@ -127,6 +129,13 @@ def test_the_tool_result_turn_reuses_the_call_turns_blocks(alice):
     previous = first.usage.prompt_tokens + first.usage.completion_tokens
     assert second.usage.prompt_tokens > previous
     assert second.usage.prompt_tokens_details.cached_tokens >= previous - 16  # one block
+    after = server.engine.stats()  # the call turn paused, the result turn resumed it
+    assert after.tool_pauses == before.tool_pauses + 1
+    assert after.tool_resumes == before.tool_resumes + 1
+    assert after.tool_resumed_device_tokens - before.tool_resumed_device_tokens >= previous - 16
+    metrics = httpx.get(server.base_url + "/metrics", headers={"Authorization": "Bearer key-alice"})
+    assert "kvwise_tool_pauses_total" in metrics.text
+    assert 'kvwise_tool_resumed_tokens_total{source="device"}' in metrics.text
 
 
 def test_the_agents_sdk_runs_an_agent_with_two_tools(server):
