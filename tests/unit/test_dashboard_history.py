@@ -126,6 +126,7 @@ def test_every_stats_field_reaches_the_json_by_its_key():
     now = data["now"]
     assert set(keys) <= set(now)
     assert now["waiting"] == stats.num_waiting and now["preemptions"] == stats.num_preemptions
+    assert now["tool_pauses"] == stats.tool_pauses and "tool_recomputed_tokens" in now
     assert now["blocks_total"] == stats.kv.blocks_total == 64
     assert now["blocks_cached"] == now["blocks_cached_free"] == stats.kv.blocks_cached_free
     assert now["lookup_misses"] == stats.store.lookup_misses

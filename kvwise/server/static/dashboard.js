@@ -253,7 +253,10 @@
         { name: "429s per interval", color: "#d62728", x: t, y: s.rejected_429, dash: "2 3" },
       ],
     }, timeAxis));
-    $("sub-queue").textContent = `${fmtInt(now.rejected_429)} rejected with 429 since start, ${fmtInt(now.preemptions)} preemptions`;
+    $("sub-queue").textContent = `${fmtInt(now.rejected_429)} rejected with 429 since start, ${fmtInt(now.preemptions)} preemptions; ` +
+      `tool calls: ${fmtInt(now.tool_pauses)} paused, ${fmtInt(now.tool_resumes)} resumed (tokens: ` +
+      `${fmtInt(now.tool_resumed_device_tokens)} from the pool, ${fmtInt(now.tool_resumed_tier_tokens)} from the tiers, ` +
+      `${fmtInt(now.tool_recomputed_tokens)} recomputed)`;
 
     renderCost(d.cost_model);
     renderTiers(d.tiers || [], d.cost_model);
