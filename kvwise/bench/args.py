@@ -74,6 +74,23 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
+def add_agents_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--agents", type=int, default=8, help="agents at once")
+    p.add_argument("--rounds", type=int, default=6, help="model turn + tool call rounds each")
+    p.add_argument("--result-tokens", type=int, default=400, help="tokens of each tool result")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per model turn at most")
+    p.add_argument("--tool-median-s", type=float, default=2.0, help="tool latency median")
+    p.add_argument("--tool-p90-s", type=float, default=15.0, help="tool latency p90")
+    p.add_argument("--seed", type=int, default=0, help="seeds the tool latencies")
+    p.add_argument("--pool-memory", default="300MiB",
+                   help="kvwise's device pool (default: a quarter of 8 agents' contexts)")  # fmt: skip
+    p.add_argument("--configs", default="tiers,pool,no-cache,llama.cpp",
+                   help="tiers, pool, no-cache, llama.cpp, in this order")  # fmt: skip
+    p.add_argument("--llama-cpp", default=None, help="directory of llama-server")
+    p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
 def add_breakeven_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lengths",

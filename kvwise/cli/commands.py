@@ -62,6 +62,9 @@ COMMANDS: tuple[Command, ...] = (
             "kvwise.bench.load:main", f"{_BENCH_ARGS}:add_load_args"),
     Command("bench chat", "multi-turn chat: TTFT per turn, kvwise vs llama-server's slots",
             "kvwise.bench.chat:main", f"{_BENCH_ARGS}:add_chat_args"),
+    Command("bench agents", "agents calling tools with long-tailed pauses: turns/s and "
+            "post-tool latency, tiers vs pool only vs no cache vs llama-server",
+            "kvwise.bench.agents:main", f"{_BENCH_ARGS}:add_agents_args"),
     Command("bench breakeven",
             "TTFT vs prefix length: recompute vs a hit from each KV tier; break-even lengths",
             "kvwise.bench.breakeven:main", f"{_BENCH_ARGS}:add_breakeven_args",

@@ -1,0 +1,149 @@
+"""``kvwise bench agents``: agents that call tools, the seed article's case for a slow KV tier.
+
+``--agents`` agents run at once, ``--rounds`` rounds each: a model turn that must call a tool
+(``tool_choice: required``, one function), the tool's pause (a seeded long-tailed latency:
+lognormal with median ``--tool-median-s`` and p90 ``--tool-p90-s``), then the tool's result
+(about ``--result-tokens`` tokens of real text) joins the history for the next turn, so the
+histories grow to several thousand tokens. The pool is sized to hold about a quarter of all
+the agents' contexts (``--pool-memory``): while an agent waits, others push its KV out of the
+pool, and its next turn finds it in a tier, or recomputes it.
+
+Configurations, one after the other (``--configs``): ``tiers`` (kvwise serve, host and disk
+tiers on), ``pool`` (tiers off), ``no-cache`` (prefix caching off), ``llama.cpp``
+(llama-server with a slot per agent, ``--jinja``, when found). Reported per configuration:
+model turns per second of wall time spent in model turns (the tools' sleeps excluded), the
+latency of the turns after a tool result (p50, p99; a tool-call answer is sent whole, so its
+latency is its time to the answer), the prompt tokens cached, and kvwise's tool-pause counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvwise.bench import llamacpp
+from kvwise.bench.chat import _CHARS_PER_TOKEN, _slices
+from kvwise.bench.load import _serve_process
+
+TOOL = {"type": "function", "function": {
+    "name": "search", "description": "Search the documentation for a query",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                   "required": ["query"], "additionalProperties": False}}}  # fmt: skip
+
+
+def tool_latencies(count: int, median_s: float, p90_s: float, seed: int) -> list[float]:
+    """Seeded lognormal latencies with the given median and 90th percentile."""
+    sigma = math.log(p90_s / median_s) / 1.2816  # z of the 90th percentile
+    rng = random.Random(seed)
+    return [median_s * math.exp(sigma * rng.gauss(0, 1)) for _ in range(count)]
+
+
+async def _agent(http, url, model, task, results, sleeps, max_tokens, record) -> None:
+    messages = [{"role": "system", "content": "You are a research agent. Use the search tool."},
+                {"role": "user", "content": task}]  # fmt: skip
+    for i, result in enumerate(results):
+        body = {"model": model, "messages": messages, "tools": [TOOL], "tool_choice": "required",
+                "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+        start = time.perf_counter()
+        resp = await http.post(f"{url}/v1/chat/completions", json=body)
+        latency = time.perf_counter() - start
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:300]}")
+        data = resp.json()
+        message = data["choices"][0]["message"]
+        usage = data.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        record(i, latency, usage.get("prompt_tokens") or 0, cached)
+        calls = message.get("tool_calls") or [{"id": f"call_{i}", "type": "function",
+                                               "function": {"name": "search",
+                                                            "arguments": '{"query": "x"}'}}]  # fmt: skip
+        messages.append({"role": "assistant", "content": message.get("content"),
+                         "tool_calls": calls[:1]})  # fmt: skip
+        await asyncio.sleep(sleeps[i])
+        messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": result})
+
+
+async def _agents_load(url: str, args: argparse.Namespace) -> dict:
+    import httpx
+
+    texts = _slices(args.agents * (args.rounds + 1), int(args.result_tokens * _CHARS_PER_TOKEN))
+    sleeps = tool_latencies(args.agents * args.rounds, args.tool_median_s, args.tool_p90_s,
+                            args.seed)  # fmt: skip
+    turns: list[tuple[int, float, int, int]] = []  # (round, latency, prompt, cached)
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
+        model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        start = time.perf_counter()
+        await asyncio.gather(*(
+            _agent(http, url, model, texts[a * (args.rounds + 1)],
+                   texts[a * (args.rounds + 1) + 1 : (a + 1) * (args.rounds + 1)],
+                   sleeps[a * args.rounds : (a + 1) * args.rounds], args.max_tokens,
+                   lambda *t: turns.append(t))
+            for a in range(args.agents)))  # fmt: skip
+        wall = time.perf_counter() - start
+        resp = await http.get(f"{url}/metrics")
+        metrics = resp.text if resp.status_code == 200 else ""
+    after = [t for t in turns if t[0] > 0]
+    latencies = sorted(t[1] for t in after)
+    return {
+        "turns": len(turns), "wall_s": wall, "busy_s": sum(t[1] for t in turns),
+        "turns_per_s": len(turns) / wall,
+        "post_tool_p50_s": statistics.median(latencies),
+        "post_tool_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "prompt_tokens": sum(t[2] for t in turns), "cached_tokens": sum(t[3] for t in turns),
+        "tool_metrics": [line for line in metrics.splitlines()
+                         if line.startswith("kvwise_tool_") and not line.startswith("#")],
+    }  # fmt: skip
+
+
+def _kvwise_cmd(gguf: str, port: int, config: str, pool: str, disk: str) -> list[str]:
+    cmd = [sys.executable, "-m", "kvwise.cli", "serve", "--model", gguf, "--port", str(port),
+           "--kv-cache-memory", pool]  # fmt: skip
+    if config == "tiers":
+        return cmd + ["--kv-disk-path", disk, "--kv-store-min-tokens", "16"]
+    cmd += ["--kv-host-memory", "off", "--kv-disk-path", "off"]
+    return cmd + (["--no-prefix-caching"] if config == "no-cache" else [])
+
+
+def main(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvwise.models.default import default_model_path
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    gguf = str(Path(args.model) if args.model else default_model_path())
+    results: dict[str, dict] = {}
+    for config in args.configs.split(","):
+        if config == "llama.cpp":
+            binary = llamacpp.find_binary("llama-server", args.llama_cpp)
+            if not binary:
+                print("llama.cpp skipped: llama-server not found (--llama-cpp DIR)")
+                continue
+            import torch
+
+            ctx = (args.result_tokens + args.max_tokens + 200) * (args.rounds + 1) + 512
+            server = llamacpp.LlamaServer(binary, gguf, torch.get_num_threads(), args.agents, ctx)
+            with server:
+                results[config] = asyncio.run(_agents_load(server.url, args))
+        else:
+            with tempfile.TemporaryDirectory() as disk:
+                port = llamacpp.free_port()
+                cmd = _kvwise_cmd(gguf, port, config, args.pool_memory, disk)
+                results[config] = _serve_process(cmd, f"http://127.0.0.1:{port}",
+                                                 lambda u: _agents_load(u, args))  # fmt: skip
+        r = results[config]
+        print(f"{config}: {r['turns']} turns, {r['turns_per_s']:.3f} turns/s, post-tool "
+              f"p50 {r['post_tool_p50_s']:.2f} s p99 {r['post_tool_p99_s']:.2f} s, cached "
+              f"{r['cached_tokens']:,} of {r['prompt_tokens']:,} prompt tokens", flush=True)  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args) | {"func": None},
+                                              "results": results}, indent=2, default=str))  # fmt: skip
+    return 0
