@@ -132,13 +132,10 @@ class KVCacheManager:
         self.public_prefixes.append(list(token_ids))
 
     def retain_cached(self, block_hashes: Sequence[BlockHash], tenant: str, seconds: float) -> int:
-        """Keep the cached blocks with these (group 0) hashes, and every group's copy of them,
-        for ``seconds`` on ``tenant``'s account (evicted after every unkept block: a
-        conversation waiting for a tool). Returns how many were newly kept."""
-        hashes = list(block_hashes)
-        for g in range(1, self.num_groups):
-            hashes += [group_hash(h, g) for h in block_hashes]
-        blocks = [b for b in map(self.pool.get_cached_block, hashes) if b is not None]
+        """Keep the cached blocks of these (group 0) hashes, every group's copy, ``seconds``
+        on ``tenant``'s account (a conversation waiting for a tool). Returns how many."""
+        every = [group_hash(h, g) if g else h for g in range(self.num_groups) for h in block_hashes]
+        blocks = [b for b in map(self.pool.get_cached_block, every) if b is not None]
         return self.pool.retain(blocks, tenant, self.pool.clock() + seconds)
 
     def drop_cached(self, block_hashes: Iterable[BlockHash]) -> int:
@@ -220,26 +217,22 @@ class KVCacheManager:
         return tables, len(tables[0]) * self.block_size
 
     def shared_prefill(self, request: Request, running: list[Request]) -> Request | None:
-        """A running request still prefilling the blocks that hold most of ``request``'s
-        prompt (the same tokens in the same namespace: n choices of one prompt, or the same
-        prompt sent twice at once), or None. The caller waits for its blocks to be cached,
-        rather than compute them twice."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return None
+        """A running request prefilling now the blocks of most of ``request``'s prompt (the
+        same tokens, same namespace: n choices of one prompt), or None: the caller waits for
+        them to be cached rather than compute them twice."""
         num_full = (request.num_tokens - 1) // self.block_size
-        if num_full == 0:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return None
         self._update_block_hashes(request, num_full * self.block_size)
         mine = request.block_hashes[:num_full]
         for other in running:
-            computed = other.num_computed_tokens // self.block_size
+            computed, theirs = other.num_computed_tokens // self.block_size, other.block_hashes
             if other.num_computed_tokens >= other.num_prompt_tokens or computed >= num_full:
                 continue
             shared = 0
-            theirs = other.block_hashes
             while shared < min(num_full, len(theirs)) and theirs[shared] == mine[shared]:
                 shared += 1
-            # worth waiting for: most of the prompt, and more than what is already cached
+            # worth waiting for: most of the prompt, and more than what is cached already
             if shared > computed and 2 * shared * self.block_size >= request.num_prompt_tokens:
                 return other
         return None

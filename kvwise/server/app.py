@@ -48,15 +48,15 @@ from kvwise.engine.client import EngineClient
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.server.dashboard import AdminGate, Dashboard, check_admin_key
 from kvwise.server.metrics import ServerMetrics
-from kvwise.server.protocol import (
+from kvwise.server.outputs import (
     ChatCompletionResponse,
     CompletionResponse,
-    ErrorResponse,
     Health,
     ModelCard,
     ModelList,
     ParkResponse,
 )
+from kvwise.server.protocol import ErrorResponse
 from kvwise.server.responses import install_error_handlers
 from kvwise.server.routes import DEFAULT_COMPLETION_MAX_TOKENS, OpenAIRoutes
 from kvwise.server.transport import (

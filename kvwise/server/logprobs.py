@@ -5,7 +5,7 @@ first one's logprob null)."""
 
 from __future__ import annotations
 
-from kvwise.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from kvwise.server.outputs import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from kvwise.types import RequestOutput
 
 

@@ -18,14 +18,14 @@ blocks).
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvwise.engine.chat_template import MAX_MESSAGES
 from kvwise.engine.prompts import ChatPrompt
 from kvwise.errors import InvalidRequest, KVWiseError
+from kvwise.server.outputs import Tool, ToolCall, call_for_template
 from kvwise.types import (
     MAX_KEY_CHARS,
     MAX_LOGPROBS,
@@ -274,33 +274,6 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"]
-    function: FunctionDef
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -366,8 +339,8 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise InvalidRequest("tool_choice", "a required tool call takes no response_format")
             from kvwise.server.tools import call_grammar
 
-            tools = [t.function for t in self.tools]
-            lark = call_grammar(tools, self.named_tool(), self.parallel_tool_calls is not False)
+            lark = call_grammar([t.function for t in self.tools], self.named_tool(),
+                                self.parallel_tool_calls is not False)  # fmt: skip
             return StructuredOutput("grammar", lark, "tool_choice")
         fmt = self.response_format
         kind = (fmt or {}).get("type", "text")
@@ -378,15 +351,13 @@ class ChatCompletionRequest(_SamplingRequest):
         if kind == "json_object":
             return StructuredOutput("json", {"type": "object"}, "response_format")
         if kind != "json_schema":
-            raise InvalidRequest(
-                "response_format", f"type must be text, json_object or json_schema, got {kind!r}"
-            )
+            raise InvalidRequest("response_format", f"type must be text, json_object or "
+                                 f"json_schema, got {kind!r}")  # fmt: skip
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise InvalidRequest("response_format.json_schema", "expected {name, schema, strict}")
-        return StructuredOutput(
-            "json", spec.get("schema", {}), "response_format.json_schema.schema"
-        )
+        schema_field = "response_format.json_schema.schema"
+        return StructuredOutput("json", spec.get("schema", {}), schema_field)
 
     def prompt_of(self):
         """The chat prompt: the messages, with the tools when there are any."""
@@ -414,7 +385,7 @@ class ChatCompletionRequest(_SamplingRequest):
             role = "system" if message.role == "developer" else message.role
             entry: dict[str, Any] = {"role": role, "content": content or ""}
             if message.tool_calls:
-                entry["tool_calls"] = [_call_dict(c) for c in message.tool_calls]
+                entry["tool_calls"] = [call_for_template(c) for c in message.tool_calls]
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
             if message.name is not None and role == "tool":
@@ -433,153 +404,6 @@ class ParkRequest(BaseModel):
         min_length=1,
         max_length=MAX_KEY_CHARS,
         description="the conversation whose KV to move to the tiers",
-    )
-
-
-# ---- responses -------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-    refusal: list[TokenLogprob] | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    """A completion, or (streamed) one chunk of it."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
-
-
-class DeltaFunction(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(BaseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunction
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "kvwise"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class Health(BaseModel):
-    status: str
-
-
-class ParkResponse(BaseModel):
-    object: Literal["kvwise.park"] = "kvwise.park"
-    prompt_cache_key: str
-    parked_tokens: int = Field(
-        ...,
-        description="tokens of the conversation whose KV the tiers now hold (freed from the "
-        "device pool unless shared); 0 when no tier is configured",
     )
 
 
@@ -613,14 +437,3 @@ def _invalid_text(value: Any, path: str) -> str | None:
         if found is not None:
             return found
     return None
-
-
-def _call_dict(call: ToolCall) -> dict[str, Any]:
-    """An assistant's call as chat templates read it: its arguments parsed (JSON text kept as
-    it is when it is not JSON)."""
-    try:
-        arguments: Any = json.loads(call.function.arguments)
-    except json.JSONDecodeError:
-        arguments = call.function.arguments
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.function.name, "arguments": arguments}}  # fmt: skip

@@ -19,28 +19,30 @@ from kvwise.engine.client import EngineClient, RequestStream
 from kvwise.errors import InvalidRequest, KVWiseError
 from kvwise.server.logprobs import chat_logprobs, completion_logprobs, prompt_text
 from kvwise.server.metrics import ServerMetrics
-from kvwise.server.protocol import (
-    APIError,
+from kvwise.server.outputs import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatStreamChoice,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     DeltaFunction,
     DeltaMessage,
     DeltaToolCall,
-    ErrorResponse,
     Health,
     ModelCard,
     ModelList,
-    ParkRequest,
     ParkResponse,
     PromptTokensDetails,
     Usage,
+)
+from kvwise.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ParkRequest,
     check_unicode,
 )
 from kvwise.server.responses import SSEResponse, collect_or_disconnect

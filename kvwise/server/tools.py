@@ -16,7 +16,8 @@ import re
 import uuid
 from typing import Any
 
-from kvwise.server.protocol import FunctionCall, FunctionDef, ToolCall
+from kvwise.server.outputs import FunctionCall, ToolCall
+from kvwise.server.protocol import FunctionDef
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
