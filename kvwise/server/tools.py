@@ -16,8 +16,7 @@ import re
 import uuid
 from typing import Any
 
-from kvwise.server.outputs import FunctionCall, ToolCall
-from kvwise.server.protocol import FunctionDef
+from kvwise.server.outputs import FunctionCall, FunctionDef, ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
