@@ -36,7 +36,13 @@ class ByteTokenizer:
         return data.decode(errors="replace")
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, *, max_chars=None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        max_chars=None,
+        tools=None,
+        answers=None,  # (RecentAnswers: byte ids are their text's, nothing to reuse)
     ) -> list[int]:
         check_messages(messages)
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)

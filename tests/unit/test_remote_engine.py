@@ -46,7 +46,8 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [1 + (ord(c) % 50) for c in text]
 
-    def encode_chat(self, messages, add_generation_prompt=True, *, max_chars=None):
+    def encode_chat(self, messages, add_generation_prompt=True, *, max_chars=None, tools=None,
+                    answers=None):  # fmt: skip
         return self.encode("".join(m["content"] for m in messages))
 
 
