@@ -1,0 +1,51 @@
+"""Plot ``kvwise bench agents`` results: turns/s and post-tool latency per configuration.
+
+  python scripts/plot_agents.py docs/bench/agents.json docs/bench/agents_vs_llamacpp.json \
+      --out docs/agents.png
+
+Each file's configurations are drawn side by side (a later file's kvwise runs are labelled
+with the file they came from). A benchmark tool: nothing here runs in the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--out", default="docs/agents.png")
+    args = p.parse_args()
+    rows = []
+    for i, path in enumerate(args.files):
+        for name, r in json.loads(path.read_text())["results"].items():
+            label = name if i == 0 or name == "llama.cpp" else f"{name} (run {i + 1})"
+            rows.append((label, r))
+    labels = [label for label, _ in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.bar(labels, [r["turns_per_s"] for _, r in rows], color="#1f77b4")
+    left.set_ylabel("model turns / s (wall time, tools' sleeps included)")
+    x = range(len(rows))
+    right.bar([i - 0.2 for i in x], [r["post_tool_p50_s"] for _, r in rows], 0.4, label="p50")
+    right.bar([i + 0.2 for i in x], [r["post_tool_p99_s"] for _, r in rows], 0.4, label="p99")
+    right.set_xticks(list(x), labels)
+    right.set_ylabel("latency of turns after a tool result (s)")
+    right.legend()
+    for axis in (left, right):
+        axis.tick_params(axis="x", rotation=20)
+    fig.suptitle("kvwise bench agents: 8 agents x 6 tool rounds, pool = 1/4 of their contexts")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
