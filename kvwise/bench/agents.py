@@ -46,14 +46,19 @@ def tool_latencies(count: int, median_s: float, p90_s: float, seed: int) -> list
     return [median_s * math.exp(sigma * rng.gauss(0, 1)) for _ in range(count)]
 
 
-async def _agent(http, url, model, task, results, sleeps, max_tokens, record) -> None:
-    messages = [{"role": "system", "content": "You are a research agent. Use the search tool."},
-                {"role": "user", "content": task}]  # fmt: skip
+def _first_messages(task: str) -> list[dict]:
+    return [{"role": "system", "content": "You are a research agent. Use the search tool."},
+            {"role": "user", "content": task}]  # fmt: skip
+
+
+async def _agent(http, url, model, task, results, sleeps, max_tokens, record, key) -> None:
+    messages = _first_messages(task)
+    headers = {"Authorization": f"Bearer {key}"}
     for i, result in enumerate(results):
         body = {"model": model, "messages": messages, "tools": [TOOL], "tool_choice": "required",
                 "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
         start = time.perf_counter()
-        resp = await http.post(f"{url}/v1/chat/completions", json=body)
+        resp = await http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
         latency = time.perf_counter() - start
         if resp.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:300]}")
@@ -61,7 +66,7 @@ async def _agent(http, url, model, task, results, sleeps, max_tokens, record) ->
         message = data["choices"][0]["message"]
         usage = data.get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        record(i, latency, usage.get("prompt_tokens") or 0, cached)
+        record(i, latency, usage.get("prompt_tokens") or 0, cached, key)
         calls = message.get("tool_calls") or [{"id": f"call_{i}", "type": "function",
                                                "function": {"name": "search",
                                                             "arguments": '{"query": "x"}'}}]  # fmt: skip
@@ -77,19 +82,21 @@ async def _agents_load(url: str, args: argparse.Namespace) -> dict:
     texts = _slices(args.agents * (args.rounds + 1), int(args.result_tokens * _CHARS_PER_TOKEN))
     sleeps = tool_latencies(args.agents * args.rounds, args.tool_median_s, args.tool_p90_s,
                             args.seed)  # fmt: skip
-    turns: list[tuple[int, float, int, int]] = []  # (round, latency, prompt, cached)
+    turns: list[tuple] = []  # (round, latency, prompt, cached, key)
+    keys = [f"key-{a % abs(args.tenants)}" for a in range(args.agents)]
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
-        model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        model = (await http.get(f"{url}/v1/models", headers=_auth(keys[0]))).json()["data"][0]["id"]
+        primed = await _prime(http, url, model, args, texts, keys)
         start = time.perf_counter()
         await asyncio.gather(*(
             _agent(http, url, model, texts[a * (args.rounds + 1)],
                    texts[a * (args.rounds + 1) + 1 : (a + 1) * (args.rounds + 1)],
                    sleeps[a * args.rounds : (a + 1) * args.rounds], args.max_tokens,
-                   lambda *t: turns.append(t))
+                   lambda *t: turns.append(t), keys[a])
             for a in range(args.agents)))  # fmt: skip
         wall = time.perf_counter() - start
-        resp = await http.get(f"{url}/metrics")
+        resp = await http.get(f"{url}/metrics", headers=_auth(keys[0]))
         metrics = resp.text if resp.status_code == 200 else ""
     after = [t for t in turns if t[0] > 0]
     latencies = sorted(t[1] for t in after)
@@ -99,14 +106,45 @@ async def _agents_load(url: str, args: argparse.Namespace) -> dict:
         "post_tool_p50_s": statistics.median(latencies),
         "post_tool_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         "prompt_tokens": sum(t[2] for t in turns), "cached_tokens": sum(t[3] for t in turns),
+        "cross_tenant_full_hits": _cross_tenant_hits(turns, primed),
         "tool_metrics": [line for line in metrics.splitlines()
                          if line.startswith("kvwise_tool_") and not line.startswith("#")],
     }  # fmt: skip
 
 
-def _kvwise_cmd(gguf: str, port: int, config: str, pool: str, disk: str) -> list[str]:
+def _auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def _prime(http, url, model, args, texts, keys) -> dict[str, int]:
+    """With several tenants: tenant 0 first sends every other tenant's agents' first turn, so
+    that a tenant whose first turn then hits its whole prompt has read tenant 0's blocks.
+    Returns those first prompts' full cached blocks' tokens by key (what such a hit caches)."""
+    primed: dict[str, int] = {}
+    for a in range(args.agents):
+        if abs(args.tenants) < 2 or keys[a] == keys[0]:
+            continue
+        body = {"model": model, "messages": _first_messages(texts[a * (args.rounds + 1)]),
+                "tools": [TOOL], "tool_choice": "required", "max_tokens": 1}  # fmt: skip
+        resp = await http.post(f"{url}/v1/chat/completions", json=body, headers=_auth(keys[0]))
+        prompt = (resp.json().get("usage") or {}).get("prompt_tokens") or 0
+        primed[keys[a]] = min(primed.get(keys[a], prompt), prompt)
+    return primed
+
+
+def _cross_tenant_hits(turns, primed: dict[str, int]) -> int | None:
+    """First turns of other tenants that cached their whole prompt, which only tenant 0 had
+    computed (0: none; None: one tenant)."""
+    if not primed:
+        return None
+    return sum(1 for t in turns if t[0] == 0 and t[4] in primed and t[3] >= primed[t[4]] - 16)
+
+
+def _kvwise_cmd(gguf: str, port: int, config: str, pool: str, disk: str, tenants: int) -> list[str]:
     cmd = [sys.executable, "-m", "kvwise.cli", "serve", "--model", gguf, "--port", str(port),
            "--kv-cache-memory", pool]  # fmt: skip
+    for t in range(abs(tenants) if abs(tenants) > 1 else 0):  # < 0: the keys share one tenant
+        cmd += ["--api-key", f"key-{t}=tenant-{t if tenants > 0 else 0}"]
     if config == "tiers":
         return cmd + ["--kv-disk-path", disk, "--kv-store-min-tokens", "16"]
     cmd += ["--kv-host-memory", "off", "--kv-disk-path", "off"]
@@ -136,13 +174,18 @@ def main(args: argparse.Namespace) -> int:
         else:
             with tempfile.TemporaryDirectory() as disk:
                 port = llamacpp.free_port()
-                cmd = _kvwise_cmd(gguf, port, config, args.pool_memory, disk)
-                results[config] = _serve_process(cmd, f"http://127.0.0.1:{port}",
-                                                 lambda u: _agents_load(u, args))  # fmt: skip
+                cmd = _kvwise_cmd(gguf, port, config, args.pool_memory, disk, args.tenants)
+                results[config] = _serve_process(
+                    cmd,
+                    f"http://127.0.0.1:{port}",
+                    lambda u: _agents_load(u, args),
+                    ready_path="/health",
+                )  # (keys: /v1/models 401s)
         r = results[config]
         print(f"{config}: {r['turns']} turns, {r['turns_per_s']:.3f} turns/s, post-tool "
               f"p50 {r['post_tool_p50_s']:.2f} s p99 {r['post_tool_p99_s']:.2f} s, cached "
-              f"{r['cached_tokens']:,} of {r['prompt_tokens']:,} prompt tokens", flush=True)  # fmt: skip
+              f"{r['cached_tokens']:,} of {r['prompt_tokens']:,} prompt tokens, cross-tenant "
+              f"full hits {r['cross_tenant_full_hits']}", flush=True)  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args) | {"func": None},
                                               "results": results}, indent=2, default=str))  # fmt: skip

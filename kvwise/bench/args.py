@@ -82,6 +82,10 @@ def add_agents_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-median-s", type=float, default=2.0, help="tool latency median")
     p.add_argument("--tool-p90-s", type=float, default=15.0, help="tool latency p90")
     p.add_argument("--seed", type=int, default=0, help="seeds the tool latencies")
+    p.add_argument("--tenants", type=int, default=1,
+                   help="tenants the agents alternate between (API keys key-0, key-1, ...; "
+                        "kvwise only): checks that none reads another's blocks; -N: N keys of "
+                        "one tenant, the control in which such hits must show")  # fmt: skip
     p.add_argument("--pool-memory", default="300MiB",
                    help="kvwise's device pool (default: a quarter of 8 agents' contexts)")  # fmt: skip
     p.add_argument("--configs", default="tiers,pool,no-cache,llama.cpp",
