@@ -175,12 +175,8 @@ def main(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory() as disk:
                 port = llamacpp.free_port()
                 cmd = _kvwise_cmd(gguf, port, config, args.pool_memory, disk, args.tenants)
-                results[config] = _serve_process(
-                    cmd,
-                    f"http://127.0.0.1:{port}",
-                    lambda u: _agents_load(u, args),
-                    ready_path="/health",
-                )  # (keys: /v1/models 401s)
+                url = f"http://127.0.0.1:{port}"
+                results[config] = _serve_process(cmd, url, lambda u: _agents_load(u, args))
         r = results[config]
         print(f"{config}: {r['turns']} turns, {r['turns_per_s']:.3f} turns/s, post-tool "
               f"p50 {r['post_tool_p50_s']:.2f} s p99 {r['post_tool_p99_s']:.2f} s, cached "

@@ -145,14 +145,14 @@ async def _load(url: str, model: str, args: argparse.Namespace) -> dict:
     }
 
 
-def _serve_process(cmd: list[str], url: str, work, ready_path: str = "/v1/models") -> dict:
-    """Start a server process, wait until ``ready_path`` answers, return
+def _serve_process(cmd: list[str], url: str, work) -> dict:
+    """Start a server process, wait until its /health answers (no API key needed), return
     ``asyncio.run(work(url))``."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:
-        wait_ready(url, proc, timeout=300, path=ready_path)
+        wait_ready(url, proc, timeout=300)
         return asyncio.run(work(url))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

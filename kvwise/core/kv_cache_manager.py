@@ -134,18 +134,19 @@ class KVCacheManager:
     def retain_cached(self, block_hashes: Sequence[BlockHash], tenant: str, seconds: float) -> int:
         """Keep the cached blocks of these (group 0) hashes, every group's copy, ``seconds``
         on ``tenant``'s account (a conversation waiting for a tool). Returns how many."""
-        every = [group_hash(h, g) if g else h for g in range(self.num_groups) for h in block_hashes]
-        blocks = [b for b in map(self.pool.get_cached_block, every) if b is not None]
+        blocks = [b for b in map(self.pool.get_cached_block, self._every_group(block_hashes))
+                  if b is not None]  # fmt: skip
         return self.pool.retain(blocks, tenant, self.pool.clock() + seconds)
 
     def drop_cached(self, block_hashes: Iterable[BlockHash]) -> int:
         """Forget the cached blocks with these (group 0) hashes, and every group's copy of
         them, where they are free (their KV is safe in a slower tier); blocks in use stay.
         Returns how many were dropped."""
-        hashes = list(block_hashes)
-        for g in range(1, self.num_groups):
-            hashes += [group_hash(h, g) for h in block_hashes]
-        return self.pool.drop_cached(hashes)
+        return self.pool.drop_cached(self._every_group(list(block_hashes)))
+
+    def _every_group(self, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Group 0's hashes, then each other group's copy of them."""
+        return [group_hash(h, g) if g else h for g in range(self.num_groups) for h in block_hashes]
 
     def stats(self, running: Sequence[Request] = ()) -> KVCacheStats:
         """The pool now; ``running``: the live sequences whose utilisation to report."""

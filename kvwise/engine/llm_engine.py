@@ -311,7 +311,7 @@ class LLMEngine:
         """A finished turn ended in tool calls: keep its KV in the pool ahead of unkept
         blocks until the turn with the tool's result (``ToolPauses``). Returns the tokens
         kept (0: the turn is not remembered)."""
-        found = self.tool_pauses.pause(request_id, self.kv_manager.block_size)
+        found = self.tool_pauses.pause(request_id)
         if found is None:
             return 0
         tenant, hashes = found

@@ -74,10 +74,6 @@ class Grammar:
         """Nothing more may follow (the output is complete)."""
         return self._matcher.is_stopped()
 
-    @property
-    def error(self) -> str | None:
-        return self._matcher.get_error() if self._matcher.is_error() else None
-
 
 class GrammarCompiler:
     """Compiles requests' constraints over one model's vocabulary (thread-safe)."""

@@ -25,7 +25,6 @@ from kvwise.core.request import Request
 @dataclass
 class ToolPauseCounts:
     pauses: int = 0  # turns that ended in tool calls, their KV kept
-    paused_tokens: int = 0
     resumes: int = 0  # turns carrying a tool's result that extended a paused turn
     resumed_device_tokens: int = 0  # the paused tokens found in the pool
     resumed_tier_tokens: int = 0  # ... loaded from a tier
@@ -51,7 +50,7 @@ class ToolPauses:
         while len(self._recent) > self.capacity:
             self._recent.popitem(last=False)
 
-    def pause(self, request_id: str, block_size: int) -> tuple[str, list[BlockHash]] | None:
+    def pause(self, request_id: str) -> tuple[str, list[BlockHash]] | None:
         """Mark a finished turn as waiting for a tool: (its tenant, its block hashes), or None
         when it is not remembered."""
         found = self._recent.pop(request_id, None)
@@ -61,7 +60,6 @@ class ToolPauses:
         self._expire()
         self._paused[(tenant, hashes[-1])] = (self.clock(), len(hashes))
         self.counts.pauses += 1
-        self.counts.paused_tokens += len(hashes) * block_size
         return found
 
     def resumed(self, request: Request, block_size: int) -> bool:

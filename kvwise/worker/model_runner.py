@@ -116,9 +116,8 @@ class ModelRunner:
                 logprobs = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
                 targets = torch.tensor(item.history[lo + 1 : hi + 1], dtype=torch.long)
                 chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-                for i in range(hi - lo):
-                    top = top_logprobs(logprobs[i], k) if k else []
-                    rows.append((lo + 1 + i, chosen[i], top))
+                tops = top_logprobs(logprobs, k) if k else [[]] * (hi - lo)
+                rows += [(lo + 1 + i, chosen[i], tops[i]) for i in range(hi - lo)]
             found[item.request_id] = rows
         return found
 

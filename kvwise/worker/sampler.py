@@ -125,15 +125,15 @@ def sample(
             generator = torch.Generator().manual_seed(seed)
         token_ids[row] = torch.multinomial(probs, 1, generator=generator)[0]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (S,)
-    top = [top_logprobs(logprobs[row], p.logprobs) if p.logprobs else None
+    top = [top_logprobs(logprobs[row : row + 1], p.logprobs)[0] if p.logprobs else None
            for row, p in enumerate(params)]  # fmt: skip
     return Sampled(token_ids.tolist(), chosen.tolist(), top)
 
 
-def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    """The ``k`` most likely tokens of a logprob row, best first."""
-    values, ids = torch.topk(row, min(k, row.shape[-1]))
-    return list(zip(ids.tolist(), values.tolist(), strict=True))
+def top_logprobs(rows: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """Each logprob row's ``k`` most likely tokens, best first (one top-k for all rows)."""
+    values, ids = torch.topk(rows, min(k, rows.shape[-1]), dim=-1)
+    return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
 def bitmask_words(requests, bitmasks: dict[str, bytes], vocab_size: int) -> torch.Tensor | None:

@@ -6,20 +6,14 @@ loses them; a pause not resumed within pause_s is forgotten; an unknown turn kee
 from __future__ import annotations
 
 from kvwise.types import SamplingParams
-from tests.fakes import fake_engine
+from tests.fakes import fake_engine, run_all
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 TURN = list(range(1, 61))  # 60 tokens: 15 blocks of 4
 
 
 def _run(engine, prompts):
-    ids = [engine.add_request(p, PARAMS) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+    return run_all(engine, prompts, PARAMS)
 
 
 def _conversation(pause: bool):
