@@ -135,16 +135,17 @@ def tokenize_prompt(
         max_chars = None if max_tokens is None else max_tokens * tokenizer.max_token_chars
         extra = {k: v for k, v in (("tools", tools), ("answers", answers)) if v}
         return tokenizer.encode_chat(prompt, max_chars=max_chars, **extra)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        if max_tokens is not None and len(prompt) > max_tokens:  # before a look at each id
+            raise ContextLengthExceeded(
+                "prompt",
+                f"{len(prompt)} tokens do not fit the model's context of {max_tokens} tokens",
+            )
     if (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
-        if max_tokens is not None and len(prompt) > max_tokens:
-            raise ContextLengthExceeded(
-                "prompt",
-                f"{len(prompt)} tokens do not fit the model's context of {max_tokens} tokens",
-            )
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequest("prompt", f"token ids must be in [0, {vocab_size}), got {bad[:5]}")

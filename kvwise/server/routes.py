@@ -83,7 +83,6 @@ class OpenAIRoutes:
                     choice: int = 0):  # fmt: skip
         """Check the body and admit its request (``choice`` j of n: its seed + j); errors
         propagate by type (see errors.py)."""
-        check_unicode(body)  # first: nothing below may echo or tokenize such text
         self.check_model(body.model)
         body.check_supported()
         default_max = (
@@ -175,6 +174,7 @@ class OpenAIRoutes:
     async def completions(self, body: CompletionRequest, request: Request):
         tenant = request.state.tenant
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        check_unicode(body, await request.body())  # first: nothing may echo or tokenize it
         prompts = body.prompts_of()
         streams = await self.admit_all(body, prompts, request_id, tenant, "prompt")
         now, model, n = int(time.time()), self.model_name, body.n
@@ -233,6 +233,7 @@ class OpenAIRoutes:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         tenant = request.state.tenant
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        check_unicode(body, await request.body())  # first: nothing may echo or tokenize it
         streams = await self.admit_all(body, [body.prompt_of()], request_id, tenant, "messages")
         now, model = int(time.time()), self.model_name
         names = {t.function.name for t in body.tools or ()} if body.calls_tools else set()
@@ -314,7 +315,7 @@ class OpenAIRoutes:
 
     async def park(self, body: ParkRequest, request: Request) -> ParkResponse:
         """Move a conversation's KV to the tiers until its next turn (kvwise extension)."""
-        check_unicode(body)
+        check_unicode(body, await request.body())
         key = body.prompt_cache_key
         try:
             parked_tokens = await self.engine.park(key, request.state.tenant)

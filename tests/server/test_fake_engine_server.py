@@ -225,6 +225,14 @@ def test_invalid_unicode_is_400_naming_the_field_and_the_connection_lives_on():
             error = response.json()["error"]
             assert error["param"] == param and "unicode" in error["message"].lower(), error
             assert client.post("/v1/completions", json=completion("fine")).status_code == 200
+        # the fast look at the raw body: upper-case escapes, the UTF-8 bytes of a surrogate
+        # (json.loads decodes them with surrogatepass), and a valid pair that is no surrogate
+        for raw, status in ((b'{"model": "fake", "prompt": "\\uD800"}', 400),
+                            (b'{"model": "fake", "prompt": "a\xed\xa0\x80"}', 400),
+                            (b'{"model": "fake", "prompt": "\\ud83d\\ude00"}', 200)):  # fmt: skip
+            response = client.post("/v1/completions", content=raw,
+                                   headers={"content-type": "application/json"})  # fmt: skip
+            assert response.status_code == status, (raw, response.text)
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_parsed():

@@ -201,12 +201,20 @@ def test_q4mm_matches_its_float64_reference_and_is_row_invariant(shape):
                                full[start : start + rows]), (rows, start)  # fmt: skip
 
 
-@pytest.mark.skipif(kernels.block_isa() != "avx512vnni", reason="no AVX-512 VNNI build here")
+def _cpu_has_vnni() -> bool:
+    with open("/proc/cpuinfo") as info:
+        flags = next((line for line in info if line.startswith("flags")), "")
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags.split())
+
+
+@pytest.mark.skipif(not _cpu_has_vnni(), reason="n/a: this CPU has no AVX-512 VNNI")
 @pytest.mark.parametrize("shape", [(960, 576), (40, 64), (49152 // 32, 576)])
 def test_avx512_vnni_block_matmuls_give_the_avx2_bits(shape):
     """The VNNI code (two column groups a vector, 8-row tiles, an odd last group on the AVX2
     code) sums the same exact integers and runs the same float operations: same bits as the
-    AVX2 code, for int4 and Q8_0 weights, at every row count."""
+    AVX2 code, for int4 and Q8_0 weights, at every row count. On a CPU with VNNI it is the
+    default build: a CPU that has it and a build that does not fails here."""
+    assert kernels.block_isa() == "avx512vnni", "this CPU has AVX-512 VNNI, the build does not"
     gen = torch.Generator().manual_seed(shape[1])
     dense = torch.randn(*shape, generator=gen)
     try:
@@ -220,6 +228,15 @@ def test_avx512_vnni_block_matmuls_give_the_avx2_bits(shape):
                 assert torch.equal(op(x, packed), avx2), (op, rows)
     finally:
         kernels.block_isa("avx512vnni")
+
+
+@pytest.mark.skipif(_cpu_has_vnni(), reason="n/a: this CPU has AVX-512 VNNI (tested above)")
+def test_a_cpu_without_vnni_runs_the_avx2_code_and_refuses_vnni():
+    assert kernels.block_isa() == "avx2"
+    assert kernels.block_isas() == ["avx2"]
+    with pytest.raises(RuntimeError, match="no AVX-512 VNNI kernels"):
+        kernels.block_isa("avx512vnni")
+    assert kernels.block_isa() == "avx2"
 
 
 def test_block_isa_refuses_an_unknown_name():
