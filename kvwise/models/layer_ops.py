@@ -17,10 +17,15 @@ the step never dispatches on a name):
   the int4 x int8 kernel.
 - ``Int8FusedOps`` (``ops="fused"``, int8 weights): ``rms_norm_bf16`` / ``add_rms_norm_bf16`` /
   ``silu_mul_bf16`` and ``qkv_rope`` between torch's int8 matmuls (~8 ops a layer, not ~35).
+- ``BlockFusedOps`` (``ops="fused"``, a GGUF file's block types, or int4 weights of a family
+  the int4 ops do not compute): float32 ``rms_norm_f32`` / ``add_rms_normed_f32`` /
+  ``qkv_rope`` / a GLU op around each weight's own matmul (seven ops a layer).
 
-The fused ops hard-wire Llama's choices (plain RMSNorm, a SiLU gate, the residual adds right
-after attention and the MLP): they apply only where the family's ``fused_ops_apply()``, so a
-family whose choices differ runs ``TorchLayerOps`` on every weight format. All compute the same
+The int4 and int8 fused ops hard-wire Llama's choices (plain RMSNorm, a SiLU gate, the residual
+adds right after attention and the MLP): they apply only where the family's
+``fused_ops_apply()``. ``BlockFusedOps`` also computes Gemma's (``1 + w`` norms, post-norms,
+GeGLU), so a Gemma GGUF's own block types, or int4 weights of it, run fused too; a family of
+other choices runs ``TorchLayerOps`` on every weight format. All compute the same
 arithmetic up to float rounding. Each instance holds its layer's tensors (the parameters are
 filled in place by the loader; installing other weights chooses the ops again).
 """
@@ -208,23 +213,41 @@ class Int8FusedOps(_FusedLayerOps):
         residual.add_(self.down.mm(gate))  # (T, hidden)
 
 
+# what the float32 block ops compute of a family: its norm's weight offset, its GLU's op
+_BLOCK_NORM_OFFSETS = {"rms": 0.0, "rms_one_plus": 1.0}
+_BLOCK_GLUS = {"silu": "silu_mul_f32", "gelu_tanh": "gelu_tanh_mul_f32"}
+
+
 class BlockFusedOps(_FusedLayerOps):
     """Weights of other block formats (a GGUF file's own types: ``Q8Weight``,
-    ``gguf_blocks.BlockWeight``, their mixes), float32 in and out: kvwise's float32 norm,
-    q/k/v and SiLU ops around the weights' own matmuls."""
+    ``gguf_blocks.BlockWeight``, their mixes; int4 weights of a family the int4 ops do not
+    compute), float32 in and out: kvwise's float32 norm, q/k/v and GLU ops around the
+    weights' own matmuls, seven op calls a layer. Llama's choices and Gemma's (RMSNorms by
+    ``1 + w``, post-norms, GeGLU)."""
 
     @staticmethod
     def applies(layer: DecoderLayer) -> bool:
-        weights = _FusedLayerOps._quantized(layer)
-        return weights is not None and not any(isinstance(w, Int8Weight) for w in weights)
+        family = layer.family
+        if not (kernels.available() and layer.quant):
+            return False
+        if family.norm not in _BLOCK_NORM_OFFSETS or family.activation not in _BLOCK_GLUS:
+            return False
+        return not any(isinstance(w, Int8Weight) for w in layer.quant.values())
 
     def __init__(self, layer: DecoderLayer) -> None:
         super().__init__(layer)
         self.qkv, self.o, self.gate_up, self.down = (layer.quant[n] for n in LINEAR_NAMES)
-        self._rms_norm, self._silu_mul = FUSED.rms_norm_f32, FUSED.silu_mul_f32
+        self.offset = _BLOCK_NORM_OFFSETS[layer.family.norm]
+        self._rms_norm, self._add_normed = FUSED.rms_norm_f32, FUSED.add_rms_normed_f32
+        self._glu = getattr(FUSED, _BLOCK_GLUS[layer.family.activation])
 
     def norm_qkv(self, residual: torch.Tensor) -> torch.Tensor:
-        return self.qkv.mm(self._rms_norm(residual, self.input_norm, self.eps))  # float32
+        x = self._rms_norm(residual, self.input_norm, self.eps, self.offset)
+        return self.qkv.mm(x)  # float32
+
+    def qkv_rope(self, qkv, rope_cos, rope_sin):
+        return self._qkv_rope(qkv, self.qkv_bias, self.qk_norm, rope_cos, rope_sin,
+                              self.num_heads, self.num_kv_heads, self.eps, self.offset)  # fmt: skip
 
     def o_proj(self, out: torch.Tensor) -> torch.Tensor:
         o = self.o.mm(out)  # (T, hidden)
@@ -233,9 +256,16 @@ class BlockFusedOps(_FusedLayerOps):
         return o
 
     def add_mlp(self, residual: torch.Tensor, o: torch.Tensor) -> None:
-        residual.add_(o)
-        gate = self._silu_mul(self.gate_up.mm(self._rms_norm(residual, self.mlp_norm, self.eps)))
-        residual.add_(self.down.mm(gate))  # (T, hidden)
+        self._add(residual, o, self.attn_out_norm)
+        x = self._rms_norm(residual, self.mlp_norm, self.eps, self.offset)
+        self._add(residual, self.down.mm(self._glu(self.gate_up.mm(x))), self.mlp_out_norm)
+
+    def _add(self, residual: torch.Tensor, y: torch.Tensor, norm: torch.Tensor | None) -> None:
+        """residual += y, normed first where the family has that post-norm."""
+        if norm is None:
+            residual.add_(y)
+        else:
+            self._add_normed(residual, y, norm, self.eps, self.offset)
 
 
 # what each ``ops`` value may choose, fastest first; None: the fastest of all that applies
@@ -261,5 +291,5 @@ def choose_layer_ops(layer: DecoderLayer, ops: str | None = None) -> LayerOps:
             return implementation(layer)
     raise ValueError(
         f"ops: {ops!r} cannot run this layer here (it needs the kvwise kernels, int4 or int8 "
-        "weights, int4 outputs in multiples of 8 and a family of Llama's norm and activation)"
+        "weights, int4 outputs in multiples of 8 and a family of Llama's or Gemma's choices)"
     )

@@ -26,7 +26,7 @@ from kvwise.models import layers, registry  # noqa: E402
 from kvwise.models.arch import ModelArchConfig  # noqa: E402
 from kvwise.models.decoder import CausalLM  # noqa: E402
 from kvwise.models.family import LlamaFamily  # noqa: E402
-from kvwise.models.layer_ops import Int4FusedOps, TorchLayerOps  # noqa: E402
+from kvwise.models.layer_ops import BlockFusedOps, Int4FusedOps, TorchLayerOps  # noqa: E402
 from kvwise.models.loader import load_model  # noqa: E402
 from tests.model.test_engine_vs_hf import hf_greedy  # noqa: E402
 from tests.model.test_models_tiny import COMMON, SEQ_LEN, _dense, _run, _save_random_model  # noqa: E402
@@ -133,12 +133,17 @@ def test_through_the_engine_its_greedy_tokens_are_transformers(checkpoints, refe
     assert as_llama != reference
 
 
-def test_on_int4_weights_it_runs_the_plain_ops_and_computes_what_llama_does(checkpoints):
+def test_on_int4_weights_it_runs_the_block_ops_and_computes_what_llama_does(checkpoints):
     _, llama, toy, _ = checkpoints
-    tokens, model = _generate(toy, quantization="int4")
-    # the fused int4 ops compute Llama's plain norm: the toy gets the torch composition
+    tokens, model = _generate(toy, quantization="int4", ops="torch")
+    fused, fused_model = _generate(toy, quantization="int4")
+    # the fused int4 ops compute Llama's plain norm: the toy's 1 + w norm runs on the float32
+    # block ops (as Gemma's does) around the same int4 matmuls, or on the torch composition
+    if kernels.available():
+        assert all(isinstance(layer.ops, BlockFusedOps) for layer in fused_model.layers)
     assert all(isinstance(layer.ops, TorchLayerOps) for layer in model.layers)
     assert all(layer.quant is not None for layer in model.layers)
+    assert fused == tokens
     with LLM(model=str(llama), quantization="int4", **ENGINE) as llm:
         llama_model = llm.engine.runner.model
         if kernels.available():
@@ -146,8 +151,6 @@ def test_on_int4_weights_it_runs_the_plain_ops_and_computes_what_llama_does(chec
         llama_model.use_ops("torch")  # the same composition on the original weights
         expected = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
     assert tokens == expected
-    with pytest.raises(ValueError, match="ops: 'fused' cannot run"):
-        model.use_ops("fused")
 
 
 class _PostNormGeGLU(LlamaFamily):

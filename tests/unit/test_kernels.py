@@ -15,7 +15,14 @@ import torch.nn.functional as F
 
 from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
-from kvwise.models.layers import apply_rope, rms_norm, rope_table
+from kvwise.models.layers import (
+    apply_rope,
+    gelu_tanh_glu,
+    rms_norm,
+    rms_norm_one_plus,
+    rope_table,
+    silu_glu,
+)
 from kvwise.models.quant import Int4Weight, Q8Weight
 from kvwise.worker.kv_cache import make_kv_cache
 
@@ -96,6 +103,34 @@ def test_fused_norms_match_torch(tokens):
                                atol=0, rtol=1e-2)  # fmt: skip
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_float32_norms_match_the_families_norms(tokens, offset):
+    """Llama's RMSNorm (offset 0) and Gemma's by 1 + w (offset 1), alone and added to the
+    residual after it (a post-norm), within float32 rounding of the torch forms."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 640, generator=gen) * 4
+    w = torch.randn(640, generator=gen) * 0.3
+    norm = rms_norm_one_plus if offset else rms_norm
+    torch.testing.assert_close(ops.rms_norm_f32(x, w, 1e-6, offset), norm(x, w, 1e-6))
+    residual = torch.randn(tokens, 640, generator=gen)
+    want = residual + norm(x, w, 1e-6)
+    ops.add_rms_normed_f32(residual, x, w, 1e-6, offset)
+    torch.testing.assert_close(residual, want)
+    if not offset:  # without an offset the weight is used as it is: Llama's bits unchanged
+        assert torch.equal(ops.rms_norm_f32(x, w, 1e-6), ops.rms_norm_f32(x, w, 1e-6, 0.0))
+
+
+@pytest.mark.parametrize("inter", [8, 2051])  # a tail past the eight-wide body
+def test_glu_ops_match_torch(inter):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(5, 2 * inter, generator=gen) * 4
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 1e-5, -1e-5, 9.0, -9.0, 30.0, -30.0])
+    want = gelu_tanh_glu(gate_up.clone(), inter)
+    torch.testing.assert_close(ops.gelu_tanh_mul_f32(gate_up), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.silu_mul_f32(gate_up), silu_glu(gate_up.clone(), inter))
+
+
 @pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_qkv_rope_matches_the_torch_steps(bias, qk_norm, dtype):
@@ -116,6 +151,12 @@ def test_qkv_rope_matches_the_torch_steps(bias, qk_norm, dtype):
     torch.testing.assert_close(q, qk[:, :heads])
     torch.testing.assert_close(k, qk[:, heads:])
     torch.testing.assert_close(v, x[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim))
+    if qk_norm:  # Gemma 3's q/k norm: by 1 + w
+        qk = apply_rope(rms_norm_one_plus(x[:, : (heads + kv_heads) * dim].view(
+            tokens, heads + kv_heads, dim), norm, 1e-6), cos, sin)  # fmt: skip
+        q, k, _ = ops.qkv_rope(qkv, b, norm, cos, sin, heads, kv_heads, 1e-6, 1.0)
+        torch.testing.assert_close(q, qk[:, :heads])
+        torch.testing.assert_close(k, qk[:, heads:])
 
 
 def test_silu_mul_matches_torch():

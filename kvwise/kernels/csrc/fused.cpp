@@ -11,6 +11,13 @@
 //   qkv_rope(qkv, bias?, qk_norm?, cos, sin, H, KVH, eps) -> q, k, v float32, rotary applied
 //   silu_mul_bf16(gate_up)                   -> bf16 silu(gate) * up
 //
+// and float32 forms of these for weights of other block formats (a GGUF file's own types),
+// with Gemma's choices too (an RMSNorm weight's `offset`: 1 for its 1 + w; post-norms; GeGLU):
+//
+//   rms_norm_f32(x, w, eps, offset=0)        -> RMSNorm(x) * (w + offset)
+//   add_rms_normed_f32(residual!, y, w, eps, offset=0) -> residual += RMSNorm(y) * (w + offset)
+//   silu_mul_f32(gate_up), gelu_tanh_mul_f32(gate_up) -> silu / tanh-GELU(gate) * up
+//
 // and, for layers whose four weights are all int4, int4 x int8 matmuls (below) with the steps
 // around them, all in float32:
 //
@@ -52,12 +59,19 @@ inline int64_t grain_rows(int64_t row_elems) {
   return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, row_elems));
 }
 
-template <typename Out>
-inline void norm_row(const float* x, const float* w, float eps, int64_t n, Out* out) {
+inline float inv_rms(const float* x, float eps, int64_t n) {
   float ss = 0.f;
   for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = Out(x[i] * inv * w[i]);
+  return 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+}
+
+// out = RMSNorm(x) * w, or * (w + offset) where Offset (Gemma's 1 + w, added in float32 as
+// its reference does; without Offset w is used as it is, whatever its sign of zero)
+template <typename Out, bool Offset = false>
+inline void norm_row(const float* x, const float* w, float eps, int64_t n, Out* out,
+                     float offset = 0.f) {
+  const float inv = inv_rms(x, eps, n);
+  for (int64_t i = 0; i < n; ++i) out[i] = Out(x[i] * inv * (Offset ? w[i] + offset : w[i]));
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
@@ -106,12 +120,13 @@ at::Tensor add_rms_norm_bf16(at::Tensor& residual, const at::Tensor& y, const at
 
 // qkv: (T, (H + 2 KVH) D) bfloat16 or float32, the fused projection's output; cos, sin:
 // (T, 1, D) float32 views (any row stride), sin signed as in layers.rope_table. Returns q
-// (T, H, D), k and v (T, KVH, D), float32: bias added, q/k normed per head (Qwen3), rotary
-// applied to q and k ("rotate half": element i pairs with element (i + D/2) mod D).
+// (T, H, D), k and v (T, KVH, D), float32: bias added, q/k normed per head (Qwen3; scaled by
+// the weight + norm_offset where that is not 0: Gemma 3's 1 + w), rotary applied to q and k
+// ("rotate half": element i pairs with element (i + D/2) mod D).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(
     const at::Tensor& qkv_in, const c10::optional<at::Tensor>& bias,
     const c10::optional<at::Tensor>& qk_norm, const at::Tensor& cos, const at::Tensor& sin,
-    int64_t H, int64_t KVH, double eps_in) {
+    int64_t H, int64_t KVH, double eps_in, double norm_offset) {
   TORCH_CHECK(qkv_in.dim() == 2, "qkv_rope: qkv must be (T, (H + 2 KVH) D)");
   const at::Tensor qkv = qkv_in.scalar_type() == at::kFloat ? qkv_in.contiguous()
                                                             : qkv_in.to(at::kFloat).contiguous();
@@ -145,7 +160,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
   float* vp = v.data_ptr<float>();
-  const float eps = static_cast<float>(eps_in);
+  const float eps = static_cast<float>(eps_in), off = static_cast<float>(norm_offset);
   at::parallel_for(0, T, grain_rows(W), [&](int64_t begin, int64_t end) {
     float buf[1024];
     TORCH_CHECK(D <= 1024, "qkv_rope: head_dim above 1024");
@@ -157,10 +172,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(
         const float* hx = x + head * D;
         for (int64_t i = 0; i < D; ++i) buf[i] = hx[i] + (bp ? bp[head * D + i] : 0.f);
         if (np) {
-          float ss = 0.f;
-          for (int64_t i = 0; i < D; ++i) ss += buf[i] * buf[i];
-          const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-          for (int64_t i = 0; i < D; ++i) buf[i] = np[head * D + i] * (buf[i] * inv);
+          const float inv = inv_rms(buf, eps, D);
+          const float* nw = np + head * D;
+          if (off != 0.f) {
+            for (int64_t i = 0; i < D; ++i) buf[i] = (nw[i] + off) * (buf[i] * inv);
+          } else {
+            for (int64_t i = 0; i < D; ++i) buf[i] = nw[i] * (buf[i] * inv);
+          }
         }
         float* o = head < H ? qp + (t * H + head) * D : kp + (t * KVH + head - H) * D;
         for (int64_t i = 0; i < D; ++i) {
@@ -183,9 +201,33 @@ inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
 inline void store8(BFloat16* p, __m256 x) { store_bf16(p, x); }
 #endif
 
-// gate_up (T, 2 I) -> silu(gate) * up (T, I), computed in float32, in and out as T
-template <typename T>
-at::Tensor silu_mul(const at::Tensor& gate_up, const char* name) {
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 silu8(__m256 g) {
+  return _mm256_div_ps(
+      g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+// torch's tanh GELU, 0.5 g (1 + tanh(z)) with z = sqrt(2 / pi) (g + 0.044715 g^3), as
+// g * sigmoid(2 z) (the same function): no cancellation where tanh(z) nears -1, so a large
+// negative gate gives ~0, not the last bits of 1 + tanh
+inline __m256 gelu_tanh8(__m256 g) {
+  const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 minus_2z = _mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f),
+                                        _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(minus_2z)));
+}
+#endif
+
+inline float silu1(float g) { return g / (1.f + std::exp(-g)); }
+
+inline float gelu_tanh1(float g) {
+  return g / (1.f + std::exp(-1.5957691216057308f * (g + 0.044715f * g * g * g)));
+}
+
+// gate_up (T, 2 I) -> act(gate) * up (T, I), computed in float32, in and out as T; Gelu: the
+// tanh GELU (GeGLU), else SiLU.
+template <typename T, bool Gelu = false>
+at::Tensor glu_mul(const at::Tensor& gate_up, const char* name) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 &&
                   gate_up.scalar_type() == c10::CppTypeToScalarType<T>::value &&
                   gate_up.is_contiguous(),
@@ -203,14 +245,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up, const char* name) {
 #if defined(__AVX2__) && defined(__FMA__)
       for (; i + 8 <= I; i += 8) {
         const __m256 gi = load8(g + i);
-        const __m256 silu = _mm256_div_ps(
-            gi, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gi))));
-        store8(o + i, _mm256_mul_ps(silu, load8(u + i)));
+        store8(o + i, _mm256_mul_ps(Gelu ? gelu_tanh8(gi) : silu8(gi), load8(u + i)));
       }
 #endif
       for (; i < I; ++i) {
         const float gi = static_cast<float>(g[i]);
-        o[i] = T(gi / (1.f + std::exp(-gi)) * static_cast<float>(u[i]));
+        o[i] = T((Gelu ? gelu_tanh1(gi) : silu1(gi)) * static_cast<float>(u[i]));
       }
     }
   });
@@ -218,7 +258,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, const char* name) {
 }
 
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
-  return silu_mul<BFloat16>(gate_up, "silu_mul_bf16");
+  return glu_mul<BFloat16>(gate_up, "silu_mul_bf16");
 }
 
 // ---- int4 weights x int8 activations ---------------------------------------------------------
@@ -740,24 +780,56 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
   return {ids, logprobs};
 }
 
-at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
+at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
   check_rows(x, w, "rms_norm_f32");
   const int64_t T = x.size(0), N = x.size(1);
   at::Tensor out = at::empty({T, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const float off = static_cast<float>(offset);
   at::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) norm_row(xp + t * N, wp, eps, N, op + t * N);
+    for (int64_t t = begin; t < end; ++t) {
+      if (off != 0.f) {
+        norm_row<float, true>(xp + t * N, wp, eps, N, op + t * N, off);
+      } else {
+        norm_row(xp + t * N, wp, eps, N, op + t * N);
+      }
+    }
   });
   return out;
 }
 
-at::Tensor silu_mul_f32(const at::Tensor& gate_up) { return silu_mul<float>(gate_up, "silu_mul_f32"); }
+// residual += RMSNorm(y) * (w + offset): a post-norm family's output, normed before its add
+void add_rms_normed_f32(at::Tensor& residual, const at::Tensor& y, const at::Tensor& w,
+                        double eps, double offset) {
+  check_rows(residual, w, "add_rms_normed_f32");
+  check_rows(y, w, "add_rms_normed_f32");
+  TORCH_CHECK(y.size(0) == residual.size(0), "add_rms_normed_f32: y must be shaped like residual");
+  const int64_t T = residual.size(0), N = residual.size(1);
+  float* rp = residual.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float off = static_cast<float>(offset);
+  at::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* yr = yp + t * N;
+      float* r = rp + t * N;
+      const float inv = inv_rms(yr, eps, N);
+      for (int64_t i = 0; i < N; ++i) r[i] += yr[i] * inv * (off != 0.f ? wp[i] + off : wp[i]);
+    }
+  });
+}
+
+at::Tensor silu_mul_f32(const at::Tensor& gate_up) { return glu_mul<float>(gate_up, "silu_mul_f32"); }
+
+at::Tensor gelu_tanh_mul_f32(const at::Tensor& gate_up) {
+  return glu_mul<float, true>(gate_up, "gelu_tanh_mul_f32");
+}
 
 at::Tensor rms_norm_q4mm(const at::Tensor& x, const at::Tensor& w, double eps,
                          const at::Tensor& packed) {
-  return q4mm(rms_norm_f32(x, w, eps), packed);
+  return q4mm(rms_norm_f32(x, w, eps, 0.), packed);
 }
 
 // residual += o; residual += down(silu(gate) * up) of the normed residual
@@ -767,7 +839,7 @@ void mlp_q4(at::Tensor& residual, const at::Tensor& o, const at::Tensor& w, doub
   TORCH_CHECK(o.sizes() == residual.sizes() && o.scalar_type() == at::kFloat,
               "mlp_q4: o must be float32 shaped like residual");
   residual.add_(o);
-  const at::Tensor gate = silu_mul_f32(q4mm(rms_norm_f32(residual, w, eps), gu_packed));
+  const at::Tensor gate = silu_mul_f32(q4mm(rms_norm_f32(residual, w, eps, 0.), gu_packed));
   residual.add_(q4mm(gate, down_packed));
 }
 
@@ -778,7 +850,7 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def("add_rms_norm_bf16(Tensor(a!) residual, Tensor y, Tensor weight, float eps) -> Tensor");
   m.def(
       "qkv_rope(Tensor qkv, Tensor? bias, Tensor? qk_norm, Tensor cos, Tensor sin, int num_heads, "
-      "int num_kv_heads, float eps) -> (Tensor, Tensor, Tensor)");
+      "int num_kv_heads, float eps, float norm_offset=0.) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
   m.def("block_isa(str isa='') -> str", &block_isa);  // no tensors: a catch-all kernel
   m.def("q4mm(Tensor x, Tensor packed) -> Tensor");
@@ -788,8 +860,12 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def("greedy_pick(Tensor logits) -> (Tensor, Tensor)");
   m.def("mask_logits(Tensor(a!) logits, Tensor words) -> ()");
   m.def("rms_norm_q4mm(Tensor x, Tensor weight, float eps, Tensor packed) -> Tensor");
-  m.def("rms_norm_f32(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_f32(Tensor x, Tensor weight, float eps, float offset=0.) -> Tensor");
+  m.def(
+      "add_rms_normed_f32(Tensor(a!) residual, Tensor y, Tensor weight, float eps, "
+      "float offset=0.) -> ()");
   m.def("silu_mul_f32(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_mul_f32(Tensor gate_up) -> Tensor");
   m.def(
       "mlp_q4(Tensor(a!) residual, Tensor o, Tensor weight, float eps, Tensor gu_packed, "
       "Tensor down_packed) -> ()");
@@ -808,6 +884,8 @@ TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
   m.impl("mask_logits", &mask_logits);
   m.impl("rms_norm_q4mm", &rms_norm_q4mm);
   m.impl("rms_norm_f32", &rms_norm_f32);
+  m.impl("add_rms_normed_f32", &add_rms_normed_f32);
   m.impl("silu_mul_f32", &silu_mul_f32);
+  m.impl("gelu_tanh_mul_f32", &gelu_tanh_mul_f32);
   m.impl("mlp_q4", &mlp_q4);
 }
