@@ -19,7 +19,7 @@ from kvwise import kernels
 from kvwise.models.gguf_blocks import SPECS, BlockWeight, _code_planes, decode, pack
 from kvwise.models.gguf_types import bits_per_weight, runs_as
 from kvwise.models.quant import quantize_activations
-from tests.gguf_blocks_util import random_blocks
+from tests.gguf_blocks_util import F16_FIELDS, random_blocks
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kvwise kernels did not build")
 TYPES = sorted(SPECS)
@@ -66,6 +66,29 @@ def test_matmul_is_exact_block_sums_on_every_path(name, restore_path):
         assert torch.equal(out, outs["scalar"]), path
     error = (outs["scalar"].double() - want).abs().max() / want.abs().max()
     assert error < 1e-5  # float32 rounding of exact integer sums (measured ~2e-7)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_the_largest_codes_and_activations_sum_exactly(name, restore_path):
+    """Every code at its largest (all bits set) against activations all at +-127 (a constant
+    row): the vector paths' narrow partial sums (int16 within a block, for codes of at most 5
+    bits) must not wrap."""
+    raw = np.full((16, 512 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]
+                   // gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][0]), 0xFF,
+                  dtype=np.uint8)  # fmt: skip
+    blocks = raw.reshape(-1, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1])
+    for at in F16_FIELDS[name]:
+        blocks[:, at : at + 2] = np.full(len(blocks), 1e-3, np.float16).view(np.uint8).reshape(-1, 2)
+    weight = BlockWeight.from_gguf(raw, name, (16, 512))
+    dense = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(16, 512))
+    x = torch.ones(4, 512)
+    x[1] = -1
+    x[2, ::2] = -1  # alternating signs
+    want = quantize_activations(x).double() @ dense.double().t()
+    for path in _paths():
+        torch.ops.kvwise.qk_path(path)
+        got = weight.mm(x).double()
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, path
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -157,6 +157,10 @@ void scalar_group(const uint8_t* w, int64_t nb, int64_t r, const int8_t* xq, con
 template <class L, int R>
 inline void avx2_sums(const uint8_t* p, const int8_t* xq, int64_t K, int64_t b,
                       __m256i (&s)[R][2]) {
+  // codes of at most 5 bits: a half's four int16 pair sums add up exactly in int16 (at most
+  // 4 * 2 * 31 * 127 = 31,496), widened once a block, not once a chunk (6 bits: 63,000 would
+  // wrap, so each chunk widens)
+  constexpr bool kInt16 = L::bits <= 5;
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i top = _mm256_set1_epi8(L::bits == 5 ? 0x10 : 0x30);
   __m256i planes[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -183,8 +187,21 @@ inline void avx2_sums(const uint8_t* p, const int8_t* xq, int64_t K, int64_t b,
       int32_t xl, xhh;
       std::memcpy(&xl, xr + 4 * j, 4);
       std::memcpy(&xhh, xr + 16 + 4 * j, 4);
-      s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)), ones));
-      s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(xhh)), ones));
+      const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl));
+      const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xhh));
+      if constexpr (kInt16) {
+        s[r][0] = _mm256_add_epi16(s[r][0], pl);
+        s[r][1] = _mm256_add_epi16(s[r][1], ph);
+      } else {
+        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(pl, ones));
+        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(ph, ones));
+      }
+    }
+  }
+  if constexpr (kInt16) {
+    for (int r = 0; r < R; ++r) {
+      s[r][0] = _mm256_madd_epi16(s[r][0], ones);
+      s[r][1] = _mm256_madd_epi16(s[r][1], ones);
     }
   }
 }
