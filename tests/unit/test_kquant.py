@@ -78,7 +78,9 @@ def test_the_largest_codes_and_activations_sum_exactly(name, restore_path):
                   dtype=np.uint8)  # fmt: skip
     blocks = raw.reshape(-1, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1])
     for at in F16_FIELDS[name]:
-        blocks[:, at : at + 2] = np.full(len(blocks), 1e-3, np.float16).view(np.uint8).reshape(-1, 2)
+        blocks[:, at : at + 2] = (
+            np.full(len(blocks), 1e-3, np.float16).view(np.uint8).reshape(-1, 2)
+        )
     weight = BlockWeight.from_gguf(raw, name, (16, 512))
     dense = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(16, 512))
     x = torch.ones(4, 512)
