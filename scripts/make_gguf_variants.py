@@ -24,31 +24,24 @@ def hf_dir(out: Path, big: bool) -> Path:
     import torch
     import transformers
 
+    from kvwise.bench.vllm_peer import hf_directory
     from kvwise.models.default import default_model_path
 
-    target = out / ("llama1b-hf" if big else "smollm2-hf")
+    if not big:
+        return hf_directory(out / "smollm2-hf")
+    target = out / "llama1b-hf"
     if (target / "config.json").is_file():
         return target
     gguf = default_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if big:
-        config = transformers.LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=8192,
-            num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-            max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config).to(torch.float32)
-    else:
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
-        config = loaded.config  # a GGUF-loaded model will not save: the same weights, anew
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(loaded.state_dict())
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target

@@ -10,10 +10,12 @@ pool, and its next turn finds it in a tier, or recomputes it.
 
 Configurations, one after the other (``--configs``): ``tiers`` (kvwise serve, host and disk
 tiers on), ``pool`` (tiers off), ``no-cache`` (prefix caching off), ``llama.cpp``
-(llama-server with a slot per agent, ``--jinja``, when found). Reported per configuration:
-model turns per second of wall time spent in model turns (the tools' sleeps excluded), the
-latency of the turns after a tool result (p50, p99; a tool-call answer is sent whole, so its
-latency is its time to the answer), the prompt tokens cached, and kvwise's tool-pause counts.
+(llama-server with a slot per agent, ``--jinja``, when found), ``vllm`` (vLLM's CPU build
+from its own venv, prefix caching on, the same model as an HF directory: ``vllm_peer``). Reported per configuration:
+model turns per second of wall time, the latency of the turns after a tool result (p50, p99:
+the time to the whole answer, and TTFT, the time to its first content or tool-call delta —
+answers are streamed, as agents stream them), the prompt tokens cached, and kvwise's
+tool-pause counts.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvwise.bench import llamacpp
+from kvwise.bench import llamacpp, vllm_peer
 from kvwise.bench.chat import _CHARS_PER_TOKEN, _slices
 from kvwise.bench.load import _serve_process
 
@@ -56,24 +58,50 @@ async def _agent(http, url, model, task, results, sleeps, max_tokens, record, ke
     headers = {"Authorization": f"Bearer {key}"}
     for i, result in enumerate(results):
         body = {"model": model, "messages": messages, "tools": [TOOL], "tool_choice": "required",
-                "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+                "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
         start = time.perf_counter()
-        resp = await http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
-        latency = time.perf_counter() - start
-        if resp.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:300]}")
-        data = resp.json()
-        message = data["choices"][0]["message"]
-        usage = data.get("usage") or {}
+        answer = await _streamed_answer(http, f"{url}/v1/chat/completions", body, headers)
+        first, usage, calls = answer["first_s"] - start, answer["usage"], answer["calls"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        record(i, latency, usage.get("prompt_tokens") or 0, cached, key)
-        calls = message.get("tool_calls") or [{"id": f"call_{i}", "type": "function",
-                                               "function": {"name": "search",
-                                                            "arguments": '{"query": "x"}'}}]  # fmt: skip
-        messages.append({"role": "assistant", "content": message.get("content"),
+        record(i, time.perf_counter() - start, usage.get("prompt_tokens") or 0, cached, key, first)
+        calls = calls or [{"id": f"call_{i}", "type": "function",
+                           "function": {"name": "search", "arguments": '{"query": "x"}'}}]  # fmt: skip
+        messages.append({"role": "assistant", "content": answer["content"] or None,
                          "tool_calls": calls[:1]})  # fmt: skip
         await asyncio.sleep(sleeps[i])
         messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": result})
+
+
+async def _streamed_answer(http, url: str, body: dict, headers: dict) -> dict:
+    """A streamed chat answer reassembled: its content, its calls (id, name, arguments), its
+    usage, and when its first content or tool-call delta arrived (``first_s``)."""
+    content, calls, usage, first = [], {}, {}, None
+    async with http.stream("POST", url, json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")
+            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {text[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if (delta.get("content") or delta.get("tool_calls")) and first is None:
+                    first = time.perf_counter()
+                content.append(delta.get("content") or "")
+                for d in delta.get("tool_calls") or ():
+                    call = calls.setdefault(
+                        d.get("index", 0),
+                        {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+                    )
+                    call["id"] = d.get("id") or call["id"]
+                    function = d.get("function") or {}
+                    call["function"]["name"] += function.get("name") or ""
+                    call["function"]["arguments"] += function.get("arguments") or ""
+    return {"content": "".join(content), "calls": [calls[k] for k in sorted(calls)],
+            "usage": usage, "first_s": first or time.perf_counter()}  # fmt: skip
 
 
 async def _agents_load(url: str, args: argparse.Namespace) -> dict:
@@ -82,7 +110,7 @@ async def _agents_load(url: str, args: argparse.Namespace) -> dict:
     texts = _slices(args.agents * (args.rounds + 1), int(args.result_tokens * _CHARS_PER_TOKEN))
     sleeps = tool_latencies(args.agents * args.rounds, args.tool_median_s, args.tool_p90_s,
                             args.seed)  # fmt: skip
-    turns: list[tuple] = []  # (round, latency, prompt, cached, key)
+    turns: list[tuple] = []  # (round, latency, prompt, cached, key, time to first delta)
     keys = [f"key-{a % abs(args.tenants)}" for a in range(args.agents)]
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
@@ -99,17 +127,21 @@ async def _agents_load(url: str, args: argparse.Namespace) -> dict:
         resp = await http.get(f"{url}/metrics", headers=_auth(keys[0]))
         metrics = resp.text if resp.status_code == 200 else ""
     after = [t for t in turns if t[0] > 0]
-    latencies = sorted(t[1] for t in after)
+    latencies, ttfts = sorted(t[1] for t in after), sorted(t[5] for t in after)
     return {
         "turns": len(turns), "wall_s": wall, "busy_s": sum(t[1] for t in turns),
         "turns_per_s": len(turns) / wall,
-        "post_tool_p50_s": statistics.median(latencies),
-        "post_tool_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "post_tool_p50_s": statistics.median(latencies), "post_tool_p99_s": _p99(latencies),
+        "post_tool_ttft_p50_s": statistics.median(ttfts), "post_tool_ttft_p99_s": _p99(ttfts),
         "prompt_tokens": sum(t[2] for t in turns), "cached_tokens": sum(t[3] for t in turns),
         "cross_tenant_full_hits": _cross_tenant_hits(turns, primed),
         "tool_metrics": [line for line in metrics.splitlines()
                          if line.startswith("kvwise_tool_") and not line.startswith("#")],
     }  # fmt: skip
+
+
+def _p99(values: list[float]) -> float:
+    return values[min(len(values) - 1, int(0.99 * len(values)))]
 
 
 def _auth(key: str) -> dict:
@@ -151,6 +183,25 @@ def _kvwise_cmd(gguf: str, port: int, config: str, pool: str, disk: str, tenants
     return cmd + (["--no-prefix-caching"] if config == "no-cache" else [])
 
 
+def _context(args: argparse.Namespace) -> int:
+    """Tokens an agent's history reaches, with room to spare."""
+    return (args.result_tokens + args.max_tokens + 200) * (args.rounds + 1) + 512
+
+
+def _vllm(python: str, args: argparse.Namespace) -> dict:
+    """The agents against vLLM's CPU build: the same model as an HF directory, bfloat16, its
+    KV cache as many tokens as kvwise's pool holds in float32 (half the bytes)."""
+    from kvwise.utils import parse_bytes
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.vllm_model or str(vllm_peer.hf_directory(Path(tmp) / "hf"))
+        port = llamacpp.free_port()
+        kv_bytes = parse_bytes(args.pool_memory, "pool_memory") // 2
+        cmd = vllm_peer.server_cmd(python, model, port, kv_bytes, _context(args))
+        url = f"http://127.0.0.1:{port}"
+        return _serve_process(cmd, url, lambda u: _agents_load(u, args), timeout=900)
+
+
 def main(args: argparse.Namespace) -> int:
     import logging
 
@@ -160,15 +211,22 @@ def main(args: argparse.Namespace) -> int:
     gguf = str(Path(args.model) if args.model else default_model_path())
     results: dict[str, dict] = {}
     for config in args.configs.split(","):
-        if config == "llama.cpp":
+        if config == "vllm":
+            python = vllm_peer.find_python(args.vllm_python)
+            if not python:
+                print("vllm skipped: no python of vLLM's venv (--vllm-python)")
+                continue
+            results[config] = _vllm(python, args)
+        elif config == "llama.cpp":
             binary = llamacpp.find_binary("llama-server", args.llama_cpp)
             if not binary:
                 print("llama.cpp skipped: llama-server not found (--llama-cpp DIR)")
                 continue
             import torch
 
-            ctx = (args.result_tokens + args.max_tokens + 200) * (args.rounds + 1) + 512
-            server = llamacpp.LlamaServer(binary, gguf, torch.get_num_threads(), args.agents, ctx)
+            server = llamacpp.LlamaServer(
+                binary, gguf, torch.get_num_threads(), args.agents, _context(args)
+            )
             with server:
                 results[config] = asyncio.run(_agents_load(server.url, args))
         else:
@@ -179,7 +237,9 @@ def main(args: argparse.Namespace) -> int:
                 results[config] = _serve_process(cmd, url, lambda u: _agents_load(u, args))
         r = results[config]
         print(f"{config}: {r['turns']} turns, {r['turns_per_s']:.3f} turns/s, post-tool "
-              f"p50 {r['post_tool_p50_s']:.2f} s p99 {r['post_tool_p99_s']:.2f} s, cached "
+              f"answer p50 {r['post_tool_p50_s']:.2f} s p99 {r['post_tool_p99_s']:.2f} s, "
+              f"first delta p50 {r['post_tool_ttft_p50_s']:.2f} s p99 "
+              f"{r['post_tool_ttft_p99_s']:.2f} s, cached "
               f"{r['cached_tokens']:,} of {r['prompt_tokens']:,} prompt tokens, cross-tenant "
               f"full hits {r['cross_tenant_full_hits']}", flush=True)  # fmt: skip
     if args.out:

@@ -88,9 +88,13 @@ def add_agents_args(p: argparse.ArgumentParser) -> None:
                         "one tenant, the control in which such hits must show")  # fmt: skip
     p.add_argument("--pool-memory", default="300MiB",
                    help="kvwise's device pool (default: a quarter of 8 agents' contexts)")  # fmt: skip
-    p.add_argument("--configs", default="tiers,pool,no-cache,llama.cpp",
-                   help="tiers, pool, no-cache, llama.cpp, in this order")  # fmt: skip
+    p.add_argument("--configs", default="tiers,pool,no-cache,llama.cpp,vllm",
+                   help="tiers, pool, no-cache, llama.cpp, vllm, in this order")  # fmt: skip
     p.add_argument("--llama-cpp", default=None, help="directory of llama-server")
+    p.add_argument("--vllm-python", default=None,
+                   help="the python of vLLM's CPU venv (else $KVWISE_VLLM_PYTHON)")  # fmt: skip
+    p.add_argument("--vllm-model", default=None,
+                   help="vLLM's HF directory (default: the default model, saved as one)")  # fmt: skip
     p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 

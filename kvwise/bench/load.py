@@ -145,14 +145,14 @@ async def _load(url: str, model: str, args: argparse.Namespace) -> dict:
     }
 
 
-def _serve_process(cmd: list[str], url: str, work) -> dict:
-    """Start a server process, wait until its /health answers (no API key needed), return
-    ``asyncio.run(work(url))``."""
+def _serve_process(cmd: list[str], url: str, work, timeout: float = 300) -> dict:
+    """Start a server process, wait (``timeout`` s at most) until its /health answers (no API
+    key needed), return ``asyncio.run(work(url))``."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:
-        wait_ready(url, proc, timeout=300)
+        wait_ready(url, proc, timeout=timeout)
         return asyncio.run(work(url))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -27,9 +27,7 @@ from kvwise.server.outputs import (
     ChatStreamChoice,
     CompletionChoice,
     CompletionResponse,
-    DeltaFunction,
     DeltaMessage,
-    DeltaToolCall,
     Health,
     ModelCard,
     ModelList,
@@ -46,7 +44,7 @@ from kvwise.server.protocol import (
     check_unicode,
 )
 from kvwise.server.responses import SSEResponse, collect_or_disconnect
-from kvwise.server.tools import may_be_a_call, parse_tool_calls
+from kvwise.server.tools import ToolCallStream, parse_tool_calls
 from kvwise.types import RequestOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -263,40 +261,33 @@ class OpenAIRoutes:
                                       usage=_usage(outs, body.n))  # fmt: skip
 
     def _chat_stream(self, body, streams, tenant: str, chunk, names: set[str]) -> SSEResponse:
-        """A chat answer as events. With tools, text that may still become a call is held
-        back; a finished answer's calls go out as tool-call deltas (each call whole: its id,
-        name and arguments), then ``finish_reason: tool_calls``."""
+        """A chat answer as events. With tools, each answer is read by a ``ToolCallStream``:
+        its content goes out as it comes (less what may begin a call), each call as soon as
+        its name is complete, then its arguments piece by piece; an answer that made calls
+        ends with ``finish_reason: tool_calls``."""
         sent = [0] * len(streams)  # output tokens already streamed, per choice
-        held = [""] * len(streams)  # text held back while it may be a call
-        holding = [bool(names)] * len(streams)
+        parsers = [ToolCallStream(names) if names else None for _ in streams]
 
         def on_output(index: int, out: RequestOutput) -> str | None:
             if not (out.delta_text or out.finished):
                 return None
-            text, finish = out.delta_text, _finish(out)
-            calls = []
-            if holding[index]:
-                held[index] += text
+            text, finish, deltas = out.delta_text, _finish(out), []
+            parser = parsers[index]
+            if parser is not None:
+                text, deltas = parser.feed(text)
                 if out.finished:
-                    content, calls = parse_tool_calls(held[index], names)
-                    text = content or ""
-                    holding[index] = False
-                elif may_be_a_call(held[index]):
+                    more, last = parser.finish()
+                    text, deltas = text + more, deltas + last
+                    if parser.calls:
+                        finish = "tool_calls"
+                        asyncio.ensure_future(self.tool_pause(streams[index].request_id))
+                elif not (text or deltas):
                     return None
-                else:
-                    text, holding[index] = held[index], False
-            if calls:
-                asyncio.ensure_future(self.tool_pause(streams[index].request_id))
             start, sent[index] = sent[index], len(out.token_ids)
             logprobs = chat_logprobs(out, start, len(out.token_ids)) if body.logprobs else None
-            deltas = [DeltaToolCall(index=i, id=c.id, type="function",
-                                    function=DeltaFunction(name=c.function.name,
-                                                           arguments=c.function.arguments))
-                      for i, c in enumerate(calls)]  # fmt: skip
             delta = DeltaMessage(content=text or None, tool_calls=deltas or None)
-            choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                      finish_reason="tool_calls" if calls else finish)  # fmt: skip
-            return chunk([choice])
+            return chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                           finish_reason=finish)])  # fmt: skip
 
         def first(index: int) -> str:
             delta = DeltaMessage(role="assistant", content="")

@@ -16,7 +16,7 @@ import re
 import uuid
 from typing import Any
 
-from kvwise.server.outputs import FunctionCall, FunctionDef, ToolCall
+from kvwise.server.outputs import DeltaFunction, DeltaToolCall, FunctionCall, FunctionDef, ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -85,7 +85,181 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolC
     return text, []
 
 
-def may_be_a_call(text: str) -> bool:
-    """The answer so far could still turn into a call (a stream holds its text back)."""
-    stripped = text.lstrip()
-    return stripped.startswith("{") or OPEN.startswith(stripped[: len(OPEN)]) or OPEN in text
+# a call's head as models write it: {"name": "<name>", "arguments" (or "parameters"): <value>
+_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(\S)'
+)
+_HEAD_CHARS = 256  # a head not matched within this many characters is not streamed
+
+
+class _JsonValue:
+    """Where a JSON object or array ends, fed its text piece by piece (strings and their
+    escapes skipped)."""
+
+    def __init__(self) -> None:
+        self.depth, self.string, self.escape = 0, False, False
+
+    def feed(self, text: str) -> int | None:
+        """Characters of ``text`` up to and including the value's end; None: not ended."""
+        for i, ch in enumerate(text):
+            if self.string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.string = False
+            elif ch == '"':
+                self.string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
+
+
+class ToolCallStream:
+    """One streamed answer's text, parsed as it comes (what ``parse_tool_calls`` reads of the
+    whole): content goes out at once, less what may begin a call (a prefix of ``<tool_call>``,
+    trailing whitespace); a call goes out as soon as its name is complete — its id and name,
+    then its arguments' text piece by piece as the model writes it — so a client sees a call's
+    first delta a few tokens in, not after its last. A call whose head does not read as
+    ``{"name": .., "arguments": {..`` (another field order, an unknown function) is held and
+    parsed whole at the end, as a non-streamed answer is. Grammar-constrained calls (required,
+    named) always stream; a malformed call in ``auto`` streams as far as it goes and still
+    ends the answer with ``tool_calls``."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+        self.text = ""  # the answer so far
+        self.done = 0  # characters of it consumed
+        self.content_end = 0  # where the content sent (or dropped before a call) ends
+        self.mode = "start"  # start content head args tail between after held
+        self.calls: list[ToolCall] = []  # the calls sent (arguments: the text sent)
+        self.bare = False  # a bare JSON call, no <tool_call> block
+        self._value = _JsonValue()
+
+    def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
+        """This piece of the answer → (content to send, tool-call deltas to send)."""
+        self.text += text
+        content: list[str] = []
+        deltas: list[DeltaToolCall] = []
+        while getattr(self, f"_{self.mode}")(self.text[self.done :], content, deltas):
+            pass
+        return "".join(content), deltas
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        """The answer ended: what was held back, and the calls found in it (``self.calls``)."""
+        if self.mode in ("start", "content"):
+            self.done = len(self.text)
+            return self.text[self.content_end :], []
+        if self.mode not in ("head", "held"):
+            return "", []
+        _, found = parse_tool_calls(self.text, self.names)
+        if not found and not self.calls:
+            return self.text[self.content_end :], []
+        deltas = []
+        for call in found[len(self.calls) :]:
+            deltas.append(DeltaToolCall(index=len(self.calls), id=call.id, type="function",
+                                        function=DeltaFunction(name=call.function.name,
+                                                               arguments=call.function.arguments)))  # fmt: skip
+            self.calls.append(call)
+        return "", deltas
+
+    # each mode: consume what it can of ``rest``; True where another mode goes on from there
+
+    def _start(self, rest: str, content: list[str], deltas: list) -> bool:
+        stripped = rest.lstrip()
+        if stripped.startswith("{"):
+            self.done += len(rest) - len(stripped)
+            self.content_end, self.bare, self.mode = self.done, True, "head"
+        elif stripped.startswith(OPEN):
+            self.content_end = self.done
+            self.done += len(rest) - len(stripped) + len(OPEN)
+            self.mode = "head"
+        elif not stripped or OPEN.startswith(stripped):
+            return False  # it may still become a call
+        else:
+            self.mode = "content"
+        return True
+
+    def _content(self, rest: str, content: list[str], deltas: list) -> bool:
+        at = rest.find(OPEN)
+        if at >= 0:
+            sent = rest[:at].rstrip()
+            content.append(sent)
+            self.content_end = self.done + len(sent)
+            self.done += at + len(OPEN)
+            self.mode = "head"
+            return True
+        keep = next((k for k in range(min(len(OPEN) - 1, len(rest)), 0, -1)
+                     if rest.endswith(OPEN[:k])), 0)  # fmt: skip
+        sent = rest[: len(rest) - keep].rstrip()
+        content.append(sent)
+        self.done += len(sent)
+        self.content_end = self.done
+        return False
+
+    def _head(self, rest: str, content: list[str], deltas: list) -> bool:
+        match = _HEAD.match(rest)
+        if match is None:
+            if len(rest) > _HEAD_CHARS:
+                self.mode = "held"
+            return False
+        try:
+            name = json.loads(f'"{match.group(1)}"')
+        except json.JSONDecodeError:
+            name = None
+        if name not in self.names or match.group(2) != "{":
+            self.mode = "held"
+            return False
+        call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                        function=FunctionCall(name=name, arguments=""))  # fmt: skip
+        deltas.append(DeltaToolCall(index=len(self.calls), id=call.id, type="function",
+                                    function=DeltaFunction(name=name, arguments="")))  # fmt: skip
+        self.calls.append(call)
+        self.done += match.start(2)
+        self._value = _JsonValue()
+        self.mode = "args"
+        return True
+
+    def _args(self, rest: str, content: list[str], deltas: list) -> bool:
+        end = self._value.feed(rest)
+        piece = rest if end is None else rest[:end]
+        if piece:
+            call = self.calls[-1]
+            call.function.arguments += piece
+            deltas.append(DeltaToolCall(index=len(self.calls) - 1,
+                                        function=DeltaFunction(arguments=piece)))  # fmt: skip
+        self.done += len(piece)
+        if end is None:
+            return False
+        self.mode = "after" if self.bare else "tail"
+        return True
+
+    def _tail(self, rest: str, content: list[str], deltas: list) -> bool:
+        at = rest.find(CLOSE)
+        if at < 0:
+            return False
+        self.done += at + len(CLOSE)
+        self.mode = "between"
+        return True
+
+    def _between(self, rest: str, content: list[str], deltas: list) -> bool:
+        stripped = rest.lstrip()
+        if stripped.startswith(OPEN):
+            self.done += len(rest) - len(stripped) + len(OPEN)
+            self.mode = "head"
+            return True
+        if stripped and not OPEN.startswith(stripped):
+            self.mode = "after"  # text after the calls: dropped, as parse_tool_calls drops it
+        return False
+
+    def _after(self, rest: str, content: list[str], deltas: list) -> bool:
+        self.done = len(self.text)
+        return False
+
+    def _held(self, rest: str, content: list[str], deltas: list) -> bool:
+        return False

@@ -93,7 +93,7 @@ def test_required_and_named_calls_are_valid_on_twenty_prompts(alice, choice):
 def test_streamed_calls_reassemble_to_the_same_call(alice):
     whole = _ask(alice, PROMPTS[0], tool_choice="required").choices[0].message.tool_calls
     parts: dict[int, dict] = {}
-    finish = None
+    finish, call_chunks = None, []
     for chunk in _ask(alice, PROMPTS[0], tool_choice="required", stream=True):
         if not chunk.choices:
             continue
@@ -101,8 +101,16 @@ def test_streamed_calls_reassemble_to_the_same_call(alice):
             part = parts.setdefault(d.index, {"name": "", "arguments": ""})
             part["name"] += d.function.name or ""
             part["arguments"] += d.function.arguments or ""
+            call_chunks.append(d)
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
+    # incremental, as OpenAI streams: the id and name first, then the arguments in pieces
+    for index in parts:
+        pieces = [d for d in call_chunks if d.index == index]
+        first = pieces[0]
+        assert first.id and first.function.name == whole[index].function.name
+        assert not first.function.arguments
+        assert len(pieces) >= 4 and all(d.id is None for d in pieces[1:])
     assert [(p["name"], json.loads(p["arguments"])) for p in parts.values()] == [
         (c.function.name, json.loads(c.function.arguments)) for c in whole]  # fmt: skip
 
