@@ -2,6 +2,7 @@
 
   python scripts/plot_agents.py docs/bench/agents.json docs/bench/agents_vs_llamacpp.json \
       --out docs/agents.png
+  python scripts/plot_agents.py docs/bench/agents_peers.json --out docs/agents_peers.png
 
 Each file's configurations are drawn side by side (a later file's kvwise runs are labelled
 with the file they came from). A benchmark tool: nothing here runs in the test suite.
@@ -27,15 +28,20 @@ def main() -> None:
     rows = []
     for i, path in enumerate(args.files):
         for name, r in json.loads(path.read_text())["results"].items():
-            label = name if i == 0 or name == "llama.cpp" else f"{name} (run {i + 1})"
+            label = name if i == 0 or name in ("llama.cpp", "vllm") else f"{name} (run {i + 1})"
             rows.append((label, r))
     labels = [label for label, _ in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.bar(labels, [r["turns_per_s"] for _, r in rows], color="#1f77b4")
     left.set_ylabel("model turns / s (wall time, tools' sleeps included)")
     x = range(len(rows))
-    right.bar([i - 0.2 for i in x], [r["post_tool_p50_s"] for _, r in rows], 0.4, label="p50")
-    right.bar([i + 0.2 for i in x], [r["post_tool_p99_s"] for _, r in rows], 0.4, label="p99")
+    bars = [("post_tool_p50_s", "answer p50"), ("post_tool_p99_s", "answer p99")]
+    if all("post_tool_ttft_p50_s" in r for _, r in rows):  # streamed runs: their TTFT too
+        bars = [bars[0], ("post_tool_ttft_p50_s", "TTFT p50"), ("post_tool_ttft_p99_s", "TTFT p99")]
+    width = 0.8 / len(bars)
+    for k, (key, label) in enumerate(bars):
+        offset = (k - (len(bars) - 1) / 2) * width
+        right.bar([i + offset for i in x], [r[key] for _, r in rows], width, label=label)
     right.set_xticks(list(x), labels)
     right.set_ylabel("latency of turns after a tool result (s)")
     right.legend()

