@@ -71,7 +71,9 @@ class KVStore(Protocol):
         """Store ``(key, entry)`` pairs; may evict others to stay under the budget. Returns
         True when every pair was stored, False when any was not (a fault, an entry over the
         budget, a closed tier): the caller may write it again later. ``owner``: the tenant
-        whose ``ttl_s`` it is, for a tier that caps what one tenant may keep (host, disk)."""
+        whose ``ttl_s`` it is, for a tier that caps what one tenant may keep (host, disk).
+        A ``bytearray`` entry is handed over: the tier may keep it as it is, so the caller
+        must not change it afterwards."""
         ...
 
     def delete(self, keys: Sequence[bytes]) -> None:

@@ -109,7 +109,8 @@ class HostStore(EvictionReports):
                 kept = self._index.add(key, num_bytes, until, now, keeper)
                 if keep_until > now and not kept:
                     self._keeps.refused(owner)
-                self._values[key] = value if isinstance(value, bytes) else bytes(value)
+                # a bytearray is handed over (serde.pack's own buffer), other buffers copied
+                self._values[key] = value if isinstance(value, (bytes, bytearray)) else bytes(value)
                 self.stats.bytes_written += num_bytes
                 stored += 1
             self._update_gauges()

@@ -198,7 +198,7 @@ class RedisStore:
 
         def add(pipe, name: str) -> None:
             value = values[name]
-            pipe.set(name, value if isinstance(value, bytes) else bytes(value), ex=ex)
+            pipe.set(name, value if isinstance(value, (bytes, bytearray)) else bytes(value), ex=ex)
 
         done = self._per_node("put", [name for name, _, _ in checked], add)
         stored = [c for c, d in zip(checked, done, strict=True) if d is not _SKIPPED]

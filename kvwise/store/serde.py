@@ -161,9 +161,10 @@ class Entry:
 
 def pack(
     fmt: EntryFormat, block_hashes: list[bytes], first_block: int, group: int, payload
-) -> bytes:
+) -> bytearray:
     """One layer group of a run of blocks as a sealed entry, for
-    ``fmt.entry_key(block_hashes[-1], group)``.
+    ``fmt.entry_key(block_hashes[-1], group)``: a buffer of its own, handed to the tier as it
+    is (no copy into ``bytes``: the writer's copies hold the GIL the step loop needs).
 
     ``payload``: a C-contiguous buffer ``(group_layers, 2, num_blocks, block_size, ...)``.
     """
@@ -206,7 +207,7 @@ def pack(
         sealer.update_into(view, dst[head_end : head_end + view.nbytes])
     sealer.finalize()
     out[-TAG_SIZE:] = sealer.tag
-    return bytes(out)
+    return out
 
 
 def unpack(fmt: EntryFormat, key: bytes, value: bytes | bytearray | memoryview) -> Entry:
