@@ -202,6 +202,42 @@ def _vllm(python: str, args: argparse.Namespace) -> dict:
         return _serve_process(cmd, url, lambda u: _agents_load(u, args), timeout=900)
 
 
+def _run(config: str, gguf: str, args: argparse.Namespace) -> dict | None:
+    """One run of the agents against ``config``'s server (None: its peer is not installed)."""
+    if config == "vllm":
+        python = vllm_peer.find_python(args.vllm_python)
+        if not python:
+            print("vllm skipped: no python of vLLM's venv (--vllm-python)")
+            return None
+        return _vllm(python, args)
+    if config == "llama.cpp":
+        binary = llamacpp.find_binary("llama-server", args.llama_cpp)
+        if not binary:
+            print("llama.cpp skipped: llama-server not found (--llama-cpp DIR)")
+            return None
+        import torch
+
+        server = llamacpp.LlamaServer(
+            binary, gguf, torch.get_num_threads(), args.agents, _context(args)
+        )
+        with server:
+            return asyncio.run(_agents_load(server.url, args))
+    with tempfile.TemporaryDirectory() as disk:
+        port = llamacpp.free_port()
+        cmd = _kvwise_cmd(gguf, port, config, args.pool_memory, disk, args.tenants)
+        url = f"http://127.0.0.1:{port}"
+        return _serve_process(cmd, url, lambda u: _agents_load(u, args))
+
+
+def _medians(runs: list[dict]) -> dict:
+    """Each number's median over the runs (the last run's other fields), and the runs."""
+    out = dict(runs[-1])
+    for key, value in runs[-1].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in runs)
+    return out | {"runs": runs} if len(runs) > 1 else out
+
+
 def main(args: argparse.Namespace) -> int:
     import logging
 
@@ -209,39 +245,25 @@ def main(args: argparse.Namespace) -> int:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     gguf = str(Path(args.model) if args.model else default_model_path())
-    results: dict[str, dict] = {}
-    for config in args.configs.split(","):
-        if config == "vllm":
-            python = vllm_peer.find_python(args.vllm_python)
-            if not python:
-                print("vllm skipped: no python of vLLM's venv (--vllm-python)")
+    runs: dict[str, list[dict]] = {}
+    for round_ in range(args.repeat):  # the configurations interleaved, round after round
+        for config in args.configs.split(","):
+            r = _run(config, gguf, args)
+            if r is None:
                 continue
-            results[config] = _vllm(python, args)
-        elif config == "llama.cpp":
-            binary = llamacpp.find_binary("llama-server", args.llama_cpp)
-            if not binary:
-                print("llama.cpp skipped: llama-server not found (--llama-cpp DIR)")
-                continue
-            import torch
-
-            server = llamacpp.LlamaServer(
-                binary, gguf, torch.get_num_threads(), args.agents, _context(args)
-            )
-            with server:
-                results[config] = asyncio.run(_agents_load(server.url, args))
-        else:
-            with tempfile.TemporaryDirectory() as disk:
-                port = llamacpp.free_port()
-                cmd = _kvwise_cmd(gguf, port, config, args.pool_memory, disk, args.tenants)
-                url = f"http://127.0.0.1:{port}"
-                results[config] = _serve_process(cmd, url, lambda u: _agents_load(u, args))
-        r = results[config]
-        print(f"{config}: {r['turns']} turns, {r['turns_per_s']:.3f} turns/s, post-tool "
-              f"answer p50 {r['post_tool_p50_s']:.2f} s p99 {r['post_tool_p99_s']:.2f} s, "
-              f"first delta p50 {r['post_tool_ttft_p50_s']:.2f} s p99 "
-              f"{r['post_tool_ttft_p99_s']:.2f} s, cached "
-              f"{r['cached_tokens']:,} of {r['prompt_tokens']:,} prompt tokens, cross-tenant "
-              f"full hits {r['cross_tenant_full_hits']}", flush=True)  # fmt: skip
+            runs.setdefault(config, []).append(r)
+            print(f"round {round_ + 1}, {config}: {r['turns']} turns, {r['turns_per_s']:.3f} "
+                  f"turns/s, post-tool answer p50 {r['post_tool_p50_s']:.2f} s p99 "
+                  f"{r['post_tool_p99_s']:.2f} s, first delta p50 {r['post_tool_ttft_p50_s']:.2f}"
+                  f" s p99 {r['post_tool_ttft_p99_s']:.2f} s, cached {r['cached_tokens']:,} of "
+                  f"{r['prompt_tokens']:,} prompt tokens, cross-tenant full hits "
+                  f"{r['cross_tenant_full_hits']}", flush=True)  # fmt: skip
+    results = {config: _medians(rs) for config, rs in runs.items()}
+    if args.repeat > 1:
+        for config, r in results.items():
+            print(f"median of {args.repeat}, {config}: {r['turns_per_s']:.3f} turns/s, "
+                  f"post-tool answer p50 {r['post_tool_p50_s']:.2f} s, first delta p50 "
+                  f"{r['post_tool_ttft_p50_s']:.2f} s")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args) | {"func": None},
                                               "results": results}, indent=2, default=str))  # fmt: skip

@@ -91,6 +91,8 @@ def add_agents_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default="tiers,pool,no-cache,llama.cpp,vllm",
                    help="tiers, pool, no-cache, llama.cpp, vllm, in this order")  # fmt: skip
     p.add_argument("--llama-cpp", default=None, help="directory of llama-server")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every configuration, interleaved (medians reported)")  # fmt: skip
     p.add_argument("--vllm-python", default=None,
                    help="the python of vLLM's CPU venv (else $KVWISE_VLLM_PYTHON)")  # fmt: skip
     p.add_argument("--vllm-model", default=None,
