@@ -37,6 +37,14 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
+def add_vllm_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's CPU build as a peer (``bench/vllm_peer.py``): run where its python is given."""
+    p.add_argument("--vllm-python", default=None,
+                   help="the python of vLLM's CPU venv (else $KVWISE_VLLM_PYTHON)")  # fmt: skip
+    p.add_argument("--vllm-model", default=None,
+                   help="vLLM's HF directory (default: the default model, saved as one)")  # fmt: skip
+
+
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load per server")
@@ -51,6 +59,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         help="llama-server slot counts to run, comma-separated (default: one per client)",
     )
     p.add_argument("--max-waiting", type=int, default=48, help="kvwise queue bound (429 past it)")
+    add_vllm_args(p)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument(
         "--url",
@@ -93,10 +102,7 @@ def add_agents_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp", default=None, help="directory of llama-server")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every configuration, interleaved (medians reported)")  # fmt: skip
-    p.add_argument("--vllm-python", default=None,
-                   help="the python of vLLM's CPU venv (else $KVWISE_VLLM_PYTHON)")  # fmt: skip
-    p.add_argument("--vllm-model", default=None,
-                   help="vLLM's HF directory (default: the default model, saved as one)")  # fmt: skip
+    add_vllm_args(p)
     p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 

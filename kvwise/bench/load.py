@@ -6,7 +6,9 @@ The peer is llama.cpp's own server as its users run it for many clients: paralle
 (``-np``, by default one per client; ``--slots 8,16`` runs each count in turn), continuous
 batching, a unified KV pool, its prompt cache on (per slot, plus its host-RAM prompt cache),
 flash attention, the same thread count (kvwise/bench/llamacpp.py). Earlier versions of this benchmark used
-llama-cpp-python's server instead, which runs one request at a time.
+llama-cpp-python's server instead, which runs one request at a time. With ``--vllm-python``
+(or ``$KVWISE_VLLM_PYTHON``) vLLM's CPU build runs the same load too (``vllm_peer``: the
+model as an HF directory, bf16, prefix caching on).
 
 Each server is started as a subprocess on a free 127.0.0.1 port (or, with ``--url``, one
 already running is loaded instead), loaded with ``--clients``
@@ -26,10 +28,11 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from kvwise.bench import llamacpp
+from kvwise.bench import llamacpp, vllm_peer
 from kvwise.bench.common import wait_ready
 
 SYSTEM_PROMPT = (
@@ -162,7 +165,7 @@ def _serve_process(cmd: list[str], url: str, work, timeout: float = 300) -> dict
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _serve(cmd: list[str], url: str, args, after=None) -> dict:
+def _serve(cmd: list[str], url: str, args, after=None, timeout: float = 300) -> dict:
     import httpx
 
     async def work(url: str) -> dict:
@@ -173,7 +176,7 @@ def _serve(cmd: list[str], url: str, args, after=None) -> dict:
             result.update(after(url))
         return result
 
-    return _serve_process(cmd, url, work)
+    return _serve_process(cmd, url, work, timeout)
 
 
 def _kvwise_after(url: str) -> dict:
@@ -243,9 +246,22 @@ def main(args: argparse.Namespace) -> int:
                 results[f"llama.cpp -np {slots}"] = asyncio.run(_load(peer.url, model, args))
     elif not args.no_llama_cpp:
         print("llama.cpp skipped: llama-server not found (--llama-cpp DIR)")
+    python = vllm_peer.find_python(args.vllm_python)
+    if python:
+        results["vllm"] = _vllm_load(python, args)
     _report(results, args)
     print("kvwise after the load:", json.dumps(results["kvwise"].get("after")))
     return 0
+
+
+def _vllm_load(python: str, args: argparse.Namespace) -> dict:
+    """The load against vLLM's CPU build (``vllm_peer``): the model as an HF directory, its
+    KV cache the tokens of kvwise's 2 GiB pool in float32 (1 GiB of bf16)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.vllm_model or str(vllm_peer.hf_directory(Path(tmp) / "hf"))
+        port = llamacpp.free_port()
+        cmd = vllm_peer.server_cmd(python, model, port, 2**30, args.slot_ctx)
+        return _serve(cmd, f"http://127.0.0.1:{port}", args, timeout=900)
 
 
 def _report(results: dict, args: argparse.Namespace) -> None:
