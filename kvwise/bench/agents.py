@@ -11,8 +11,8 @@ pool, and its next turn finds it in a tier, or recomputes it.
 Configurations, one after the other (``--configs``): ``tiers`` (kvwise serve, host and disk
 tiers on), ``pool`` (tiers off), ``no-cache`` (prefix caching off), ``llama.cpp``
 (llama-server with a slot per agent, ``--jinja``, when found), ``vllm`` (vLLM's CPU build
-from its own venv, prefix caching on, the same model as an HF directory: ``vllm_peer``). Reported per configuration:
-model turns per second of wall time, the latency of the turns after a tool result (p50, p99:
+from its own venv, prefix caching on, the same model as an HF directory: ``vllm_peer``).
+Reported per configuration: model turns per second of wall time, the latency of the turns after a tool result (p50, p99:
 the time to the whole answer, and TTFT, the time to its first content or tool-call delta —
 answers are streamed, as agents stream them), the prompt tokens cached, and kvwise's
 tool-pause counts.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import random
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from kvwise.bench import llamacpp, vllm_peer
 from kvwise.bench.chat import _CHARS_PER_TOKEN, _slices
-from kvwise.bench.load import _serve_process
+from kvwise.bench.common import percentile, serve_process, sse_chunks
 
 TOOL = {"type": "function", "function": {
     "name": "search", "description": "Search the documentation for a query",
@@ -81,10 +82,7 @@ async def _streamed_answer(http, url: str, body: dict, headers: dict) -> dict:
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
             raise RuntimeError(f"{url}: HTTP {resp.status_code}: {text[:300]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or ():
                 delta = choice.get("delta") or {}
@@ -131,17 +129,15 @@ async def _agents_load(url: str, args: argparse.Namespace) -> dict:
     return {
         "turns": len(turns), "wall_s": wall, "busy_s": sum(t[1] for t in turns),
         "turns_per_s": len(turns) / wall,
-        "post_tool_p50_s": statistics.median(latencies), "post_tool_p99_s": _p99(latencies),
-        "post_tool_ttft_p50_s": statistics.median(ttfts), "post_tool_ttft_p99_s": _p99(ttfts),
+        "post_tool_p50_s": statistics.median(latencies),
+        "post_tool_p99_s": percentile(latencies, 0.99),
+        "post_tool_ttft_p50_s": statistics.median(ttfts),
+        "post_tool_ttft_p99_s": percentile(ttfts, 0.99),
         "prompt_tokens": sum(t[2] for t in turns), "cached_tokens": sum(t[3] for t in turns),
         "cross_tenant_full_hits": _cross_tenant_hits(turns, primed),
         "tool_metrics": [line for line in metrics.splitlines()
                          if line.startswith("kvwise_tool_") and not line.startswith("#")],
     }  # fmt: skip
-
-
-def _p99(values: list[float]) -> float:
-    return values[min(len(values) - 1, int(0.99 * len(values)))]
 
 
 def _auth(key: str) -> dict:
@@ -189,17 +185,13 @@ def _context(args: argparse.Namespace) -> int:
 
 
 def _vllm(python: str, args: argparse.Namespace) -> dict:
-    """The agents against vLLM's CPU build: the same model as an HF directory, bfloat16, its
-    KV cache as many tokens as kvwise's pool holds in float32 (half the bytes)."""
+    """The agents against vLLM's CPU build (``vllm_peer``), its KV cache as many tokens as
+    kvwise's pool holds in float32 (half the bytes of bf16)."""
     from kvwise.utils import parse_bytes
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model = args.vllm_model or str(vllm_peer.hf_directory(Path(tmp) / "hf"))
-        port = llamacpp.free_port()
-        kv_bytes = parse_bytes(args.pool_memory, "pool_memory") // 2
-        cmd = vllm_peer.server_cmd(python, model, port, kv_bytes, _context(args))
-        url = f"http://127.0.0.1:{port}"
-        return _serve_process(cmd, url, lambda u: _agents_load(u, args), timeout=900)
+    kv_bytes = parse_bytes(args.pool_memory, "pool_memory") // 2
+    work = functools.partial(_agents_load, args=args)
+    return vllm_peer.serve(python, args.vllm_model, kv_bytes, _context(args), work)
 
 
 def _run(config: str, gguf: str, args: argparse.Namespace) -> dict | None:
@@ -226,7 +218,7 @@ def _run(config: str, gguf: str, args: argparse.Namespace) -> dict | None:
         port = llamacpp.free_port()
         cmd = _kvwise_cmd(gguf, port, config, args.pool_memory, disk, args.tenants)
         url = f"http://127.0.0.1:{port}"
-        return _serve_process(cmd, url, lambda u: _agents_load(u, args))
+        return serve_process(cmd, url, lambda u: _agents_load(u, args))
 
 
 def _medians(runs: list[dict]) -> dict:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from kvwise.bench import llamacpp
-from kvwise.bench.load import _serve_process
+from kvwise.bench.common import serve_process, sse_chunks
 
 # characters per token of the reference text under the default model's tokenizer (measured:
 # 4.0-4.3 on slices of pydoc_data.topics); used only to cut slices of about the right size
@@ -62,10 +62,7 @@ async def _conversation(http, url: str, model: str, user_turns: list[str], max_t
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"{url}: HTTP {resp.status_code}: {await resp.aread()!r}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(resp):
                 if chunk.get("usage"):
                     prompt_tokens = chunk["usage"].get("prompt_tokens")
                 for choice in chunk.get("choices") or []:
@@ -122,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
             cmd = [sys.executable, "-m", "kvwise.cli", "serve", "--model", gguf,
                    "--port", str(port), "--kv-cache-memory", "2GiB", "--kv-disk-path", disk]  # fmt: skip
             runs["kvwise"].append(
-                _serve_process(cmd, f"http://127.0.0.1:{port}", lambda u: _chat_load(u, args))
+                serve_process(cmd, f"http://127.0.0.1:{port}", lambda u: _chat_load(u, args))
             )
         if binary:
             import torch

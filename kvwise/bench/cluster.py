@@ -34,7 +34,7 @@ from pathlib import Path
 
 from kvwise.bench.args import CLUSTER_MODES as MODES
 from kvwise.bench.chat import _CHARS_PER_TOKEN, _slices
-from kvwise.bench.common import wait_ready
+from kvwise.bench.common import sse_chunks, wait_ready
 
 FOLLOW_UPS = (
     "Summarise that in one sentence.",
@@ -80,10 +80,7 @@ async def _conversation(http, url, key, system, doc, args, conv_index, records, 
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
             replica = resp.headers.get("x-kvwise-replica")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     raise RuntimeError(f"stream error: {chunk['error']}")
                 usage = chunk.get("usage") or usage

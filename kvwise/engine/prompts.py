@@ -141,15 +141,13 @@ def tokenize_prompt(
                 "prompt",
                 f"{len(prompt)} tokens do not fit the model's context of {max_tokens} tokens",
             )
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequest("prompt", f"token ids must be in [0, {vocab_size}), got {bad[:5]}")
-        return list(prompt)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    "prompt", f"token ids must be in [0, {vocab_size}), got {bad[:5]}"
+                )
+            return list(prompt)
     raise InvalidRequest(
         "prompt", "expected a non-empty string, a list of chat messages or a list of token ids"
     )

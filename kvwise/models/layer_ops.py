@@ -130,25 +130,33 @@ class TorchLayerOps(_LayerTensors):
         residual.add_(out)
 
 
+# what the fused ops compute of a family: its norm's weight offset (the int4 and int8 ones only
+# Llama's, 0), and the float32 block ops' GLU op for its activation
+_NORM_OFFSETS = {"rms": 0.0, "rms_one_plus": 1.0}
+_BLOCK_GLUS = {"silu": "silu_mul_f32", "gelu_tanh": "gelu_tanh_mul_f32"}
+
+
 class _FusedLayerOps(_LayerTensors):
-    """What both fused implementations share: the q/k/v op, and when they apply."""
+    """What the fused implementations share: the q/k/v op, and when they apply."""
 
     name = "fused"
 
     def __init__(self, layer: DecoderLayer) -> None:
         super().__init__(layer)
+        self.offset = _NORM_OFFSETS[layer.family.norm]
         self._qkv_rope = FUSED.qkv_rope
 
     @staticmethod
-    def _quantized(layer: DecoderLayer) -> list | None:
-        """The layer's quantized weights where the fused ops may run it, else None."""
-        if not (kernels.available() and layer.family.fused_ops_apply() and layer.quant):
+    def _quantized(layer: DecoderLayer, computes_family: bool) -> list | None:
+        """The layer's quantized weights where the fused ops may run it (the kernels built,
+        weights quantized, a family the ops compute), else None."""
+        if not (kernels.available() and computes_family and layer.quant):
             return None
         return [layer.quant[name] for name in LINEAR_NAMES]
 
     def qkv_rope(self, qkv, rope_cos, rope_sin):
         return self._qkv_rope(qkv, self.qkv_bias, self.qk_norm, rope_cos, rope_sin,
-                              self.num_heads, self.num_kv_heads, self.eps)  # fmt: skip
+                              self.num_heads, self.num_kv_heads, self.eps, self.offset)  # fmt: skip
 
 
 class Int4FusedOps(_FusedLayerOps):
@@ -156,7 +164,7 @@ class Int4FusedOps(_FusedLayerOps):
 
     @staticmethod
     def applies(layer: DecoderLayer) -> bool:
-        weights = _FusedLayerOps._quantized(layer)
+        weights = _FusedLayerOps._quantized(layer, layer.family.fused_ops_apply())
         return weights is not None and all(
             isinstance(w, Int4Weight) and w.out_features % 8 == 0 for w in weights
         )  # no padded output columns
@@ -186,7 +194,7 @@ class Int8FusedOps(_FusedLayerOps):
 
     @staticmethod
     def applies(layer: DecoderLayer) -> bool:
-        weights = _FusedLayerOps._quantized(layer)
+        weights = _FusedLayerOps._quantized(layer, layer.family.fused_ops_apply())
         return weights is not None and all(isinstance(w, Int8Weight) for w in weights)
 
     def __init__(self, layer: DecoderLayer) -> None:
@@ -213,11 +221,6 @@ class Int8FusedOps(_FusedLayerOps):
         residual.add_(self.down.mm(gate))  # (T, hidden)
 
 
-# what the float32 block ops compute of a family: its norm's weight offset, its GLU's op
-_BLOCK_NORM_OFFSETS = {"rms": 0.0, "rms_one_plus": 1.0}
-_BLOCK_GLUS = {"silu": "silu_mul_f32", "gelu_tanh": "gelu_tanh_mul_f32"}
-
-
 class BlockFusedOps(_FusedLayerOps):
     """Weights of other block formats (a GGUF file's own types: ``Q8Weight``,
     ``gguf_blocks.BlockWeight``, their mixes; int4 weights of a family the int4 ops do not
@@ -228,26 +231,19 @@ class BlockFusedOps(_FusedLayerOps):
     @staticmethod
     def applies(layer: DecoderLayer) -> bool:
         family = layer.family
-        if not (kernels.available() and layer.quant):
-            return False
-        if family.norm not in _BLOCK_NORM_OFFSETS or family.activation not in _BLOCK_GLUS:
-            return False
-        return not any(isinstance(w, Int8Weight) for w in layer.quant.values())
+        computes = family.norm in _NORM_OFFSETS and family.activation in _BLOCK_GLUS
+        weights = _FusedLayerOps._quantized(layer, computes)
+        return weights is not None and not any(isinstance(w, Int8Weight) for w in weights)
 
     def __init__(self, layer: DecoderLayer) -> None:
         super().__init__(layer)
         self.qkv, self.o, self.gate_up, self.down = (layer.quant[n] for n in LINEAR_NAMES)
-        self.offset = _BLOCK_NORM_OFFSETS[layer.family.norm]
         self._rms_norm, self._add_normed = FUSED.rms_norm_f32, FUSED.add_rms_normed_f32
         self._glu = getattr(FUSED, _BLOCK_GLUS[layer.family.activation])
 
     def norm_qkv(self, residual: torch.Tensor) -> torch.Tensor:
         x = self._rms_norm(residual, self.input_norm, self.eps, self.offset)
         return self.qkv.mm(x)  # float32
-
-    def qkv_rope(self, qkv, rope_cos, rope_sin):
-        return self._qkv_rope(qkv, self.qkv_bias, self.qk_norm, rope_cos, rope_sin,
-                              self.num_heads, self.num_kv_heads, self.eps, self.offset)  # fmt: skip
 
     def o_proj(self, out: torch.Tensor) -> torch.Tensor:
         o = self.o.mm(out)  # (T, hidden)

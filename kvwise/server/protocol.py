@@ -408,7 +408,7 @@ class ParkRequest(BaseModel):
     )
 
 
-def check_unicode(body: BaseModel, raw: bytes | None = None) -> None:
+def check_unicode(body: BaseModel, raw: bytes) -> None:
     """Refuse text that is no Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can
     escape): it could reach neither a tokenizer nor an error message. ``raw``: the body's
     bytes; one without a surrogate's escape or UTF-8 form holds none, and is not walked (a
@@ -417,7 +417,7 @@ def check_unicode(body: BaseModel, raw: bytes | None = None) -> None:
     Raises:
         InvalidRequest: naming the first such field (``messages[0].content``).
     """
-    if raw is not None and not _SURROGATE.search(raw):
+    if not _SURROGATE.search(raw):
         return
     param = _invalid_text(body.model_dump(exclude_none=True), "")
     if param is not None:

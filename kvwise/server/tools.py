@@ -53,9 +53,19 @@ def _call(obj: Any) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    text = json.dumps(arguments, ensure_ascii=False)
+    return _new_call(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _new_call(name: str, arguments: str) -> ToolCall:
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                    function=FunctionCall(name=obj["name"], arguments=text))  # fmt: skip
+                    function=FunctionCall(name=name, arguments=arguments))  # fmt: skip
+
+
+def _call_delta(index: int, call: ToolCall) -> DeltaToolCall:
+    """A call's first delta in a stream: its id, name and arguments so far."""
+    return DeltaToolCall(index=index, id=call.id, type="function",
+                         function=DeltaFunction(name=call.function.name,
+                                                arguments=call.function.arguments))  # fmt: skip
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
@@ -162,9 +172,7 @@ class ToolCallStream:
             return self.text[self.content_end :], []
         deltas = []
         for call in found[len(self.calls) :]:
-            deltas.append(DeltaToolCall(index=len(self.calls), id=call.id, type="function",
-                                        function=DeltaFunction(name=call.function.name,
-                                                               arguments=call.function.arguments)))  # fmt: skip
+            deltas.append(_call_delta(len(self.calls), call))
             self.calls.append(call)
         return "", deltas
 
@@ -215,10 +223,8 @@ class ToolCallStream:
         if name not in self.names or match.group(2) != "{":
             self.mode = "held"
             return False
-        call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                        function=FunctionCall(name=name, arguments=""))  # fmt: skip
-        deltas.append(DeltaToolCall(index=len(self.calls), id=call.id, type="function",
-                                    function=DeltaFunction(name=name, arguments="")))  # fmt: skip
+        call = _new_call(name, "")
+        deltas.append(_call_delta(len(self.calls), call))
         self.calls.append(call)
         self.done += match.start(2)
         self._value = _JsonValue()

@@ -65,13 +65,18 @@ inline float inv_rms(const float* x, float eps, int64_t n) {
   return 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
 }
 
-// out = RMSNorm(x) * w, or * (w + offset) where Offset (Gemma's 1 + w, added in float32 as
-// its reference does; without Offset w is used as it is, whatever its sign of zero)
-template <typename Out, bool Offset = false>
+// a norm's weight i: w[i] + offset where the offset is not 0 (Gemma's 1 + w, added in float32
+// as its reference does), else w[i] as it is, whatever its sign of zero
+inline float norm_weight(const float* w, int64_t i, float offset) {
+  return offset != 0.f ? w[i] + offset : w[i];
+}
+
+// out = RMSNorm(x) * (w + offset)
+template <typename Out>
 inline void norm_row(const float* x, const float* w, float eps, int64_t n, Out* out,
                      float offset = 0.f) {
   const float inv = inv_rms(x, eps, n);
-  for (int64_t i = 0; i < n; ++i) out[i] = Out(x[i] * inv * (Offset ? w[i] + offset : w[i]));
+  for (int64_t i = 0; i < n; ++i) out[i] = Out(x[i] * inv * norm_weight(w, i, offset));
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
@@ -174,11 +179,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(
         if (np) {
           const float inv = inv_rms(buf, eps, D);
           const float* nw = np + head * D;
-          if (off != 0.f) {
-            for (int64_t i = 0; i < D; ++i) buf[i] = (nw[i] + off) * (buf[i] * inv);
-          } else {
-            for (int64_t i = 0; i < D; ++i) buf[i] = nw[i] * (buf[i] * inv);
-          }
+          for (int64_t i = 0; i < D; ++i) buf[i] = norm_weight(nw, i, off) * (buf[i] * inv);
         }
         float* o = head < H ? qp + (t * H + head) * D : kp + (t * KVH + head - H) * D;
         for (int64_t i = 0; i < D; ++i) {
@@ -789,13 +790,7 @@ at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps, do
   float* op = out.data_ptr<float>();
   const float off = static_cast<float>(offset);
   at::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (off != 0.f) {
-        norm_row<float, true>(xp + t * N, wp, eps, N, op + t * N, off);
-      } else {
-        norm_row(xp + t * N, wp, eps, N, op + t * N);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) norm_row(xp + t * N, wp, eps, N, op + t * N, off);
   });
   return out;
 }
@@ -816,7 +811,7 @@ void add_rms_normed_f32(at::Tensor& residual, const at::Tensor& y, const at::Ten
       const float* yr = yp + t * N;
       float* r = rp + t * N;
       const float inv = inv_rms(yr, eps, N);
-      for (int64_t i = 0; i < N; ++i) r[i] += yr[i] * inv * (off != 0.f ? wp[i] + off : wp[i]);
+      for (int64_t i = 0; i < N; ++i) r[i] += yr[i] * inv * norm_weight(wp, i, off);
     }
   });
 }
