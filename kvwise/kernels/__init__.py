@@ -33,6 +33,7 @@ _SOURCES = [
         "dense.cpp",
         "kquant.cpp",
         "gguf_pack.cpp",
+        "amx.cpp",
     )
 ]
 _lock = threading.Lock()
@@ -73,23 +74,67 @@ def _vnni_flags(base: list[str]) -> list[str]:
     if not base or os.environ.get("KVWISE_AVX512", "1") == "0":
         return []
     compiler = os.environ.get("CXX", "c++")
-    with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "probe.cpp", Path(tmp) / "probe"
-        src.write_text(_VNNI_PROBE)
-        try:
-            subprocess.run([compiler, "-O1", *base, *_VNNI_FLAGS, str(src), "-o", str(exe)],
-                           check=True, capture_output=True, timeout=60)  # fmt: skip
-            ok = subprocess.run([str(exe)], capture_output=True, timeout=10).returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            ok = False
-    if not ok:
+    if not _runs(compiler, [*base, *_VNNI_FLAGS], _VNNI_PROBE):
         return []
     # 256-bit vectors elsewhere, as in the AVX2 build: only the VNNI kernels use 512
-    return [*_VNNI_FLAGS, "-mprefer-vector-width=256", "-DKVWISE_AVX512VNNI"]
+    return [*_VNNI_FLAGS, "-mprefer-vector-width=256", "-DKVWISE_AVX512VNNI",
+            *_amx_flags(compiler, base)]  # fmt: skip
+
+
+_AMX_PROBE = r"""
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+struct alignas(64) Config { unsigned char palette, start, pad[14]; unsigned short colsb[16];
+                            unsigned char rows[16]; };
+int main() {
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 2;  // ask for the tile state
+  Config c = {};
+  c.palette = 1;
+  for (int t = 0; t < 3; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+  alignas(64) signed char a[16 * 64], b[16 * 64];
+  alignas(64) int s[16 * 16];
+  for (int i = 0; i < 16 * 64; ++i) a[i] = 3, b[i] = -2;
+  _tile_loadd(0, a, 64);
+  _tile_loadd(1, b, 64);
+  _tile_zero(2);
+  _tile_dpbssd(2, 0, 1);
+  _tile_stored(2, s, 64);
+  _tile_release();
+  return s[0] == -384 && s[255] == -384 ? 0 : 1;
+}
+"""
+_AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]
+
+
+def _amx_flags(compiler: str, base: list[str]) -> list[str]:
+    """AMX int8 tiles for the block matmuls of many rows (``csrc/amx.cpp``) when a test program
+    that asks the kernel for the tile state and multiplies two tiles compiles AND runs here,
+    else nothing. ``KVWISE_AMX=0`` keeps the VNNI build."""
+    if os.environ.get("KVWISE_AMX", "1") == "0":
+        return []
+    if not _runs(compiler, [*base, *_VNNI_FLAGS, *_AMX_FLAGS], _AMX_PROBE):
+        return []
+    return [*_AMX_FLAGS, "-DKVWISE_AMX"]
+
+
+def _runs(compiler: str, flags: list[str], source: str) -> bool:
+    """Whether `source` compiles with `flags` and its program exits 0 here."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "probe.cpp", Path(tmp) / "probe"
+        src.write_text(source)
+        try:
+            subprocess.run([compiler, "-O1", *flags, str(src), "-o", str(exe)],
+                           check=True, capture_output=True, timeout=60)  # fmt: skip
+            return subprocess.run([str(exe)], capture_output=True, timeout=10).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            return False
 
 
 def block_isa(isa: str = "") -> str:
-    """The instructions of the int4 / int8-block matmuls: ``"avx512vnni"`` or ``"avx2"``;
+    """The instructions of the int4 / int8-block matmuls: ``"amx"`` (AMX tiles from 16 rows,
+    VNNI below), ``"avx512vnni"`` or ``"avx2"``;
     ``isa`` switches between them where both are built (the same results either way)."""
     if not available():
         raise RuntimeError("block_isa: the kvwise kernels are unavailable")
@@ -99,7 +144,7 @@ def block_isa(isa: str = "") -> str:
 def block_isas() -> list[str]:
     """Every ``block_isa`` this build and CPU can run, slowest first (the current one kept)."""
     current, found = block_isa(), []
-    for isa in ("avx2", "avx512vnni"):
+    for isa in ("avx2", "avx512vnni", "amx"):
         try:
             block_isa(isa)
             found.append(isa)

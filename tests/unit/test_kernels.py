@@ -79,6 +79,44 @@ def test_paged_decode_attention_matches_sdpa_over_the_gathered_blocks(
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("block_size", [16, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 100])
+def test_rows_over_shared_prefix_blocks_get_the_bits_they_get_alone(block_size, dtype, window):
+    """Decode rows of different sequences whose tables share their first blocks (one cached
+    system prompt, a forked conversation) compute each shared span once for all of them: every
+    row's output has the same bits as that row attending alone, beside a prefill chunk's rows
+    (one sequence at several positions) and an unrelated row, and matches SDPA."""
+    gen = torch.Generator().manual_seed(block_size + window)
+    heads, kv_heads, dim, prefix = 9, 3, 64, 13 * block_size
+    num_blocks = 200
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    shared, rest = order[: prefix // block_size], order[prefix // block_size :]
+    lengths = [prefix + n for n in (1, 5, 40, 0, 77, 3)] + [prefix // 2, 150, 151, 152]
+    max_blocks = -(-max(lengths) // block_size)
+    tables = torch.zeros(len(lengths), max_blocks, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        own = shared[: -(-n // block_size)] if b < 8 else []
+        if b >= 8:  # rows 8.. : one sequence's prefill chunk, its own blocks
+            own = rest[100 : 100 + -(-n // block_size)]
+        need = -(-n // block_size) - len(own)
+        own, rest = own + rest[:need], rest[need:] if b < 8 else rest
+        tables[b, : len(own)] = torch.tensor(own)
+    q = torch.randn(len(lengths), heads, dim, generator=gen) * 3
+    lens = torch.tensor(lengths)
+    args = {"window": window} if window else {}
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, **args)
+    for b in range(len(lengths)):
+        alone = ops.paged_decode_attention(q[b : b + 1], k_cache, v_cache, tables[b : b + 1],
+                                           lens[b : b + 1], dim**-0.5, **args)  # fmt: skip
+        assert torch.equal(got[b], alone[0]), b
+    if not window:
+        want = _reference(q, k_cache.float(), v_cache.float(), tables, lens)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_paged_decode_attention_refuses_a_length_beyond_its_table():
     cache = torch.zeros(4, 16, 1, 64)
     with pytest.raises(RuntimeError, match="context length"):
@@ -248,27 +286,46 @@ def _cpu_has_vnni() -> bool:
     return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags.split())
 
 
+def _cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as info:
+        flags = next((line for line in info if line.startswith("flags")), "")
+    return {"amx_tile", "amx_int8"} <= set(flags.split())
+
+
 @pytest.mark.skipif(not _cpu_has_vnni(), reason="n/a: this CPU has no AVX-512 VNNI")
-@pytest.mark.parametrize("shape", [(960, 576), (40, 64), (49152 // 32, 576)])
-def test_avx512_vnni_block_matmuls_give_the_avx2_bits(shape):
+@pytest.mark.parametrize("shape", [(960, 576), (40, 64), (24, 64), (49152 // 32, 576)])
+def test_avx512_vnni_and_amx_block_matmuls_give_the_avx2_bits(shape):
     """The VNNI code (two column groups a vector, 8-row tiles, an odd last group on the AVX2
-    code) sums the same exact integers and runs the same float operations: same bits as the
-    AVX2 code, for int4 and Q8_0 weights, at every row count. On a CPU with VNNI it is the
-    default build: a CPU that has it and a build that does not fails here."""
-    assert kernels.block_isa() == "avx512vnni", "this CPU has AVX-512 VNNI, the build does not"
+    code) and the AMX code (16-row tiles of one block's exact integer sums, from 16 rows on,
+    the rows padded to whole tiles) sum the same exact integers and run the same float
+    operations: same bits as the AVX2 code, for int4 and Q8_0 weights, at every row count. On a
+    CPU with VNNI (and AMX) it is the default build: a CPU that has it and a build that does
+    not fails here."""
+    best = "amx" if _cpu_has_amx() else "avx512vnni"
+    assert kernels.block_isa() == best, f"this CPU has {best}, the build does not"
+    assert kernels.block_isas()[-1] == best
     gen = torch.Generator().manual_seed(shape[1])
     dense = torch.randn(*shape, generator=gen)
     try:
         for packed, op in ((Int4Weight.quantize(dense).packed, ops.q4mm),
                            (Q8Weight.quantize(dense).packed, ops.q8mm)):  # fmt: skip
-            for rows in (1, 3, 8, 9, 23, 64):
+            for rows in (1, 3, 8, 9, 15, 16, 23, 33, 64):
                 x = torch.randn(rows, shape[1], generator=gen) * 3
                 kernels.block_isa("avx2")
                 avx2 = op(x, packed)
-                kernels.block_isa("avx512vnni")
-                assert torch.equal(op(x, packed), avx2), (op, rows)
+                for isa in kernels.block_isas()[1:]:
+                    kernels.block_isa(isa)
+                    assert torch.equal(op(x, packed), avx2), (op, rows, isa)
     finally:
-        kernels.block_isa("avx512vnni")
+        kernels.block_isa(best)
+
+
+@pytest.mark.skipif(not _cpu_has_vnni() or _cpu_has_amx(), reason="n/a: tested above")
+def test_a_cpu_with_vnni_and_without_amx_refuses_amx():
+    assert "amx" not in kernels.block_isas()
+    with pytest.raises(RuntimeError, match="no AMX kernels"):
+        kernels.block_isa("amx")
+    assert kernels.block_isa() == "avx512vnni"
 
 
 @pytest.mark.skipif(_cpu_has_vnni(), reason="n/a: this CPU has AVX-512 VNNI (tested above)")
@@ -277,11 +334,13 @@ def test_a_cpu_without_vnni_runs_the_avx2_code_and_refuses_vnni():
     assert kernels.block_isas() == ["avx2"]
     with pytest.raises(RuntimeError, match="no AVX-512 VNNI kernels"):
         kernels.block_isa("avx512vnni")
+    with pytest.raises(RuntimeError, match="no AMX kernels"):
+        kernels.block_isa("amx")
     assert kernels.block_isa() == "avx2"
 
 
 def test_block_isa_refuses_an_unknown_name():
-    with pytest.raises(RuntimeError, match="expected 'avx2' or 'avx512vnni'"):
+    with pytest.raises(RuntimeError, match="expected 'avx2', 'avx512vnni' or 'amx'"):
         kernels.block_isa("sse2")
 
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "parallel.h"
 
 namespace {
 
@@ -151,7 +152,7 @@ at::Tensor f32mm(const at::Tensor& x_in, const at::Tensor& w) {
   const int64_t kCols =
       stream ? std::max<int64_t>(512, std::min(share, (65536 / M + 63) / 64 * 64)) : 64;
   const int64_t blocks = (N + kCols - 1) / kCols;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  kvwise::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> packed;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kCols, n1 = std::min(N, n0 + kCols);

@@ -47,6 +47,8 @@
 
 #include "qact.h"
 #include "vec.h"
+#include "amx.h"
+#include "parallel.h"
 
 namespace {
 
@@ -94,7 +96,7 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   BFloat16* op = out.data_ptr<BFloat16>();
-  at::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
+  kvwise::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) norm_row(xp + t * N, wp, eps, N, op + t * N);
   });
   return out;
@@ -112,7 +114,7 @@ at::Tensor add_rms_norm_bf16(at::Tensor& residual, const at::Tensor& y, const at
   const BFloat16* yp = y.data_ptr<BFloat16>();
   const float* wp = w.data_ptr<float>();
   BFloat16* op = out.data_ptr<BFloat16>();
-  at::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
+  kvwise::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* r = rp + t * N;
       const BFloat16* yr = yp + t * N;
@@ -166,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(
   float* kp = k.data_ptr<float>();
   float* vp = v.data_ptr<float>();
   const float eps = static_cast<float>(eps_in), off = static_cast<float>(norm_offset);
-  at::parallel_for(0, T, grain_rows(W), [&](int64_t begin, int64_t end) {
+  kvwise::parallel_for(0, T, grain_rows(W), [&](int64_t begin, int64_t end) {
     float buf[1024];
     TORCH_CHECK(D <= 1024, "qkv_rope: head_dim above 1024");
     for (int64_t t = begin; t < end; ++t) {
@@ -237,7 +239,7 @@ at::Tensor glu_mul(const at::Tensor& gate_up, const char* name) {
   at::Tensor out = at::empty({T_, I}, gate_up.options());
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, T_, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
+  kvwise::parallel_for(0, T_, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* g = gp + t * 2 * I;
       const T* u = g + I;
@@ -413,6 +415,8 @@ inline void q8_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float*
 // (w + 128) * x, and 128 * sum(x) comes off again (both exact).
 #if defined(KVWISE_AVX512VNNI)
 bool g_vnni = true;
+bool g_amx = kvwise_amx::ready();  // AMX tiles where the build has them and the OS grants them
+constexpr int64_t kAmxRows = 16;
 
 inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(
@@ -498,6 +502,8 @@ void vnni_tile(const uint8_t* w0, const uint8_t* w1, int64_t nb, int64_t rows, c
 }
 #else
 bool g_vnni = false;
+bool g_amx = false;
+constexpr int64_t kAmxRows = 16;
 #endif
 
 template <bool Q4, int R>
@@ -523,11 +529,17 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& packed, const char* n
               name, ": packed must be uint8 (N / 8, K / 32, ", group_bytes, ") for K = ", x.size(1));
   const int64_t M = x.size(0), K = x.size(1), G = packed.size(0), nb = packed.size(1);
   const int64_t N = G * 8;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * nb), sx(M * nb);
-  std::vector<int32_t> xs(M * nb);
+  // AMX tiles from kAmxRows rows on (their rows' quantized activations padded with zeros to
+  // a whole tile); fewer rows run the VNNI tiles, where a 16-row tile would be mostly padding
+  const bool amx = g_amx && M >= kAmxRows;
+  const int64_t rows = amx ? (M + kvwise_amx::kTileRows - 1) / kvwise_amx::kTileRows *
+                                 kvwise_amx::kTileRows
+                           : M;
+  std::vector<int8_t> xq(rows * K);
+  std::vector<float> dx(rows * nb), sx(rows * nb);
+  std::vector<int32_t> xs(rows * nb);
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, grain_rows(4 * K), [&](int64_t m0, int64_t m1) {
+  kvwise::parallel_for(0, M, grain_rows(4 * K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       quantize_row_q8(xp + m * K, K, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
                       xs.data() + m * nb);
@@ -552,9 +564,16 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& packed, const char* n
     }
   };
 #if defined(KVWISE_AVX512VNNI)
+  if (amx) {
+    kvwise::parallel_for(0, G / 2, 1, [&](int64_t p0, int64_t p1) {
+      kvwise_amx::block_pairs(Q4, wp, nb, p0, p1, M, xq.data(), dx.data(), sx.data(), op, N);
+    });
+    if (G % 2) avx2_groups(G - 1, G);
+    return out;
+  }
   if (g_vnni) {
     constexpr int64_t kRows = 8;
-    at::parallel_for(0, G / 2, 1, [&](int64_t p0, int64_t p1) {
+    kvwise::parallel_for(0, G / 2, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const uint8_t* w0 = wp + 2 * p * nb * group_bytes;
         const uint8_t* w1 = w0 + nb * group_bytes;
@@ -571,25 +590,30 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& packed, const char* n
     return out;
   }
 #endif
-  at::parallel_for(0, G, 1, avx2_groups);
+  kvwise::parallel_for(0, G, 1, avx2_groups);
   return out;
 }
 
-// which instructions q4mm / q8mm run: "avx512vnni" where built and the CPU runs them, else
+// which instructions q4mm / q8mm run: "amx" where built and the CPU and OS grant the tiles
+// (AMX from kAmxRows rows, VNNI below), else "avx512vnni" where built and the CPU runs it, else
 // "avx2"; `isa` non-empty switches (the results are the same bits either way)
 std::string block_isa(c10::string_view isa) {
   if (isa == "avx2") {
-    g_vnni = false;
+    g_vnni = g_amx = false;
   } else if (isa == "avx512vnni") {
 #if defined(KVWISE_AVX512VNNI)
-    g_vnni = true;
+    g_vnni = true, g_amx = false;
 #else
     TORCH_CHECK(false, "block_isa: this build has no AVX-512 VNNI kernels");
 #endif
+  } else if (isa == "amx") {
+    TORCH_CHECK(kvwise_amx::ready(), "block_isa: this build or CPU has no AMX kernels");
+    g_vnni = g_amx = true;
   } else {
-    TORCH_CHECK(isa.empty(), "block_isa: expected 'avx2' or 'avx512vnni', got '", std::string(isa), "'");
+    TORCH_CHECK(isa.empty(), "block_isa: expected 'avx2', 'avx512vnni' or 'amx', got '",
+                std::string(isa), "'");
   }
-  return g_vnni ? "avx512vnni" : "avx2";
+  return g_amx ? "amx" : g_vnni ? "avx512vnni" : "avx2";
 }
 
 at::Tensor q4mm(const at::Tensor& x, const at::Tensor& packed) {
@@ -620,7 +644,7 @@ at::Tensor q8_rows_dot(const at::Tensor& hidden, const at::Tensor& packed, const
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < N * k; ++i)
     TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "q8_rows_dot: id ", ip[i], " out of range");
-  at::parallel_for(0, N * k, 16, [&](int64_t begin, int64_t end) {
+  kvwise::parallel_for(0, N * k, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t id = ip[i], c = id % 8;
       const uint8_t* g = wp + (id / 8) * nb * kQ8GroupBytes;
@@ -653,7 +677,7 @@ at::Tensor top_k_ids(const at::Tensor& x, int64_t k) {
   at::Tensor ids = at::empty({N, k}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+  kvwise::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<std::pair<float, int64_t>> heap;  // min-heap by value, then by later id
     const auto after = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
       return a.first > b.first || (a.first == b.first && a.second < b.second);
@@ -703,7 +727,7 @@ void mask_logits(at::Tensor& logits, const at::Tensor& words) {
   float* xp = logits.data_ptr<float>();
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>());
   const float inf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+  kvwise::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       float* row = xp + n * V;
       const uint32_t* w = wp + n * W;
@@ -734,7 +758,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
   const float* xp = logits.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   float* lp = logprobs.data_ptr<float>();
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+  kvwise::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float* row = xp + n * V;
       // the largest value (NaN counts as largest, as in torch.argmax), then its first id
@@ -789,7 +813,7 @@ at::Tensor rms_norm_f32(const at::Tensor& x, const at::Tensor& w, double eps, do
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float off = static_cast<float>(offset);
-  at::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
+  kvwise::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) norm_row(xp + t * N, wp, eps, N, op + t * N, off);
   });
   return out;
@@ -806,7 +830,7 @@ void add_rms_normed_f32(at::Tensor& residual, const at::Tensor& y, const at::Ten
   const float* yp = y.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const float off = static_cast<float>(offset);
-  at::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
+  kvwise::parallel_for(0, T, grain_rows(N), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* yr = yp + t * N;
       float* r = rp + t * N;

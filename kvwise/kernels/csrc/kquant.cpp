@@ -44,6 +44,7 @@
 
 #include "qact.h"
 #include "weights.h"
+#include "parallel.h"
 
 namespace {
 
@@ -433,7 +434,7 @@ at::Tensor qk_mm(const at::Tensor& x, const at::Tensor& packed) {
   std::vector<float> dx(M * nb), sx(M * nb);
   std::vector<int32_t> xs(M * nb), xh(2 * M * nb);
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 15) / (4 * K)), [&](int64_t m0, int64_t m1) {
+  kvwise::parallel_for(0, M, std::max<int64_t>(1, (1 << 15) / (4 * K)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       quantize_row_q8(xp + m * K, K, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
                       xs.data() + m * nb);
@@ -471,7 +472,7 @@ at::Tensor qk_mm(const at::Tensor& x, const at::Tensor& packed) {
 #if defined(KVWISE_AVX512VNNI)
   if (path == 2) {
     constexpr int64_t kRows = 8;
-    at::parallel_for(0, G / 2, 1, [&](int64_t p0, int64_t p1) {
+    kvwise::parallel_for(0, G / 2, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const uint8_t* w0 = wp + 2 * p * gb;
         const uint8_t* w1 = w0 + gb;
@@ -485,7 +486,7 @@ at::Tensor qk_mm(const at::Tensor& x, const at::Tensor& packed) {
     return out;
   }
 #endif
-  at::parallel_for(0, G, 1, narrow_groups);
+  kvwise::parallel_for(0, G, 1, narrow_groups);
   return out;
 }
 
@@ -539,7 +540,7 @@ at::Tensor qk_pack(const at::Tensor& codes, int64_t bits, const at::Tensor& tail
   const uint8_t* tp = tail.data_ptr<uint8_t>();
   const uint8_t* hp = heads.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+  kvwise::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* sb = op + (g * nsb + b / blocks_per_super) * super;
@@ -613,7 +614,7 @@ at::Tensor qk_rows_impl(const at::Tensor& packed, const at::Tensor& ids, const a
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const float* hp = h ? h->data_ptr<float>() : nullptr;
-  at::parallel_for(0, n, 8, [&](int64_t i0, int64_t i1) {
+  kvwise::parallel_for(0, n, 8, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const uint8_t* g = wp + (ip[i] / 8) * gb;
       const int c = static_cast<int>(ip[i] % 8);

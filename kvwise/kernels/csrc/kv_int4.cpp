@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "parallel.h"
 
 namespace {
 
@@ -216,7 +217,7 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
   std::vector<int64_t> order(num_groups);
   for (int64_t i = 0; i < num_groups; ++i) order[i] = i % 2 ? num_groups - 1 - i / 2 : i / 2;
 
-  at::parallel_for(0, num_groups * KVH, 1, [&](int64_t begin, int64_t end) {
+  kvwise::parallel_for(0, num_groups * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, accm, codes(D * bs), qs(12 * D), qm(12);
     std::vector<float> ksm(2 * D), vsm(2 * bs * groups);
     std::vector<int64_t> score_at, tile_rows;

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "parallel.h"
 
 namespace {
 
@@ -635,6 +636,70 @@ __attribute__((noinline)) void finish_state(float* out, const float* state, int6
   for (int64_t d = 0; d < D; ++d) out[d] = state[2 + d] * inv;
 }
 
+// Spans that rows of different sequences read from the same pool blocks (decode rows over one
+// cached prefix: a system prompt, a conversation's history forked by n > 1): each such span is
+// computed once for all those rows' query heads together, each K/V row loaded once for all of
+// them, instead of once a row. span_partial gives every vector the bits it has alone, and the
+// rows' spans are still folded in span order: no bit changes. Only rows alone in their group
+// (one query row of a sequence) take part; a row's shared spans are those it sees whole.
+struct Sharing {
+  std::vector<int64_t> span, first, count;  // shared span i: its index, rows[first, +count)
+  std::vector<int64_t> rows;
+  std::vector<char> marked;  // marked[b * stride + s]: row b's span s is computed shared
+  int64_t stride = 0;
+  bool is_marked(int64_t b, int64_t s) const { return !marked.empty() && marked[b * stride + s]; }
+};
+
+Sharing find_shared(const int64_t* tables, int64_t max_blocks, const int64_t* lens,
+                    const std::vector<int64_t>& group_start, int64_t block_size, int64_t window) {
+  struct Entry {
+    uint64_t key;
+    int64_t s, b;
+  };
+  Sharing sh;
+  std::vector<Entry> entries;
+  const int64_t T = group_start.back();
+  auto first_block = [&](int64_t s) { return s * kSpan / block_size; };
+  auto last_block = [&](int64_t s) { return (s * kSpan + kSpan - 1) / block_size; };
+  for (size_t gi = 0; gi + 1 < group_start.size(); ++gi) {
+    if (group_start[gi + 1] - group_start[gi] != 1) continue;
+    const int64_t b = group_start[gi], len = lens[b];
+    const int64_t* table = tables + b * max_blocks;
+    const int64_t key0 = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    for (int64_t s = (key0 + kSpan - 1) / kSpan; (s + 1) * kSpan <= len; ++s) {
+      uint64_t key = static_cast<uint64_t>(s) * 0x9E3779B97F4A7C15ull;
+      for (int64_t j = first_block(s); j <= last_block(s); ++j)
+        key = (key ^ static_cast<uint64_t>(table[j])) * 0x100000001B3ull;
+      entries.push_back({key, s, b});
+    }
+  }
+  if (entries.size() < 2) return sh;
+  std::sort(entries.begin(), entries.end(), [](const Entry& x, const Entry& y) {  // span order
+    return x.s != y.s ? x.s < y.s : x.key != y.key ? x.key < y.key : x.b < y.b;
+  });
+  auto same = [&](const Entry& x, const Entry& y) {
+    if (x.key != y.key || x.s != y.s) return false;
+    const int64_t *tx = tables + x.b * max_blocks, *ty = tables + y.b * max_blocks;
+    return std::equal(tx + first_block(x.s), tx + last_block(x.s) + 1, ty + first_block(x.s));
+  };
+  for (size_t i = 0, j; i < entries.size(); i = j) {
+    for (j = i + 1; j < entries.size() && same(entries[i], entries[j]);) ++j;
+    if (j - i < 2) continue;
+    if (sh.marked.empty()) {
+      for (int64_t b = 0; b < T; ++b) sh.stride = std::max(sh.stride, (lens[b] + kSpan - 1) / kSpan);
+      sh.marked.assign(T * sh.stride, 0);
+    }
+    sh.span.push_back(entries[i].s);
+    sh.first.push_back(static_cast<int64_t>(sh.rows.size()));
+    sh.count.push_back(static_cast<int64_t>(j - i));
+    for (size_t k = i; k < j; ++k) {
+      sh.rows.push_back(entries[k].b);
+      sh.marked[entries[k].b * sh.stride + entries[k].s] = 1;
+    }
+  }
+  return sh;
+}
+
 // The attention itself: q (T, H, D) float32; tables (T, max_blocks), lens (T,) int64.
 //
 // Rows that share a block table (a prefill chunk's: the same sequence at other positions) go in
@@ -699,8 +764,30 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
   std::vector<int64_t> split_rows;
   int64_t split_spans = 0;
   std::vector<int64_t> unit_work;
+  const Sharing shared = find_shared(tables, max_blocks, lens, group_start, P.block_size, window);
   for (int64_t gi = 0; gi < num_groups; ++gi) {
     const int64_t b0 = group_start[gi], b1 = group_start[gi + 1];
+    bool sharing = false;  // a row with shared spans: its other spans in runs, all kept split
+    for (int64_t s = group_first[gi]; s < group_spans[gi] && !sharing; ++s)
+      sharing = shared.is_marked(b0, s);
+    if (sharing) {
+      is_split[b0] = 1;
+      split_at[b0] = split_spans - first_span(b0);
+      split_spans += spans_of(b0) - first_span(b0);
+      split_rows.push_back(b0);
+      for (int64_t s = first_span(b0); s < spans_of(b0);) {
+        if (shared.is_marked(b0, s)) {
+          ++s;
+          continue;
+        }
+        int64_t e = s + 1;
+        while (e < spans_of(b0) && e - s < chunk && !shared.is_marked(b0, e)) ++e;
+        units.push_back({gi, s, e});
+        unit_work.push_back(e - s);
+        s = e;
+      }
+      continue;
+    }
     if (group_spans[gi] - group_first[gi] <= chunk) {
       int64_t work = 0;
       for (int64_t b = b0; b < b1; ++b) work += spans_of(b) - first_span(b);
@@ -819,12 +906,44 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
   if (small || num_tasks == 1) {
     work(0, num_tasks);
   } else {
-    at::parallel_for(0, num_tasks, 1, work);
+    kvwise::parallel_for(0, num_tasks, 1, work);
   }
+  // the shared spans, each for all its rows at once
+  kvwise::parallel_for(0, static_cast<int64_t>(shared.span.size()), 1, [&](int64_t u0, int64_t u1) {
+    Scratch S;
+    std::vector<const float*> qv;
+    std::vector<float*> res;
+    if (u0 < u1)
+      prefetch_span<E>(P, tables + shared.rows[shared.first[u0]] * max_blocks,
+                       shared.span[u0] * kSpan, (shared.span[u0] + 1) * kSpan);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t s = shared.span[u], start = s * kSpan;
+      const int64_t* rows = shared.rows.data() + shared.first[u];
+      for (int64_t h = 0; h < KVH; ++h) {
+        if (u + 1 < u1) {  // the next span's rows on their way while this one computes
+          const int64_t next = shared.span[u + 1] * kSpan;
+          ask_ahead<E>(P, tables + shared.rows[shared.first[u + 1]] * max_blocks, next,
+                       next + kSpan, h, S.ahead);
+        }
+        qv.clear();
+        res.clear();
+        for (int64_t i = 0; i < shared.count[u]; ++i) {
+          const int64_t b = rows[i];
+          float* dst = pp + ((split_at[b] + s) * KVH + h) * part_size;
+          for (int64_t g = 0; g < G; ++g) {
+            qv.push_back(qp + (b * H + h * G + g) * D);
+            res.push_back(dst + g * (D + 2));
+          }
+        }
+        span_partial<E>(P, qv.data(), qv.size(), tables + rows[0] * max_blocks, start,
+                        start + kSpan, h, res.data(), S);
+      }
+    }
+  });
   // the split rows: their spans' partials folded in span order, as a whole row's are
   if (!split_rows.empty()) {
     const int64_t num_split = static_cast<int64_t>(split_rows.size());
-    at::parallel_for(0, num_split, std::max<int64_t>(1, 512 / (chunk * H)),
+    kvwise::parallel_for(0, num_split, std::max<int64_t>(1, 512 / (chunk * H)),
                      [&](int64_t begin, int64_t end) {
       std::vector<float> state(H * (D + 2));
       for (int64_t i = begin; i < end; ++i) {
