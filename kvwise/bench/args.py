@@ -81,6 +81,7 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    add_vllm_args(p)
 
 
 def add_agents_args(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""``kvwise bench chat``: multi-turn chat, llama.cpp's home ground, kvwise vs ``llama-server``.
+"""``kvwise bench chat``: multi-turn chat, llama.cpp's home ground, kvwise vs ``llama-server``
+(and vLLM's CPU build with ``--vllm-python``).
 
 ``--conversations`` chats run at once against each server, ``--turns`` turns each. Every
 turn sends the whole history plus a new user message of about ``--turn-tokens`` tokens (real
@@ -7,7 +8,9 @@ text: consecutive slices of the Python language reference shipped with the inter
 greedy tokens back, which join the history. Both servers keep what they computed: kvwise
 through its prefix cache (and its tiers), llama-server through its per-slot prompt cache, one
 slot per conversation (``-np``), so each turn costs the prefill of its new tokens against a
-cached context that grows to several thousand tokens. Reported: TTFT per turn (median over the
+cached context that grows to several thousand tokens; vLLM (``vllm_peer``: the model as an HF
+directory, bf16, prefix caching on, 2 GiB of KV like kvwise's pool) through its prefix cache.
+Reported: TTFT per turn (median over the
 conversations) and the prompt size each turn reached. The servers run one after the other,
 ``--rounds`` times alternately; medians pool all rounds.
 """
@@ -23,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvwise.bench import llamacpp
+from kvwise.bench import llamacpp, vllm_peer
 from kvwise.bench.common import serve_process, sse_chunks
 
 # characters per token of the reference text under the default model's tokenizer (measured:
@@ -113,6 +116,9 @@ def main(args: argparse.Namespace) -> int:
     runs: dict[str, list[dict]] = {"kvwise": []}
     if binary:
         runs["llama.cpp"] = []
+    vllm = vllm_peer.find_python(args.vllm_python)
+    if vllm:
+        runs["vllm"] = []
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory() as disk:  # a fresh disk tier: nothing stored before
             port = llamacpp.free_port()
@@ -135,6 +141,18 @@ def main(args: argparse.Namespace) -> int:
                           f"{server.log_tail()}")  # fmt: skip
                     if server.proc is not None and server.proc.poll() is not None:
                         print(f"llama-server exited with {server.proc.returncode}")
+        if vllm:
+            runs["vllm"].append(vllm_peer.serve(vllm, args.vllm_model, 2 << 30, slot_ctx,
+                                                lambda u: _chat_load(u, args)))  # fmt: skip
+    result = _report(runs, args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _report(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict:
+    """Each server's median TTFT per turn (over its rounds' conversations), printed as a
+    table with the prompt size each turn reached."""
     result = {"args": vars(args) | {"func": None}, "runs": runs, "median_ttft_s": {}}
     for name, server_runs in runs.items():
         if not server_runs:
@@ -153,6 +171,4 @@ def main(args: argparse.Namespace) -> int:
     print("| prompt tokens (kvwise, largest) | " + " | ".join(f"{n:,}" for n in sizes) + " |")
     for name, ttfts in result["median_ttft_s"].items():
         print(f"| {name} | " + " | ".join(f"{v:.2f} s" for v in ttfts) + " |")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, default=str))
-    return 0
+    return result

@@ -17,6 +17,7 @@
 // bf16 matmuls) loads its own configuration: each call loads ours and releases it at the end.
 
 #include "amx.h"
+#include "avx512.h"
 
 #if defined(KVWISE_AMX)
 
@@ -50,18 +51,6 @@ TileConfig make_config() {
 }
 
 const TileConfig kConfig = make_config();
-
-inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(
-      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-
-inline __m512 load_ph_pair(const uint8_t* a, const uint8_t* b) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
 
 // one column pair's weights, every block, as tile rows: tiles[b] = 8 rows x 64 bytes
 template <bool Q4>

@@ -48,6 +48,7 @@
 #include "qact.h"
 #include "vec.h"
 #include "amx.h"
+#include "avx512.h"
 #include "parallel.h"
 
 namespace {
@@ -417,18 +418,6 @@ inline void q8_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float*
 bool g_vnni = true;
 bool g_amx = kvwise_amx::ready();  // AMX tiles where the build has them and the OS grants them
 constexpr int64_t kAmxRows = 16;
-
-inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(
-      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-
-inline __m512 load_ph_pair(const uint8_t* a, const uint8_t* b) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
 
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;

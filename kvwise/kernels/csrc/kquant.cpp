@@ -44,6 +44,7 @@
 
 #include "qact.h"
 #include "weights.h"
+#include "avx512.h"
 #include "parallel.h"
 
 namespace {
@@ -274,16 +275,6 @@ inline void avx2_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const floa
 #endif
 
 #if defined(KVWISE_AVX512VNNI)
-inline __m512i pair(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(
-      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-inline __m512 ph_pair(const uint8_t* a, const uint8_t* b) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
 inline __m512i i8_pair(const uint8_t* a, const uint8_t* b) {
   return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
                                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
@@ -304,10 +295,10 @@ inline void vnni_sums(const uint8_t* p0, const uint8_t* p1, const int8_t* xq, in
   const __m512i top = _mm512_set1_epi8(L::bits == 5 ? 0x10 : 0x30);
   constexpr int hs = L::halves ? 1 : 0;
   __m512i planes[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-  for (int h = 0; h < L::bits - 4; ++h) planes[h] = pair(p0 + 128 + 32 * h, p1 + 128 + 32 * h);
+  for (int h = 0; h < L::bits - 4; ++h) planes[h] = load_pair(p0 + 128 + 32 * h, p1 + 128 + 32 * h);
   for (int r = 0; r < R; ++r) s[r][0] = s[r][hs] = _mm512_setzero_si512();
   for (int j = 0; j < 4; ++j) {
-    const __m512i c = pair(p0 + 32 * j, p1 + 32 * j);
+    const __m512i c = load_pair(p0 + 32 * j, p1 + 32 * j);
     __m512i lo = _mm512_and_si512(c, mask);
     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
     if constexpr (L::bits == 5) {
@@ -374,19 +365,19 @@ inline void vnni_rows(const uint8_t* w0, const uint8_t* w1, int64_t nb, const in
                                             i8_pair(c0 + 8, c1 + 8), _mm512_set1_epi32(xs[i]))), m[r]);
         } else {
           const __m512i t = _mm512_sub_epi32(s[r][0], _mm512_set1_epi32(L::offset * xs[i]));
-          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ph_pair(c0, c1), dxv), _mm512_cvtepi32_ps(t), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(load_ph_pair(c0, c1), dxv), _mm512_cvtepi32_ps(t), acc[r]);
           if constexpr (L::mins)
-            acc[r] = _mm512_fmadd_ps(ph_pair(c0 + 16, c1 + 16), _mm512_set1_ps(sx[i]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(load_ph_pair(c0 + 16, c1 + 16), _mm512_set1_ps(sx[i]), acc[r]);
         }
       }
     }
     if constexpr (L::kscales) {
       const uint8_t *h0 = header_at<L>(w0, s0), *h1 = header_at<L>(w1, s0);
-      const __m512 d = ph_pair(h0, h1);
+      const __m512 d = load_ph_pair(h0, h1);
       for (int r = 0; r < R; ++r) {
         __m512 a = s0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + r * ldo);
         a = _mm512_fmadd_ps(d, v[r], a);
-        if constexpr (L::mins) a = _mm512_fnmadd_ps(ph_pair(h0 + 16, h1 + 16), m[r], a);
+        if constexpr (L::mins) a = _mm512_fnmadd_ps(load_ph_pair(h0 + 16, h1 + 16), m[r], a);
         _mm512_storeu_ps(out + r * ldo, a);
       }
     }
