@@ -44,9 +44,9 @@ struct alignas(64) TileConfig {
 
 TileConfig make_config() {
   TileConfig c;
-  c.rows[0] = kTileRows, c.colsb[0] = kBlock;  // activations
-  c.rows[1] = kBlock / 4, c.colsb[1] = 64;     // weights
-  c.rows[2] = kTileRows, c.colsb[2] = 64;      // sums (int32)
+  for (int t : {0, 3}) c.rows[t] = kTileRows, c.colsb[t] = kBlock;  // activations
+  for (int t : {1, 4}) c.rows[t] = kBlock / 4, c.colsb[t] = 64;     // weights
+  for (int t : {2, 5}) c.rows[t] = kTileRows, c.colsb[t] = 64;      // sums (int32)
   return c;
 }
 
@@ -71,17 +71,56 @@ void unpack_pair(const uint8_t* w0, const uint8_t* w1, int64_t nb, uint8_t* tile
   }
 }
 
-// 16 rows x one column pair over all K
+// 16 rows x one column pair over all K. Blocks go in pairs on two sets of tiles (0-2 and
+// 3-5), so the second block's tile multiply runs while the first's sums are scaled.
 template <bool Q4>
 void tile_rows(const uint8_t* w0, const uint8_t* w1, const uint8_t* tiles, int64_t nb,
                int64_t rows, const int8_t* xq, const float* dx, const float* sx, float* out,
                int64_t ldo) {
   constexpr int64_t gb = Q4 ? kQ4Group : kQ8Group;
   const int64_t K = nb * kBlock;
-  alignas(64) int32_t sums[kTileRows * 16];
+  alignas(64) int32_t sums[2][kTileRows * 16];
   __m512 acc[kTileRows];
   for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w0 += gb, w1 += gb) {
+  // block b's scaled sums into acc, in vnni_rows's order
+  auto scale = [&](int64_t b, const int32_t* sum) {
+    const uint8_t *g0 = w0 + b * gb, *g1 = w1 + b * gb;
+    const __m512 d = load_ph_pair(g0 + (Q4 ? 128 : 256), g1 + (Q4 ? 128 : 256));
+    if constexpr (Q4) {
+      const __m512 m = load_ph_pair(g0 + 144, g1 + 144);
+      for (int r = 0; r < kTileRows; ++r) {
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(sum + 16 * r));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), isum, acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
+      }
+    } else {
+      for (int r = 0; r < kTileRows; ++r) {
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(sum + 16 * r));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), isum, acc[r]);
+      }
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    _tile_loadd(0, xq + b * kBlock, K);
+    _tile_loadd(1, tiles + b * kTileBytes, 64);
+    _tile_zero(2);
+    _tile_loadd(3, xq + (b + 1) * kBlock, K);
+    _tile_loadd(4, tiles + (b + 1) * kTileBytes, 64);
+    _tile_zero(5);
+    if constexpr (Q4) {
+      _tile_dpbsud(2, 0, 1);
+      _tile_dpbsud(5, 3, 4);
+    } else {
+      _tile_dpbssd(2, 0, 1);
+      _tile_dpbssd(5, 3, 4);
+    }
+    _tile_stored(2, sums[0], 64);
+    scale(b, sums[0]);
+    _tile_stored(5, sums[1], 64);
+    scale(b + 1, sums[1]);
+  }
+  if (b < nb) {
     _tile_loadd(0, xq + b * kBlock, K);
     _tile_loadd(1, tiles + b * kTileBytes, 64);
     _tile_zero(2);
@@ -90,21 +129,8 @@ void tile_rows(const uint8_t* w0, const uint8_t* w1, const uint8_t* tiles, int64
     } else {
       _tile_dpbssd(2, 0, 1);
     }
-    _tile_stored(2, sums, 64);
-    const __m512 d = load_ph_pair(w0 + (Q4 ? 128 : 256), w1 + (Q4 ? 128 : 256));
-    if constexpr (Q4) {
-      const __m512 m = load_ph_pair(w0 + 144, w1 + 144);
-      for (int r = 0; r < kTileRows; ++r) {
-        const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r));
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), isum, acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
-      }
-    } else {
-      for (int r = 0; r < kTileRows; ++r) {
-        const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r));
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), isum, acc[r]);
-      }
-    }
+    _tile_stored(2, sums[0], 64);
+    scale(b, sums[0]);
   }
   for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
