@@ -309,7 +309,7 @@ def test_avx512_vnni_and_amx_block_matmuls_give_the_avx2_bits(shape):
     try:
         for packed, op in ((Int4Weight.quantize(dense).packed, ops.q4mm),
                            (Q8Weight.quantize(dense).packed, ops.q8mm)):  # fmt: skip
-            for rows in (1, 3, 8, 9, 15, 16, 23, 33, 64):
+            for rows in (1, 3, 8, 9, 15, 16, 23, 33, 64, 300):
                 x = torch.randn(rows, shape[1], generator=gen) * 3
                 kernels.block_isa("avx2")
                 avx2 = op(x, packed)

@@ -554,9 +554,16 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& packed, const char* n
   };
 #if defined(KVWISE_AVX512VNNI)
   if (amx) {
-    kvwise::parallel_for(0, G / 2, 1, [&](int64_t p0, int64_t p1) {
-      kvwise_amx::block_pairs(Q4, wp, nb, p0, p1, M, xq.data(), dx.data(), sx.data(), op, N);
-    });
+    // in runs of rows whose quantized activations stay in L2 while every column pair runs
+    // through them (a prompt's thousands of rows would stream from memory once a pair)
+    constexpr int64_t kRunRows = 256;
+    for (int64_t m0 = 0; m0 < M; m0 += kRunRows) {
+      const int64_t run = std::min(kRunRows, M - m0);
+      kvwise::parallel_for(0, G / 2, 1, [&](int64_t p0, int64_t p1) {
+        kvwise_amx::block_pairs(Q4, wp, nb, p0, p1, run, xq.data() + m0 * K,
+                                dx.data() + m0 * nb, sx.data() + m0 * nb, op + m0 * N, N);
+      });
+    }
     if (G % 2) avx2_groups(G - 1, G);
     return out;
   }
