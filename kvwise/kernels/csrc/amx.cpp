@@ -25,7 +25,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cstring>
 #include <vector>
 
 namespace kvwise_amx {

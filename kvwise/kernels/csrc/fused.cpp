@@ -416,8 +416,6 @@ inline void q8_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float*
 // (w + 128) * x, and 128 * sum(x) comes off again (both exact).
 #if defined(KVWISE_AVX512VNNI)
 bool g_vnni = true;
-bool g_amx = kvwise_amx::ready();  // AMX tiles where the build has them and the OS grants them
-constexpr int64_t kAmxRows = 16;
 
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -491,9 +489,9 @@ void vnni_tile(const uint8_t* w0, const uint8_t* w1, int64_t nb, int64_t rows, c
 }
 #else
 bool g_vnni = false;
-bool g_amx = false;
-constexpr int64_t kAmxRows = 16;
 #endif
+bool g_amx = kvwise_amx::ready();  // AMX tiles where the build has them and the OS grants them
+constexpr int64_t kAmxRows = 16;
 
 template <bool Q4, int R>
 inline void block_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float* dx,
