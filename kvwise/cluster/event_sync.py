@@ -7,19 +7,24 @@ after ``seq``, or None when some were already dropped from the ring. The router'
 the next one (a gap: a batch lost, a replica restarted) is refused, and the router asks for a
 ``snapshot`` instead — every hash the replica's pool holds, as of a batch number — which
 replaces what the index held for it. ``EventHub`` sits between them (replicas push, routers
-pull): the Ray deployment wraps it in an actor. Pure Python: the transport is the caller's.
+pull): the Ray deployment wraps it in an actor. With its load a replica names the requests it
+admitted since it last published (that load counts them): a router stops counting the work it
+sent there itself once the hub says so (``routing.RecentWork``). Pure Python: the transport is
+the caller's.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
 from kvwise.cluster.kv_events_codec import decode_batch, encode_batch
 from kvwise.cluster.routing import PrefixIndex
 from kvwise.core.hashing import BlockHash
 from kvwise.core.kv_events import KVEvent
+
+ACKED = 4096  # request ids the hub remembers a replica acknowledged
 
 
 class EventPublisher:
@@ -112,15 +117,27 @@ class EventHub:
         self._loads: dict[str, tuple[int, int]] = {}
         self._snapshots: dict[str, tuple[int, list[BlockHash]]] = {}
         self._wanted: set[str] = set()
+        # the requests each replica admitted before its latest load, the last ACKED of them
+        self._acked: dict[str, OrderedDict[str, None]] = {}
 
     def publish(
-        self, replica: str, batches: Iterable[tuple[int, bytes]], load: tuple[int, int]
+        self,
+        replica: str,
+        batches: Iterable[tuple[int, bytes]],
+        load: tuple[int, int],
+        acked: Iterable[str] = (),
     ) -> bool:
-        """Store a replica's new batches and its ``(queued, running)`` tokens. True: send a
+        """Store a replica's new batches, its ``(queued, running)`` tokens and the ids of the
+        requests it admitted since its last publish (which that load counts). True: send a
         snapshot."""
         ring = self._batches.setdefault(replica, deque(maxlen=self.ring))
         ring.extend(batches)
         self._loads[replica] = load
+        seen = self._acked.setdefault(replica, OrderedDict())
+        for request_id in acked:
+            seen[request_id] = None
+        while len(seen) > ACKED:
+            seen.popitem(last=False)
         return replica in self._wanted
 
     def publish_snapshot(self, replica: str, seq: int, hashes: Iterable[BlockHash]) -> None:
@@ -132,17 +149,25 @@ class EventHub:
 
     def drop(self, replica: str) -> None:
         """A replica gone (its actor died): nothing of it is handed out any more."""
-        for table in (self._batches, self._loads, self._snapshots):
+        for table in (self._batches, self._loads, self._snapshots, self._acked):
             table.pop(replica, None)
         self._wanted.discard(replica)
 
-    def pull(self, cursors: dict[str, int]) -> dict[str, dict]:
+    def pull(
+        self, cursors: dict[str, int], pending: dict[str, list[str]] | None = None
+    ) -> dict[str, dict]:
         """For each replica: ``load``, and ``batches`` past the router's cursor, or a
-        ``snapshot`` ``(seq, hashes)`` when one newer than the cursor is there."""
+        ``snapshot`` ``(seq, hashes)`` when one newer than the cursor is there; and ``acked``:
+        which of the router's ``pending`` requests to it the replica has acknowledged."""
         out: dict[str, dict] = {}
+        pending = pending or {}
         for replica, load in self._loads.items():
             cursor = cursors.get(replica, 0)
-            item: dict = {"load": load}
+            seen = self._acked.get(replica, {})
+            item: dict = {
+                "load": load,
+                "acked": [r for r in pending.get(replica, ()) if r in seen],
+            }
             snapshot = self._snapshots.get(replica)
             if snapshot is not None and snapshot[0] > cursor:
                 item["snapshot"] = snapshot

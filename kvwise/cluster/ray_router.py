@@ -24,12 +24,13 @@ from ray.serve.request_router import RequestRouter
 
 from kvwise.cluster.event_sync import IndexSync, sync_from_hub
 from kvwise.cluster.remote import RouteHint
-from kvwise.cluster.routing import CacheAwarePolicy, Load, PrefixIndex
+from kvwise.cluster.routing import CacheAwarePolicy, Load, PrefixIndex, RecentWork
 
 logger = logging.getLogger("kvwise.cluster")
 
 HUB_NAMESPACE = "kvwise"
-# tokens routed to a replica count towards its load for this long (its published load lags)
+# tokens routed to a replica count towards its load until the replica acknowledges them, or
+# for this long at most (an acknowledgement lost on the way)
 RECENT_S = 0.5
 
 
@@ -62,9 +63,9 @@ class KVAwareRouter(RequestRouter):
             self.sync.index, block_size, overlap_weight, imbalance_tokens
         )
         self.loads: dict[str, tuple[int, int]] = {}
-        # requests routed in the last RECENT_S and not completed: (when, prompt tokens), by
-        # replica and request; counted as queued (the replica's published load lags)
-        self.recent: dict[str, dict[str, tuple[float, int]]] = {}
+        # requests routed and not yet in their replica's published load: counted as queued
+        self.recent = RecentWork(RECENT_S)
+        self._request_keys: dict[str, tuple[str, str]] = {}  # Ray's id -> (replica, ours)
         self.reasons: Counter[str] = Counter()
         self._hub = None
 
@@ -77,24 +78,25 @@ class KVAwareRouter(RequestRouter):
         """Pull the replicas' new batches and loads; ask for snapshots past a gap."""
         try:
             hub = self.hub()
-            reply = await hub.pull.remote(dict(self.sync.cursor))
+            reply = await hub.pull.remote(dict(self.sync.cursor), self.recent.pending())
         except Exception as exc:  # noqa: BLE001 - the hub restarting: route on what we know
             logger.warning("event hub unreachable (%s): routing on the last index", exc)
             self._hub = None
             return
         self.loads = sync_from_hub(self.sync, reply)
+        for replica, item in reply.items():
+            self.recent.acknowledged(replica, item.get("acked", ()))
         for replica in self.sync.need_snapshot:
             hub.want_snapshot.remote(replica)
 
     def load_of(self, replica: str, now: float) -> Load:
         queued, running = self.loads.get(replica, (0, 0))
-        recent = self.recent.get(replica, {})
-        for request_id in [k for k, (t, _) in recent.items() if now - t > RECENT_S]:
-            del recent[request_id]
-        return Load(queued + sum(tokens for _, tokens in recent.values()), running)
+        return Load(queued + self.recent.tokens(replica, now), running)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self.recent.get(replica_id.unique_id, {}).pop(internal_request_id, None)
+        key = self._request_keys.pop(internal_request_id, None)
+        if key is not None:
+            self.recent.completed(*key)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         hint = route_hint(pending_request)
@@ -115,9 +117,11 @@ class KVAwareRouter(RequestRouter):
                 chosen = hint.session_replica
         self.reasons[choice.reason] += 1
         if pending_request is not None:  # the work it adds there: what it must prefill
-            request_id = pending_request.metadata.internal_request_id
+            internal_id = pending_request.metadata.internal_request_id
+            request_id = (hint.request_id if hint else None) or internal_id
             cached = self.sync.index.overlap(chosen, chain) * self.policy.block_size
-            self.recent.setdefault(chosen, {})[request_id] = (now, max(num_tokens - cached, 0))
+            self.recent.add(chosen, request_id, now, max(num_tokens - cached, 0))
+            self._request_keys[internal_id] = (chosen, request_id)
         rest = [r for rid, r in sorted(by_id.items()) if rid != chosen]
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
 
@@ -126,7 +130,7 @@ class KVAwareRouter(RequestRouter):
         rid = replica_id.unique_id
         self.sync.drop(rid)
         self.loads.pop(rid, None)
-        self.recent.pop(rid, None)
+        self.recent.drop(rid)
         try:
             self.hub().drop.remote(rid)
         except Exception:  # noqa: BLE001 - the hub forgets it when it restarts anyway

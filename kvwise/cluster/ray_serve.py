@@ -62,12 +62,12 @@ class EventHubActor:
         self.stats: dict[str, Any] = {}
         self.curves: dict[str, Any] = {}
 
-    def publish(self, replica: str, batches, load, stats=None, curves=None) -> bool:
+    def publish(self, replica: str, batches, load, stats=None, curves=None, acked=()) -> bool:
         if stats is not None:
             self.stats[replica] = stats
         if curves is not None:
             self.curves[replica] = curves
-        return self.hub.publish(replica, batches, tuple(load))
+        return self.hub.publish(replica, batches, tuple(load), acked)
 
     def publish_snapshot(self, replica: str, seq: int, hashes) -> None:
         self.hub.publish_snapshot(replica, seq, hashes)
@@ -75,8 +75,8 @@ class EventHubActor:
     def want_snapshot(self, replica: str) -> None:
         self.hub.want_snapshot(replica)
 
-    def pull(self, cursors: dict[str, int]) -> dict:
-        return self.hub.pull(cursors)
+    def pull(self, cursors: dict[str, int], pending=None) -> dict:
+        return self.hub.pull(cursors, pending)
 
     def drop(self, replica: str) -> None:
         self.hub.drop(replica)
@@ -120,6 +120,7 @@ class EngineReplica:
         self._task: asyncio.Task | None = None
         self._want_snapshot = True  # a fresh replica: routers replace whatever they knew
         self._last_load: tuple[int, int] | None = None
+        self._admitted: list[str] = []  # since the last publish: the routers' ack
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -132,6 +133,7 @@ class EngineReplica:
         except KVWiseError as exc:
             yield error_to_wire(exc)
             return
+        self._admitted.append(request_id)
         yield (ADMITTED, self.replica_id)
         try:
             async for out in stream:
@@ -191,8 +193,11 @@ class EngineReplica:
         """Publish the events since the last flush and the load (and the stats)."""
         async with self._lock:
             snapshot = self._want_snapshot
+            # admitted already, so the load collected next counts them
+            acked, self._admitted = self._admitted, []
             batch, load, snap = await self.engine.call(lambda e: self._collect(e, snapshot))
-            if batch is None and load == self._last_load and not with_stats and not snap:
+            unchanged = batch is None and load == self._last_load and not snap
+            if unchanged and not with_stats and not acked:
                 return
             hub = self.hub()
             if snap is not None:
@@ -201,7 +206,7 @@ class EngineReplica:
             curves = self.engine.cost_curves() if with_stats else None
             batches = [batch] if batch is not None else []
             self._want_snapshot = await hub.publish.remote(
-                self.replica_id, batches, load, stats, curves
+                self.replica_id, batches, load, stats, curves, acked
             )
             self._last_load = load
 

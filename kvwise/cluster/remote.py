@@ -44,13 +44,14 @@ ERROR = "error"
 @dataclass(frozen=True)
 class RouteHint:
     """What the router reads off a request: the prompt's block-hash chain and length, the
-    replica that served this session's last turn, and ``pin`` (a replica that must take it:
-    ``park``, tests)."""
+    replica that served this session's last turn, ``pin`` (a replica that must take it:
+    ``park``, tests), and the request's id (the replica acknowledges it by that id)."""
 
     chain: tuple[BlockHash, ...] = ()
     num_tokens: int = 0
     session_replica: str | None = None
     pin: str | None = None
+    request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,10 @@ class RemoteEngine:
         token_ids, chain = await asyncio.to_thread(tokenize_and_hash)
         session = (options.tenant, options.session_id) if options.session_id else None
         route = RouteHint(
-            tuple(chain), len(token_ids), self._sessions.get(session) if session else None
+            tuple(chain),
+            len(token_ids),
+            self._sessions.get(session) if session else None,
+            request_id=request_id,
         )
         for attempt in range(self.admission_retries + 1):
             items = self.transport.generate(token_ids, params, options, request_id, route)

@@ -85,6 +85,41 @@ class Load:
         return self.queued_tokens + running_weight * self.running_tokens
 
 
+class RecentWork:
+    """Work a router sent a replica that the replica's published load may not show yet:
+    ``(when, prompt tokens)`` by replica and request. An entry goes when the replica
+    acknowledges the request (a load it published after admitting it, which counts it), when
+    the request completes, or after ``expiry_s`` (an acknowledgement lost on the way)."""
+
+    def __init__(self, expiry_s: float) -> None:
+        self.expiry_s = expiry_s
+        self._by_replica: dict[str, dict[str, tuple[float, int]]] = {}
+
+    def add(self, replica: str, request_id: str, now: float, tokens: int) -> None:
+        self._by_replica.setdefault(replica, {})[request_id] = (now, tokens)
+
+    def pending(self) -> dict[str, list[str]]:
+        """The requests each replica has not acknowledged yet."""
+        return {r: list(entries) for r, entries in self._by_replica.items() if entries}
+
+    def acknowledged(self, replica: str, request_ids: Iterable[str]) -> None:
+        entries = self._by_replica.get(replica, {})
+        for request_id in request_ids:
+            entries.pop(request_id, None)
+
+    def completed(self, replica: str, request_id: str) -> None:
+        self._by_replica.get(replica, {}).pop(request_id, None)
+
+    def drop(self, replica: str) -> None:
+        self._by_replica.pop(replica, None)
+
+    def tokens(self, replica: str, now: float) -> int:
+        entries = self._by_replica.get(replica, {})
+        for request_id in [k for k, (t, _) in entries.items() if now - t > self.expiry_s]:
+            del entries[request_id]
+        return sum(tokens for _, tokens in entries.values())
+
+
 @dataclass(frozen=True)
 class Choice:
     replica: str

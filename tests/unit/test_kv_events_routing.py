@@ -288,3 +288,28 @@ def test_replicas_and_a_router_meet_at_the_hub():
     assert sync.index.num_blocks("r1") == len(managers["r1"].cached_hashes())
     hub.drop("r2")
     assert "r2" not in hub.pull({})
+
+
+def test_work_sent_to_a_replica_counts_until_the_replica_acknowledges_it():
+    pytest.importorskip("msgpack")
+    from kvwise.cluster.event_sync import EventHub
+    from kvwise.cluster.routing import RecentWork
+
+    hub, recent = EventHub(), RecentWork(expiry_s=0.5)
+    hub.publish("r1", [], (0, 0))
+    recent.add("r1", "turn-1", now=10.0, tokens=155)
+    recent.add("r1", "turn-2", now=10.0, tokens=40)
+    assert recent.tokens("r1", now=10.1) == 195
+    # r1 admits turn-1 and publishes a load that counts it: the router stops counting it
+    hub.publish("r1", [], (155, 0), acked=["turn-1"])
+    reply = hub.pull({}, recent.pending())
+    assert reply["r1"]["acked"] == ["turn-1"]
+    recent.acknowledged("r1", reply["r1"]["acked"])
+    assert recent.tokens("r1", now=10.1) == 40
+    recent.completed("r1", "turn-2")
+    assert recent.tokens("r1", now=10.1) == 0 and recent.pending() == {}
+    recent.add("r1", "lost", now=10.0, tokens=7)  # never acknowledged: gone after expiry_s
+    assert recent.tokens("r1", now=10.4) == 7 and recent.tokens("r1", now=10.6) == 0
+    assert hub.pull({}, {"r1": ["never-sent"]})["r1"]["acked"] == []
+    hub.drop("r1")
+    assert hub.pull({}, {"r1": ["turn-1"]}) == {}
