@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from kvwise import errors
 from kvwise.core.hashing import BlockHash, BlockHasher
-from kvwise.core.kv_cache_manager import KVCacheStats
+from kvwise.core.kv_stats import KVCacheStats
 from kvwise.engine.client import RequestStream
 from kvwise.engine.prompts import Prompt, Tokenizer, tokenize_prompt
 from kvwise.engine.stats import EngineStats

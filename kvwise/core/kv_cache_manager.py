@@ -8,7 +8,9 @@ Token ranges of one request (block_size 4)::
                  0                   8          num_computed    num_computed + num_new
 
 Only full blocks are hashed and cached. A prompt that is entirely cached still computes its
-last token, so a prefix hit covers at most ``(num_tokens - 1) // block_size`` blocks.
+last token (for its logits): a hit covers ``(num_tokens - 1) // block_size`` blocks at most,
+or with ``whole_hits`` all of a block-aligned prompt's (its last row then reads its K/V from
+the pool and is not written: ``ScheduledRequest.kv_in_pool``; full-attention groups only).
 
 Isolation: a request's hashes descend from the root of its (model, tenant, salt), so a hit
 is only possible within the same tenant and salt. The one exception is an operator-declared
@@ -21,45 +23,13 @@ cached", never another tenant's prompt token by token.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from kvwise.core.block_pool import BlockPool, KVBlock
 from kvwise.core.hashing import BlockHash, BlockHasher, group_hash
 from kvwise.core.kv_events import KVEvent, KVEventLog
 from kvwise.core.kv_spec import first_window_block, held_blocks
+from kvwise.core.kv_stats import KVCacheStats
 from kvwise.core.request import Request
-from kvwise.core.stat_fields import GAUGE, metric
-
-
-@dataclass(frozen=True)
-class KVCacheStats:
-    """The device pool at one moment; token counts are totals since start. Each field names
-    its metric (``core.stat_fields``)."""
-
-    blocks_total: int = metric("kvwise_kv_blocks_total", "KV blocks in the pool", GAUGE)
-    blocks_used: int = metric("kvwise_kv_blocks_used", "KV blocks held by requests", GAUGE)
-    blocks_cached_free: int = metric(  # free, still holding a reusable cached prefix
-        "kvwise_kv_blocks_cached", "free KV blocks still holding a cached prefix", GAUGE
-    )
-    blocks_free: int = metric("kvwise_kv_blocks_free", "free KV blocks", GAUGE)
-    blocks_kept: int = metric(
-        "kvwise_kv_blocks_kept", "KV blocks kept by retention (used or free)", GAUGE
-    )
-    prefix_query_tokens: int = metric(
-        "kvwise_prefix_cache_queries_tokens", "prompt tokens looked up in the prefix cache"
-    )
-    prefix_hit_tokens: int = metric(
-        "kvwise_prefix_cache_hits_tokens", "prompt tokens found in the prefix cache"
-    )
-    utilization: float = metric(  # tokens held by running sequences / capacity of their blocks
-        "kvwise_kv_utilization", "share of allocated KV slots holding computed tokens", GAUGE
-    )
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return (
-            self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
-        )
 
 
 class KVCacheManager:
@@ -78,6 +48,7 @@ class KVCacheManager:
         clock: Callable[[], float] | None = None,
         kv_events: bool = False,
         windows: Sequence[int] = (0,),
+        whole_hits: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
@@ -90,6 +61,7 @@ class KVCacheManager:
             raise ValueError(f"windows: expected one or more windows >= 0, got {windows!r}")
         self.block_size = block_size
         self.windows = tuple(int(w) for w in windows)
+        self.whole_hits = whole_hits and not any(self.windows)
         self.released: list[int] = []  # see take_released
         self.enable_caching = enable_caching
         self.model_fingerprint = model_fingerprint
@@ -246,7 +218,8 @@ class KVCacheManager:
         return len(self._find_hit(request)[0]) * self.block_size
 
     def _find_hit(self, request: Request) -> list[list[KVBlock]]:
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        last = request.num_tokens if self.whole_hits else request.num_tokens - 1
+        max_blocks = last // self.block_size
         self._update_block_hashes(request, max_blocks * self.block_size)
         get = self.pool.get_cached_block
         found: list[list[KVBlock | None]] = []

@@ -33,6 +33,9 @@ class ScheduledRequest:
     # prompt logprobs (the targets of this chunk's rows); None otherwise
     history: list[int] | None = None
     num_prompt_tokens: int = 0
+    # 1: the pool holds this chunk's first row's K/V already (a prompt cached whole, its last
+    # token computed for its logits): the row attends but is not written
+    kv_in_pool: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -38,11 +38,15 @@ class ModelRunner(Protocol):
     num_blocks: int
     num_layers: int
     vocab_size: int
+    # True: ``execute`` leaves a chunk's first ``kv_in_pool`` rows unwritten (their K/V is in
+    # the pool: a prompt cached whole, its last token computed for its logits alone)
+    skips_cached_writes: bool
 
     def execute(
         self, sched_out: SchedulerOutput, layer_ready: LayerReady | None = None
     ) -> ModelOutput:
-        """Run one step: write the scheduled tokens' K/V into their slots, attend, and sample
+        """Run one step: write the scheduled tokens' K/V into their slots (but the first
+        ``kv_in_pool`` of an item, where ``skips_cached_writes``), attend, and sample
         for the requests that sample. ``layer_ready``, when given, is called before each
         layer reads the cache (the step's planned loads stream in meanwhile). Also drops what
         the runner keeps beside blocks ``sched_out.released_block_ids`` (freed unhashed)."""

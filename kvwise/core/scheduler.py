@@ -157,7 +157,7 @@ class Scheduler:
         out = SchedulerOutput(released_block_ids=self.kv.take_released())
         self._step_loads = {}
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int, list[int]]] = []
+        scheduled: list[tuple[Request, int, list[list[int]], int]] = []
         budget = self._schedule_running(out, scheduled, budget)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if out.preempted_ids:
@@ -171,7 +171,7 @@ class Scheduler:
             if admitted:
                 scheduled.append(admitted)
                 budget -= admitted[1]
-        for request, num_new, tables in scheduled:
+        for request, num_new, tables, in_pool in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
             out.scheduled.append(
@@ -186,6 +186,7 @@ class Scheduler:
                     output_index=request.num_output_tokens,
                     history=request.token_ids if _reads_history(request) else None,
                     num_prompt_tokens=request.num_prompt_tokens,
+                    kv_in_pool=in_pool,
                 )
             )
         return out
@@ -214,19 +215,24 @@ class Scheduler:
                     self._finish(request, FinishReason.LENGTH)
                     self._finished_while_scheduling.append(request)
                 break  # nothing after it is running
-            scheduled.append((request, num_new, block_ids))
+            scheduled.append((request, num_new, block_ids, 0))
             budget -= num_new
             i += 1
         return budget
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int):
         """Admit the head of the waiting queue: its cached prefix, any load from the tiers,
-        and blocks for its first chunk. Returns ``(request, num_new, tables)``, ``()`` when
+        and blocks for its first chunk. Returns ``(request, num_new, tables, kv_in_pool)``,
+        ``()`` when
         it finished instead (it can never fit), or None when it must wait for blocks."""
         computed_blocks, num_cached = self.kv.get_computed_blocks(request)
         bs = self.kv.block_size
+        # a whole hit: the pool holds the last token's K/V too; it is computed (for its
+        # logits) and not written
+        in_pool = 1 if num_cached == request.num_tokens else 0
+        num_cached -= in_pool
         num_device = num_cached // bs
-        loads = self._plan_load(request, num_device)
+        loads = [] if in_pool else self._plan_load(request, num_device)
         # loaded: the tokens after the device hit up to the end of group 0's load (a windowed
         # group's table holds the null block before its window's first loaded block)
         num_loaded = (loads[0][2] + loads[0][1].num_blocks - num_device) * bs if loads else 0
@@ -234,7 +240,7 @@ class Scheduler:
         num_new = self._num_new_tokens(request, budget)
         request.num_computed_tokens = 0
         tables = self.kv.allocate_slots(
-            request, num_loaded + num_new, computed_blocks, num_loaded_tokens=num_loaded
+            request, num_loaded + num_new - in_pool, computed_blocks, num_loaded_tokens=num_loaded
         )
         if tables is None:
             if self.running:
@@ -262,7 +268,7 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return request, num_new, tables
+        return request, num_new, tables, in_pool
 
     def _plan_load(self, request: Request, num_device_blocks: int) -> list[GroupLoad]:
         """The stored continuation of a device prefix hit that is worth loading, if any: a

@@ -72,6 +72,7 @@ def assemble_engine(
         ),
         kv_events=cache.enable_kv_events,
         windows=[g.window for g in spec.kv_groups],
+        whole_hits=runner.skips_cached_writes,
     )
     store = None
     if kv_manager.enable_caching:

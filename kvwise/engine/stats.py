@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwise.core.kv_cache_manager import KVCacheStats
+from kvwise.core.kv_stats import KVCacheStats
 from kvwise.core.stat_fields import GAUGE, metric
 from kvwise.store.stats import StoreStats
 

@@ -41,7 +41,7 @@ from urllib.parse import parse_qsl, urlencode
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from kvwise.core.kv_cache_manager import KVCacheStats
+from kvwise.core.kv_stats import KVCacheStats
 from kvwise.core.stat_fields import metric_fields
 from kvwise.engine.client import EngineClient
 from kvwise.engine.stats import EngineStats

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvwise.core.kv_cache_manager import KVCacheStats
+from kvwise.core.kv_stats import KVCacheStats
 from kvwise.core.stat_fields import COUNTER, MetricField, metric_fields
 from kvwise.engine.client import EngineClient
 from kvwise.engine.stats import EngineStats

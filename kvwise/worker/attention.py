@@ -89,6 +89,18 @@ class AttentionMetadata:
     row_block_table: torch.Tensor | None = None  # (T, max_blocks) long: its sequence's blocks
     row_ctx_lens: torch.Tensor | None = None  # (T,) long: position + 1, the keys it attends to
     group: int = 0  # a hybrid KV cache's group these tables are of
+    # the rows whose K/V is written (None: all of them); the others' K/V is in the pool
+    # already (``ScheduledRequest.kv_in_pool``)
+    write_rows: torch.Tensor | None = None
+
+    def writes(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(slots, k, v)`` of the rows to write."""
+        if self.write_rows is None:
+            return self.slot_mapping, k, v
+        rows = self.write_rows
+        return self.slot_mapping[rows], k[rows], v[rows]
 
 
 class TorchSDPAAttention:
@@ -189,7 +201,7 @@ class TorchSDPAAttention:
         if self._rows is not None:  # every row through the paged kernel (it writes first)
             out = self._rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap)
             return out.view(num_tokens, self.num_heads * self.head_dim)
-        self.kv_cache.write(layer, meta.slot_mapping, k, v, group=meta.group)
+        self.kv_cache.write(layer, *meta.writes(k, v), group=meta.group)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         nd = meta.num_decodes
         if nd:

@@ -23,7 +23,12 @@ class FakeModelRunner:
     """A model-free runner whose next token is a hash of the whole context read from slots."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, vocab_size: int = 1000, num_layers: int = 2
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int = 1000,
+        num_layers: int = 2,
+        skips_cached_writes: bool = True,
     ) -> None:
         self.spec = KVSpec(num_layers, 1, 1, block_size, "float32")
         self.num_layers = num_layers
@@ -34,6 +39,7 @@ class FakeModelRunner:
         self.kv = bytearray(num_blocks * self.spec.block_bytes)
         self._slots = memoryview(self.kv).cast("f")
         self.num_tokens_computed = 0
+        self.skips_cached_writes = skips_cached_writes
 
     def _index(self, layer: int, kv: int, slot: int) -> int:
         return (layer * 2 + kv) * self.num_blocks * self.block_size + slot
@@ -48,6 +54,8 @@ class FakeModelRunner:
                 layer_ready(layer)
             for item in sched_out.scheduled:
                 for i, token_id in enumerate(item.token_ids):
+                    if i < item.kv_in_pool and self.skips_cached_writes:
+                        continue  # the pool holds it (a whole-prompt hit's last token)
                     slot = self._slot(item.block_ids, item.start_pos + i)
                     for kv in (0, 1):
                         self._slots[self._index(layer, kv, slot)] = token_id + 1

@@ -43,6 +43,7 @@ class _Rows:
     sample_requests: list[ScheduledRequest]
     chunks: list[PrefillChunk]
     prompt_items: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
+    in_pool: list[int] = field(default_factory=list)  # rows whose K/V is not written
 
 
 def build_input_batch(
@@ -86,6 +87,11 @@ def _metadata(
         if len(decodes) == 1:
             decode_first_block = first_if_consecutive(decodes[0].block_ids[: len(decode_table[0])])
     row_table, row_lens = _row_tables(ordered, decode_table, rows.positions, block_size)
+    write_rows = None
+    if rows.in_pool:
+        skipped = set(rows.in_pool)
+        kept = [r for r in range(len(rows.slots)) if r not in skipped]
+        write_rows = torch.tensor(kept, dtype=torch.long)
     return AttentionMetadata(
         slot_mapping=torch.tensor(rows.slots, dtype=torch.long),
         num_decodes=len(decodes),
@@ -97,6 +103,7 @@ def _metadata(
         decode_open_index=open_index,
         row_block_table=row_table,
         row_ctx_lens=row_lens,
+        write_rows=write_rows,
     )
 
 
@@ -111,6 +118,7 @@ def _flatten(ordered: list[ScheduledRequest], block_size: int) -> _Rows:
         rows.positions.extend(pos)
         table = item.block_ids
         rows.slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+        rows.in_pool.extend(range(row, row + item.kv_in_pool))
         if n > 1:
             num_blocks = -(-(item.start_pos + n) // block_size)
             rows.chunks.append(

@@ -46,6 +46,8 @@ class ModelRunner:
             default = LayerAttention(0, arch.head_dim**-0.5)
             layers = layers or [default] * arch.num_layers
         self.num_groups = len(spec.groups) or 1
+        # a row whose K/V the pool holds can be left unwritten (core/runner.py)
+        self.skips_cached_writes = self.kv_cache.skips_writes and self.num_groups == 1
         self.attention = TorchSDPAAttention(
             self.kv_cache, arch.num_heads, arch.head_dim, layers=layers, places=places
         )

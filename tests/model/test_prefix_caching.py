@@ -2,8 +2,10 @@
 share; multi-turn chat reuses the previous turn."""
 
 import pytest
+import torch
 
 from kvwise.types import RequestOptions, SamplingParams
+from tests.hits import whole_hit
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 DOC = " ".join(
@@ -33,10 +35,9 @@ def test_hits_do_not_change_greedy_output(make_engine, cold):
     engine = make_engine()
     first = run(engine, DOC)
     assert first.num_cached_tokens == 0 and first.token_ids == cold[DOC]
-    # the whole prompt cached: only its last token is computed
+    # the whole prompt cached (256 tokens, 16 blocks): only its last token is computed
     again = run(engine, DOC)
-    n = again.num_prompt_tokens
-    assert again.num_cached_tokens == (n - 1) // 16 * 16
+    assert again.num_cached_tokens == again.num_prompt_tokens - 1
     assert again.token_ids == cold[DOC]
     # a longer prompt sharing the prefix
     longer = run(engine, DOC + " And then")
@@ -59,7 +60,7 @@ def test_revived_free_blocks_give_same_output(make_engine, cold):
 def test_tenants_and_salts_never_share(make_engine):
     engine = make_engine()
     a = run(engine, DOC, tenant="alice")
-    full_blocks = (a.num_prompt_tokens - 1) // 16 * 16
+    full_blocks = whole_hit(a.num_prompt_tokens)
     assert a.num_cached_tokens == 0
     assert run(engine, DOC, tenant="bob").num_cached_tokens == 0
     assert run(engine, DOC, tenant="alice").num_cached_tokens == full_blocks
@@ -110,7 +111,7 @@ def test_retention_keeps_prefix_through_pressure(make_engine):
     for i in range(6):  # unrelated traffic (17 blocks each) that evicts plain LRU blocks
         run(engine, f"Unrelated prompt number {i}: " + "lorem ipsum " * 20)
     again = run(engine, DOC)
-    assert again.num_cached_tokens == (kept.num_prompt_tokens - 1) // 16 * 16
+    assert again.num_cached_tokens == whole_hit(kept.num_prompt_tokens)
     assert again.token_ids == kept.token_ids
     # the same traffic without retention loses the prefix
     plain = make_engine(kv_cache_memory="32MiB")
@@ -126,3 +127,65 @@ def test_public_system_prompt_from_config(make_engine):
     run(engine, [{"role": "system", "content": DOC}] + question, tenant="a")
     b = run(engine, [{"role": "system", "content": DOC}] + question, tenant="b")
     assert b.num_cached_tokens > 0 and b.num_cached_tokens % 64 == 0
+
+
+def _aligned_prompt(engine, blocks: int = 6) -> list[int]:
+    ids = engine.tokenizer.encode(DOC)
+    return ids[: blocks * engine.kv_manager.block_size]
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8", "int4"])
+def test_a_prompt_cached_whole_computes_its_last_token_alone(make_engine, kv):
+    engine = make_engine(kv_cache_dtype=kv)
+    ids = _aligned_prompt(engine)
+    cold_tokens = run(make_engine(kv_cache_dtype=kv, enable_prefix_caching=False), ids).token_ids
+    assert run(engine, ids).token_ids == cold_tokens
+    rows, execute = [], engine.runner.execute
+    engine.runner.execute = lambda out, *a: (
+        rows.append(sum(s.num_tokens for s in out.scheduled)) or execute(out, *a)
+    )
+    again = run(engine, ids)
+    engine.runner.execute = execute
+    assert again.token_ids == cold_tokens
+    if kv == "int4":  # sealed keys: a whole hit is not offered, the last block is recomputed
+        bs = engine.kv_manager.block_size
+        assert again.num_cached_tokens == len(ids) - bs and rows[0] == bs
+    else:
+        assert again.num_cached_tokens == len(ids) - 1 and rows[0] == 1
+    # beside other requests in one batch: a decode, a cold prefill, another whole hit
+    other = ids[:40] + [ids[1]] * 9
+    refs = {tuple(p): run(make_engine(kv_cache_dtype=kv, enable_prefix_caching=False), p)
+            for p in (other, ids)}  # fmt: skip
+    rids = [engine.add_request(p, GREEDY) for p in (other, ids, ids)]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.check_integrity()
+    for rid, p in zip(rids, (other, ids, ids), strict=True):
+        assert done[rid].token_ids == refs[tuple(p)].token_ids
+
+
+@pytest.mark.parametrize("paged_kernel", [True, False])
+def test_a_whole_hit_leaves_the_cached_block_unwritten(make_engine, paged_kernel):
+    """The last row reads its K/V from the pool: poisoned there, it stays poisoned (a row that
+    were written would overwrite it) and the answer sees the poison; the paged kernel's path
+    and the torch path alike."""
+    from kvwise.worker.attention import TorchSDPAAttention
+
+    engine = make_engine()
+    if not paged_kernel:
+        a = engine.runner.attention
+        engine.runner.attention = TorchSDPAAttention(a.kv_cache, a.num_heads, a.head_dim,
+                                                     paged_kernel=False, layers=a.layers,
+                                                     places=a.places)  # fmt: skip
+    ids = _aligned_prompt(engine)
+    cold = run(engine, ids)
+    (block,) = [engine.kv_manager.pool.get_cached_block(h)
+                for h in engine.kv_manager.hasher.chain(ids)][-1:]  # fmt: skip
+    cache = engine.runner.kv_cache
+    poison = torch.full_like(cache.kv[:, :, block.block_id, 15], 50.0)
+    cache.kv[:, :, block.block_id, 15] = poison
+    again = run(engine, ids, SamplingParams(max_tokens=1, temperature=0, logprobs=0))
+    assert again.num_cached_tokens == len(ids) - 1
+    assert torch.equal(cache.kv[:, :, block.block_id, 15], poison)
+    assert again.logprobs[0] != pytest.approx(cold.logprobs[0], abs=1e-3)

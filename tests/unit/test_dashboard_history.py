@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from kvwise.core.kv_cache_manager import KVCacheStats
+from kvwise.core.kv_stats import KVCacheStats
 from kvwise.core.stat_fields import metric_fields
 from kvwise.engine.async_engine import AsyncEngine
 from kvwise.engine.stats import EngineStats

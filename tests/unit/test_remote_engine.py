@@ -21,7 +21,7 @@ from kvwise.cluster.remote import (
     merge_stats,
 )
 from kvwise.core.hashing import BlockHasher
-from kvwise.core.kv_cache_manager import KVCacheStats
+from kvwise.core.kv_stats import KVCacheStats
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import (
     ContextLengthExceeded,

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from kvwise.core.kv_cache_manager import KVCacheStats
+from kvwise.core.kv_stats import KVCacheStats
 from kvwise.core.stat_fields import COUNTER, GAUGE, metric, metric_fields
 from kvwise.engine.stats import EngineStats
 from kvwise.store.stats import StoreStats, TierStats

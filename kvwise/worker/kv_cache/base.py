@@ -19,6 +19,9 @@ The contract:
   num_heads, head_dim)`` writes the step's rows and attends every row over the pool in one go
   (``window``, ``softcap``: the layer's sliding window and score soft cap, 0: none); else None,
   and the torch path reads ``decode_kv`` / ``gather`` (and ``open_block_keys`` for sealed keys).
+- ``skips_writes``: the format can leave a row unwritten (``AttentionMetadata.writes``: a
+  whole-prompt hit's last row, whose K/V the pool holds); a format that keeps per-step state
+  over the step's slots (int4's staging) cannot.
 - ``lossy``: storing loses something (quantized, or a narrower float than the compute dtype),
   so prefill attends over what the pool holds and cold and cached prompts see the same K/V.
 """
@@ -57,6 +60,7 @@ class PagedKVCache:
     ``s`` is block ``s // block_size``, offset ``s % block_size``."""
 
     lossy: bool = False
+    skips_writes: bool = False
     rows_attention: RowsAttention | None = None
     raw: torch.Tensor
     k_blocks: list[torch.Tensor]

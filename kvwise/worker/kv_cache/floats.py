@@ -18,6 +18,7 @@ class FloatKVCache(PagedKVCache):
     name with a float layout); None: the spec's dtype name."""
 
     storage_dtype: torch.dtype | None = None
+    skips_writes = True
 
     def __init__(
         self,
@@ -92,10 +93,11 @@ class FloatKVCache(PagedKVCache):
     ):
         """Every row through the paged kernel ``(T, num_heads, head_dim)``; ``window`` > 0:
         each row sees its last ``window`` keys; ``softcap`` > 0: its scores soft-capped."""
+        slots, k, v = meta.writes(k, v)
         if self._write_in_op and not meta.prefills:  # decodes only: write and attend at once
-            new = (k, v, meta.slot_mapping)
+            new = (k, v, slots)
         else:
-            self.write(layer, meta.slot_mapping, k, v)
+            self.write(layer, slots, k, v)
             new = ()
         return self._rows_op(q, self.k_blocks[layer], self.v_blocks[layer], meta.row_block_table,
                              meta.row_ctx_lens, scale, *new,

@@ -67,6 +67,8 @@ class Int8KVCache(QuantizedKVCache):
     C++ op where it is built (the same bytes as ``kv_quant``); the paged int8 kernel reads
     codes and scales in place, and a decode-only step writes and attends in one call."""
 
+    skips_writes = True
+
     def __init__(
         self,
         spec: KVSpec,
@@ -113,11 +115,12 @@ class Int8KVCache(QuantizedKVCache):
     ):
         """Every row through the paged int8 kernel ``(T, num_heads, head_dim)``; ``window`` > 0:
         each row sees its last ``window`` keys; ``softcap`` > 0: its scores soft-capped."""
+        slots, k, v = meta.writes(k, v)
         if meta.prefills:
-            self.write(layer, meta.slot_mapping, k, v)
+            self.write(layer, slots, k, v)
             new = ()
         else:  # decodes only: write and attend at once
-            new = (k, v, meta.slot_mapping)
+            new = (k, v, slots)
         return self._rows_op(q, self.k_blocks[layer], self.v_blocks[layer], meta.row_block_table,
                              meta.row_ctx_lens, scale, self.block_size, *new,
                              **kind_args(window, softcap))  # fmt: skip
