@@ -7,6 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from tests.hits import whole_hit
+
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16
 DOC = " ".join(
@@ -17,8 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 def full_blocks(num_prompt_tokens: int) -> int:
-    """Tokens a repeat can take from the cache: whole blocks, the last token always computed."""
-    return (num_prompt_tokens - 1) // BLOCK * BLOCK
+    """Tokens a repeat can take from the cache (the last token always computed)."""
+    return whole_hit(num_prompt_tokens, BLOCK)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ import json
 import httpx
 import pytest
 
+from tests.hits import whole_hit
+
 from .conftest import TINY_CONTEXT, TINY_NAME
 
 ALICE = {"Authorization": "Bearer key-alice"}
@@ -71,13 +73,13 @@ def test_chat_non_streaming_and_streaming_agree(client, tiny_server):
     assert text == whole["choices"][0]["message"]["content"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
-    # the whole prompt was just computed: its full blocks come from the cache (all but the
-    # last token's block, which is computed again to sample from)
+    # the whole prompt was just computed: its full blocks come from the cache (the last
+    # token is computed again to sample from; a block-aligned prompt's reads its own K/V)
     block_size = tiny_server.engine.engine.kv_manager.block_size
     num_prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
     assert num_prompt_tokens > block_size  # so that there is a block to hit
     cached = chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == (num_prompt_tokens - 1) // block_size * block_size
+    assert cached == whole_hit(num_prompt_tokens, block_size)
 
 
 def test_completion_streaming_without_usage(client):
