@@ -141,6 +141,14 @@ def block_isa(isa: str = "") -> str:
     return torch.ops.kvwise.block_isa(isa)
 
 
+def attention_isa(isa: str = "") -> str:
+    """The width of the paged attention kernels: ``"avx512"`` (16 lanes, each lane the AVX2
+    lane's chain) or ``"avx2"``; ``isa`` switches where both are built (the same bits)."""
+    if not available():
+        raise RuntimeError("attention_isa: the kvwise kernels are unavailable")
+    return torch.ops.kvwise.attention_isa(isa)
+
+
 def block_isas() -> list[str]:
     """Every ``block_isa`` this build and CPU can run, slowest first (the current one kept)."""
     current, found = block_isa(), []

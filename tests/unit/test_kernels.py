@@ -320,6 +320,56 @@ def test_avx512_vnni_and_amx_block_matmuls_give_the_avx2_bits(shape):
         kernels.block_isa(best)
 
 
+def _shared_tables(lengths, block_size, gen):
+    """Scattered blocks for each row; rows of equal table (the same first row's) share them."""
+    order = torch.randperm(2 + sum(-(-n // block_size) for n in lengths), generator=gen)
+    tables = torch.zeros(len(lengths), -(-max(lengths) // block_size), dtype=torch.long)
+    used = 0
+    for row, n in enumerate(lengths):
+        count = -(-n // block_size)
+        tables[row, :count] = order[used : used + count]
+        used += count
+    return tables, len(order)
+
+
+@pytest.mark.skipif(not _cpu_has_vnni(), reason="n/a: this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+def test_avx512_paged_attention_gives_the_avx2_bits(dtype):
+    """The AVX-512 build's paged attention runs each AVX2 lane's chain in a lane of its own
+    (scores: two query vectors a register; weighted sums: 16 channels a register): the same
+    bits as the AVX2 chains for decode rows, rows over shared prefix blocks and a prefill
+    chunk's rows, every KV dtype, GQA group sizes 1 to 8, head sizes 32 to 256, with a window
+    and with a soft cap."""
+    assert kernels.attention_isa() == "avx512", "this CPU has AVX-512, the build does not"
+    gen = torch.Generator().manual_seed(11)
+    bs = 16
+    # rows: decodes of assorted lengths, then three over the first decode's blocks (a shared
+    # prefix), then a prefill chunk's rows (positions 290 .. 299 of that sequence)
+    lengths = [300, 1, 17, 33, 64, 5, 299, 280, 300] + list(range(291, 301))
+    try:
+        for heads, kv_heads, dim in ((9, 3, 64), (8, 1, 128), (4, 4, 32), (16, 2, 256), (6, 2, 96)):
+            own, num_blocks = _shared_tables(lengths[:6], bs, gen)
+            tables = torch.cat([own, own[:1].expand(len(lengths) - 6, -1)])
+            cache = make_kv_cache(KVSpec(1, kv_heads, dim, bs, dtype), num_blocks, torch.float32)
+            slots = torch.arange(num_blocks * bs)
+            cache.write(0, slots, torch.randn(len(slots), kv_heads, dim, generator=gen) * 2,
+                        torch.randn(len(slots), kv_heads, dim, generator=gen))  # fmt: skip
+            q = torch.randn(len(lengths), heads, dim, generator=gen)
+            lens = torch.tensor(lengths)
+            args = (q, cache.k_blocks[0], cache.v_blocks[0], tables, lens, dim**-0.5)
+            if dtype == "int8":
+                op, args = ops.paged_decode_attention_int8, (*args, bs)
+            else:
+                op = ops.paged_decode_attention
+            for kind in ({}, {"window": 40}, {"softcap": 30.0}):
+                kernels.attention_isa("avx2")
+                want = op(*args, **kind)
+                kernels.attention_isa("avx512")
+                assert torch.equal(op(*args, **kind), want), (heads, kv_heads, dim, kind)
+    finally:
+        kernels.attention_isa("avx512")
+
+
 @pytest.mark.skipif(not _cpu_has_vnni() or _cpu_has_amx(), reason="n/a: tested above")
 def test_a_cpu_with_vnni_and_without_amx_refuses_amx():
     assert "amx" not in kernels.block_isas()
@@ -337,6 +387,9 @@ def test_a_cpu_without_vnni_runs_the_avx2_code_and_refuses_vnni():
     with pytest.raises(RuntimeError, match="no AMX kernels"):
         kernels.block_isa("amx")
     assert kernels.block_isa() == "avx2"
+    assert kernels.attention_isa() == "avx2"
+    with pytest.raises(RuntimeError, match="no AVX-512 attention"):
+        kernels.attention_isa("avx512")
 
 
 def test_block_isa_refuses_an_unknown_name():

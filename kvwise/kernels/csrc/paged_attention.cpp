@@ -427,11 +427,147 @@ inline void group_chunk_scores(float* s, int64_t n, const float* const* qv,
   }
 }
 
+#if defined(__AVX512F__)
+// ---- the same chains 16 lanes wide (the AVX-512 build): every lane runs the operations of
+// its AVX2 lane in the same order, so the bits are the AVX2 build's
+// (tests/unit/test_kernels.py). Scores pair two query vectors in one register, each half the
+// AVX2 accumulator of one (vector, key) dot product, reduced by the same `hsum`; weighted sums
+// take 16 channels a register, a channel's chain over the keys unchanged.
+
+// 16 channels d .. d + 15 of a row as float32 (an exact conversion from any storage dtype)
+template <typename E>
+inline __m512 load_row16(const void* row, int64_t d) {
+  const E* p = static_cast<const E*>(row) + d;
+  if constexpr (kIsQ8<E>) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else if constexpr (std::is_same_v<E, at::BFloat16>) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else if constexpr (std::is_same_v<E, at::Half>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    return _mm512_loadu_ps(p);
+  }
+}
+
+// channels d .. d + 7 of a row in both halves
+template <typename E>
+inline __m512 load_row8x2(const void* row, int64_t d) {
+  if constexpr (std::is_same_v<E, float>) {  // one broadcast load
+    const double* p = reinterpret_cast<const double*>(static_cast<const float*>(row) + d);
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(p)));
+  } else {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load_row<E>(row, d))));
+  }
+}
+
+inline __m256 high_half(__m512 x) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+}
+
+constexpr int64_t kMaxHeadDim512 = 256;
+
+// false: the AVX2 chains in this build too (attention_isa("avx2"): the same bits, for tests)
+bool g_attn512 = true;
+
+// group_scores for GC query vectors in (GC + 1) / 2 pairs, R keys at a time
+template <typename E, int GC, int R>
+inline void group_scores512(float* s, int64_t n, const float* const* qv, const void* const* rows,
+                            const float* rs, int64_t D, float scale, Ahead* ahead) {
+  constexpr int P = (GC + 1) / 2;
+  // each pair's vectors 8 channels at a time side by side: [q_2p[d..d+7], q_2p+1[d..d+7]]
+  alignas(64) float qp[P][2 * kMaxHeadDim512];
+  for (int p = 0; p < P; ++p)
+    for (int64_t d = 0; d < D; d += 8) {
+      _mm256_store_ps(qp[p] + 2 * d, _mm256_loadu_ps(qv[2 * p] + d));
+      _mm256_store_ps(qp[p] + 2 * d + 8,
+                      2 * p + 1 < GC ? _mm256_loadu_ps(qv[2 * p + 1] + d) : _mm256_setzero_ps());
+    }
+  int64_t i = 0;
+  for (; i + R <= n; i += R) {
+    if (ahead) ahead->some(R);
+    __m512 acc[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      for (int r = 0; r < R; ++r) {
+        const __m512 k = load_row8x2<E>(rows[i + r], d);
+        for (int p = 0; p < P; ++p)
+          acc[r][p] = _mm512_fmadd_ps(_mm512_load_ps(qp[p] + 2 * d), k, acc[r][p]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float f = kIsQ8<E> ? scale * rs[i + r] : scale;
+      for (int p = 0; p < P; ++p) {
+        s[2 * p * n + i + r] = hsum(_mm512_castps512_ps256(acc[r][p])) * f;
+        if (2 * p + 1 < GC) s[(2 * p + 1) * n + i + r] = hsum(high_half(acc[r][p])) * f;
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    __m512 acc[P];
+    for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m512 k = load_row8x2<E>(rows[i], d);
+      for (int p = 0; p < P; ++p)
+        acc[p] = _mm512_fmadd_ps(_mm512_load_ps(qp[p] + 2 * d), k, acc[p]);
+    }
+    const float f = kIsQ8<E> ? scale * rs[i] : scale;
+    for (int p = 0; p < P; ++p) {
+      s[2 * p * n + i] = hsum(_mm512_castps512_ps256(acc[p])) * f;
+      if (2 * p + 1 < GC) s[(2 * p + 1) * n + i] = hsum(high_half(acc[p])) * f;
+    }
+  }
+}
+
+// group_values, 32 channels in two registers
+template <typename E, int GC>
+inline void group_values512(float* const* out, const void* const* rows, const float* rs,
+                            const float* w, int64_t n, int64_t D, Ahead* ahead) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    __m512 acc[GC][2];
+    for (int g = 0; g < GC; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      if (ahead) ahead->some(1);
+      __m512 wg[GC];
+      for (int g = 0; g < GC; ++g)
+        wg[g] = _mm512_set1_ps(kIsQ8<E> ? w[g * n + i] * rs[i] : w[g * n + i]);
+      for (int j = 0; j < 2; ++j) {
+        const __m512 v = load_row16<E>(rows[i], d0 + 16 * j);
+        for (int g = 0; g < GC; ++g) acc[g][j] = _mm512_fmadd_ps(wg[g], v, acc[g][j]);
+      }
+    }
+    for (int g = 0; g < GC; ++g)
+      for (int j = 0; j < 2; ++j) _mm512_storeu_ps(out[g] + d0 + 16 * j, acc[g][j]);
+  }
+}
+#endif
+
 // scores and weighted values of nv query vectors, a few of them at a time
 template <typename E>
 void all_group_scores(float* s, int64_t n, const float* const* qv, int64_t nv,
                       const void* const* rows, const float* rs, int64_t D, float scale,
                       Ahead* ahead) {
+#if defined(__AVX512F__)
+  if (g_attn512 && D <= kMaxHeadDim512 && nv >= 4) {
+    for (int64_t g0 = 0; g0 < nv; g0 += 8) {
+      float* sg = s + g0 * n;
+      const float* const* qg = qv + g0;
+      switch (std::min<int64_t>(8, nv - g0)) {
+        case 1: group_scores512<E, 1, 4>(sg, n, qg, rows, rs, D, scale, ahead); break;
+        case 2: group_scores512<E, 2, 4>(sg, n, qg, rows, rs, D, scale, ahead); break;
+        case 3: group_scores512<E, 3, 4>(sg, n, qg, rows, rs, D, scale, ahead); break;
+        case 4: group_scores512<E, 4, 4>(sg, n, qg, rows, rs, D, scale, ahead); break;
+        case 5: group_scores512<E, 5, 2>(sg, n, qg, rows, rs, D, scale, ahead); break;
+        case 6: group_scores512<E, 6, 2>(sg, n, qg, rows, rs, D, scale, ahead); break;
+        case 7: group_scores512<E, 7, 2>(sg, n, qg, rows, rs, D, scale, ahead); break;
+        default: group_scores512<E, 8, 2>(sg, n, qg, rows, rs, D, scale, ahead); break;
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t g0 = 0; g0 < nv; g0 += 4) {
     float* sg = s + g0 * n;
     const float* const* qg = qv + g0;
@@ -447,6 +583,21 @@ void all_group_scores(float* s, int64_t n, const float* const* qv, int64_t nv,
 template <typename E>
 void all_group_values(float* const* out, const void* const* rows, const float* rs,
                       const float* w, int64_t n, int64_t nv, int64_t D, Ahead* ahead) {
+#if defined(__AVX512F__)
+  if (g_attn512) {
+    for (int64_t g0 = 0; g0 < nv; g0 += 4) {
+      float* const* og = out + g0;
+      const float* wg = w + g0 * n;
+      switch (std::min<int64_t>(4, nv - g0)) {
+        case 1: group_values512<E, 1>(og, rows, rs, wg, n, D, ahead); break;
+        case 2: group_values512<E, 2>(og, rows, rs, wg, n, D, ahead); break;
+        case 3: group_values512<E, 3>(og, rows, rs, wg, n, D, ahead); break;
+        default: group_values512<E, 4>(og, rows, rs, wg, n, D, ahead); break;
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t g0 = 0; g0 < nv; g0 += 3) {
     float* const* og = out + g0;
     const float* wg = w + g0 * n;
@@ -1073,6 +1224,31 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q_in, at::Tensor& k_raw
   return attend<int8_t>(q, P, k_raw.size(0), block_tables, ctx_lens, window);
 }
 
+// the width of the paged kernels' dot products and weighted sums: "avx512" where built (16
+// lanes, each running its AVX2 lane's chain), else "avx2"; `isa` non-empty switches (the
+// results are the same bits either way)
+std::string attention_isa(c10::string_view isa) {
+  if (isa == "avx2") {
+#if defined(__AVX512F__)
+    g_attn512 = false;
+#endif
+  } else if (isa == "avx512") {
+#if defined(__AVX512F__)
+    g_attn512 = true;
+#else
+    TORCH_CHECK(false, "attention_isa: this build has no AVX-512 attention");
+#endif
+  } else {
+    TORCH_CHECK(isa.empty(), "attention_isa: expected 'avx2' or 'avx512', got '",
+                std::string(isa), "'");
+  }
+#if defined(__AVX512F__)
+  return g_attn512 ? "avx512" : "avx2";
+#else
+  return "avx2";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvwise, m) {
@@ -1087,6 +1263,7 @@ TORCH_LIBRARY(kvwise, m) {
   m.def(
       "kv_write_int8(Tensor(a!) k_raw, Tensor(b!) v_raw, Tensor k, Tensor v, Tensor slots, "
       "int block_size) -> ()");
+  m.def("attention_isa(str isa='') -> str", &attention_isa);  // no tensors: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
