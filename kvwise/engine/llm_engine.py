@@ -158,6 +158,8 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.store is not None:
+            self.store.engine_busy(True)  # its writer starts no job while the loop has work
         sched_out = self.scheduler.schedule()
         self._save_blocks()  # of requests preempted just now, before their blocks are reused
         self._grammar_masks(sched_out)
@@ -180,6 +182,8 @@ class LLMEngine:
                     request.tenant, request.options.session_id, request.block_hashes[:num_full]
                 )
         self._save_blocks()  # of requests that finished in this step
+        if self.store is not None:
+            self.store.engine_busy(self.has_unfinished())
         return processed.outputs
 
     def _record_answers(self, processed) -> None:

@@ -182,6 +182,11 @@ class TieredStore:
         """Wait until every queued write has reached the tiers."""
         self._writer.flush()
 
+    def engine_busy(self, busy: bool) -> None:
+        """The step loop has work (True) or none (False): the writer yields to it
+        (``writer.Writer.set_busy``)."""
+        self._writer.set_busy(busy)
+
     def close(self) -> None:
         """Flush pending writes, stop the writer and the readers, close the tiers.
         Idempotent."""

@@ -21,6 +21,11 @@ Contract:
   False instead of waiting for ever, so ``park`` and ``close`` never hang on a tier).
   ``close()`` flushes, then stops the thread (idempotent; later submits are dropped; a thread
   stuck in a tier is left behind, a daemon). The tiers are the caller's to close.
+- The step loop comes first: while the engine says it is busy (``set_busy``) the thread
+  starts no job, nor until it has been idle ``quiet_s`` (a request sent right after another
+  finished does not share the CPU with that one's writes), unless the job has waited
+  ``max_defer_s`` (under steady load writes still land) or a ``flush`` waits for it. A job
+  that has started runs to its end.
 - ``background=False`` runs each job inside ``submit`` (tests, deterministic); an error of
   the writer's own (packing) then reaches the caller. On the thread it is logged and the
   job skipped: one bad job never stops the writer.
@@ -34,6 +39,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -85,6 +91,8 @@ class Writer:
         max_pending_bytes: most bytes queued at once; a job past it is dropped.
         background: run jobs on a thread (False: inside ``submit``).
         on_lost: called (on the writer's thread) with each chunk a tier failed to store.
+        quiet_s: how long the engine must have been idle before a job starts.
+        max_defer_s: the longest a job waits for that.
     """
 
     def __init__(
@@ -94,6 +102,8 @@ class Writer:
         max_pending_bytes: int = 1 << 30,
         background: bool = True,
         on_lost: Callable[[ChunkWrite], None] | None = None,
+        quiet_s: float = 0.05,
+        max_defer_s: float = 2.0,
     ) -> None:
         self.tiers = list(tiers)
         self.fmt = fmt
@@ -113,7 +123,12 @@ class Writer:
         self._num_queued = 0  # jobs queued so far (the thread's), and finished
         self._num_finished = 0
         self._closed = False
-        self._queue: queue.Queue[WriteJob | None] = queue.Queue()
+        self.quiet_s, self.max_defer_s = quiet_s, max_defer_s
+        self._busy = False  # the engine's step loop has work (set_busy)
+        self._idle_since = time.monotonic()
+        self._flushing = 0  # flushes waiting: jobs start at once
+        self._quiet = threading.Condition(self._lock)  # busy, idle or a flush changed
+        self._queue: queue.Queue[tuple[WriteJob, float] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._loop, name="kvwise-kv-writer")
@@ -123,6 +138,30 @@ class Writer:
     @property
     def pending_bytes(self) -> int:
         return self._pending_bytes
+
+    def set_busy(self, busy: bool) -> None:
+        """The engine's step loop has work (True) or has none (False): see the contract."""
+        with self._lock:
+            if busy == self._busy:
+                return
+            self._busy = busy
+            if not busy:
+                self._idle_since = time.monotonic()
+            self._quiet.notify_all()
+
+    def _wait_for_quiet(self, submitted: float) -> None:
+        """Hold the next job while the step loop needs the CPU (see the contract)."""
+        with self._lock:
+            while not (self._closed or self._flushing):
+                now = time.monotonic()
+                waited = now - submitted
+                if waited >= self.max_defer_s:
+                    return
+                idle = 0.0 if self._busy else now - self._idle_since
+                if idle >= self.quiet_s:
+                    return
+                left = self.max_defer_s - waited
+                self._quiet.wait(left if self._busy else min(left, self.quiet_s - idle))
 
     def submit(self, job: WriteJob) -> bool:
         """Queue ``job`` (run it now without a thread). False: dropped, and counted."""
@@ -134,7 +173,8 @@ class Writer:
             self._pending_bytes += num_bytes
             if self._thread is not None:
                 self._num_queued += 1
-                self._queue.put(job)  # under the lock: queued in the order counted
+                # under the lock: queued in the order counted
+                self._queue.put((job, time.monotonic()))
         if self._thread is None:
             self._run(job)
         return True
@@ -144,17 +184,23 @@ class Writer:
         finished no job for ``stall_s`` (stuck in a tier; logged), so this stopped waiting."""
         with self._lock:
             target = self._num_queued
-            while self._num_finished < target:
-                if self._thread is None or not self._thread.is_alive():
-                    return True
-                seen = self._num_finished
-                if not self._done.wait_for(lambda s=seen: self._num_finished > s, self.stall_s):
-                    logger.warning(
-                        "kv writer: no write finished for %.1f s (a tier stuck past its "
-                        "deadline?): not waiting for the %d queued", self.stall_s,
-                        target - self._num_finished,
-                    )  # fmt: skip
-                    return False
+            self._flushing += 1
+            self._quiet.notify_all()
+            try:
+                while self._num_finished < target:
+                    if self._thread is None or not self._thread.is_alive():
+                        return True
+                    seen = self._num_finished
+                    if not self._done.wait_for(lambda s=seen: self._num_finished > s,
+                                               self.stall_s):  # fmt: skip
+                        logger.warning(
+                            "kv writer: no write finished for %.1f s (a tier stuck past its "
+                            "deadline?): not waiting for the %d queued", self.stall_s,
+                            target - self._num_finished,
+                        )  # fmt: skip
+                        return False
+            finally:
+                self._flushing -= 1
         return True
 
     def close(self) -> None:
@@ -167,6 +213,7 @@ class Writer:
             if self._closed:
                 return
             self._closed = True
+            self._quiet.notify_all()
         if self._thread is not None:
             self._queue.put(None)
             if flushed:  # else it is stuck in a tier: left behind (a daemon)
@@ -174,9 +221,11 @@ class Writer:
 
     def _loop(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            job, submitted = item
+            self._wait_for_quiet(submitted)
             try:
                 self._run(job)
             except Exception:  # never let one bad write stop the writer

@@ -201,3 +201,34 @@ def test_llm_stream_takes_every_option_generate_takes():
     assert llm.chat(chat, P, options)[0].text == streamed
     with pytest.raises(ValueError, match="tenat: unknown request option"):
         llm.generate("x", P, tenat="alice")
+
+
+def test_a_block_aligned_prompt_cached_whole_computes_its_last_token_alone():
+    """The fake runner reads the last token's slot from the pool: a whole hit that marked a
+    row in the pool that is not there would change the answer."""
+    prompt = LONG + "!"  # 100 bytes: 25 full blocks of 4
+    cold = run(fake_engine(enable_prefix_caching=False), [prompt])[0]
+    engine = fake_engine()
+    assert run(engine, [prompt])[0].token_ids == cold.token_ids
+    before = engine.runner.num_tokens_computed
+    again = run(engine, [prompt])[0]
+    assert again.num_cached_tokens == 99 and again.token_ids == cold.token_ids
+    assert engine.runner.num_tokens_computed - before == 1 + 11  # its last token, 11 decodes
+
+    # a runner that cannot leave a row unwritten: the last block is computed again
+    def plain(runner):
+        runner.skips_cached_writes = False
+        return runner
+
+    other = fake_engine(wrap_runner=plain)
+    run(other, [prompt])
+    assert run(other, [prompt])[0].num_cached_tokens == 96
+
+
+def test_the_tier_writer_waits_while_the_engine_steps():
+    engine = fake_engine(kv_host_memory="1MiB", kv_store_min_tokens=8)
+    writer, seen = engine.store._writer, []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda out, *a: seen.append(writer._busy) or execute(out, *a)
+    run(engine, [LONG])
+    assert seen and all(seen) and not writer._busy  # busy while stepping, idle after

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from kvwise.core.kv_tiers import ChunkWrite
 from kvwise.store import serde
@@ -140,3 +141,43 @@ def test_a_chunk_a_tier_fails_to_store_is_handed_back():
     assert fine.contains(keys) == [True, True]  # every tier stores what it can
     assert writer.submit(chunk_job(chain(4, "b"), num_tiers=1))  # the top tier alone: stored
     assert lost == [job.chunk]
+
+
+def _written(host: HostStore, hashes: list[bytes]) -> bool:
+    return host.contains([FMT.entry_key(hashes[-1], 0)]) == [True]
+
+
+def _wait(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_the_writer_yields_to_a_busy_step_loop():
+    """No job starts while the engine says it is busy, nor before it has been idle quiet_s;
+    a job that has waited max_defer_s goes anyway, and a flush does not wait for quiet."""
+    host = HostStore(1 << 20)
+    writer = Writer([host], FMT, quiet_s=0.2, max_defer_s=30.0)
+    writer.set_busy(True)
+    a, b, c = chain(4, "a"), chain(4, "b"), chain(4, "c")
+    writer.submit(chunk_job(a))
+    time.sleep(0.3)
+    assert not _written(host, a)  # busy: held
+    writer.set_busy(False)
+    idle = time.monotonic()
+    assert _wait(lambda: _written(host, a))
+    assert time.monotonic() - idle >= 0.19  # after quiet_s of idle
+    writer.set_busy(True)
+    writer.submit(chunk_job(b))
+    time.sleep(0.1)
+    assert not _written(host, b)
+    assert writer.flush() and _written(host, b)  # a flush takes it at once, busy or not
+    writer.max_defer_s = 0.3
+    started = time.monotonic()
+    writer.submit(chunk_job(c))
+    assert _wait(lambda: _written(host, c))  # still busy: it goes once it has waited 0.3 s
+    assert time.monotonic() - started >= 0.29
+    writer.close()
