@@ -115,7 +115,7 @@ def _seconds(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwise.engine.builder import build_engine
+    from kvwise.engine.builder import build_engine_for_loop
     from kvwise.server import create_app, parse_api_keys
     from kvwise.server.dashboard import check_admin_key
     from kvwise.server.transport import InvalidRequestBudget, allowed_hosts_for
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     name = _served_name(args)
     if args.ray:
         return _serve_ray(args, keys, name, app_kwargs)
-    engine = build_engine(config)
+    engine = build_engine_for_loop(config)  # stepped by the AsyncEngine's thread
     app_kwargs["invalid_request_budget"] = InvalidRequestBudget()
     app = create_app(engine, api_keys=keys, model_name=name, **app_kwargs)
     logging.getLogger("kvwise").info(

@@ -96,7 +96,7 @@ class EngineReplica:
     ) -> None:
         from kvwise.config import EngineConfig
         from kvwise.engine.async_engine import AsyncEngine
-        from kvwise.engine.builder import build_engine
+        from kvwise.engine.builder import build_engine_for_loop
 
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -107,7 +107,7 @@ class EngineReplica:
 
             rank = getattr(context.rank, "rank", 0)
             kwargs["kv_disk_path"] = os.path.join(disk or default_kv_disk_path(), f"rank-{rank}")
-        self.llm_engine = build_engine(EngineConfig.from_kwargs(**kwargs), progress=False)
+        self.llm_engine = build_engine_for_loop(EngineConfig.from_kwargs(**kwargs), progress=False)
         self.engine = AsyncEngine(self.llm_engine)
         self.engine.start()
         self.publisher = EventPublisher(
