@@ -25,9 +25,11 @@ def main() -> None:
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--out", default="docs/agents.png")
     args = p.parse_args()
-    rows = []
+    rows, shape = [], None
     for i, path in enumerate(args.files):
-        for name, r in json.loads(path.read_text())["results"].items():
+        data = json.loads(path.read_text())
+        shape = shape or data.get("args") or {}
+        for name, r in data["results"].items():
             label = name if i == 0 or name in ("llama.cpp", "vllm") else f"{name} (run {i + 1})"
             rows.append((label, r))
     labels = [label for label, _ in rows]
@@ -47,7 +49,10 @@ def main() -> None:
     right.legend()
     for axis in (left, right):
         axis.tick_params(axis="x", rotation=20)
-    fig.suptitle("kvwise bench agents: 8 agents x 6 tool rounds, pool = 1/4 of their contexts")
+    fig.suptitle(
+        f"kvwise bench agents: {shape.get('agents', 8)} agents x {shape.get('rounds', 6)} tool "
+        f"rounds, pool {shape.get('pool_memory', '300MiB')} (1/4 of their contexts)"
+    )
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(args.out)
