@@ -52,9 +52,8 @@ def main() -> None:
     report: dict = {"args": vars(args), "runs": {}}
     for clients in (int(c) for c in args.clients.split(",")):
         runs: dict[str, list[dict]] = {name: [] for name in servers}
-        for url in servers.values():
-            if args.warmup > 0:
-                _run(url, clients, args.warmup, args.max_tokens)
+        for url in servers.values() if args.warmup > 0 else ():
+            _run(url, clients, args.warmup, args.max_tokens)
         for rnd in range(args.rounds):
             for name, url in servers.items():
                 r = _run(url, clients, args.duration, args.max_tokens)
@@ -68,23 +67,15 @@ def main() -> None:
         med = {
             n: {f: statistics.median(r[f] for r in rs) for f in FIELDS} for n, rs in runs.items()
         }
-        first = next(iter(servers))
+        first, *others = servers
         for name in servers:
             m = med[name]
-            f = {k: med[first][k] / m[k] for k in FIELDS}
-            ratio = (
-                ""
-                if name == first
-                else (
-                    f"  ({first} / {name}: tok/s {f['tokens_per_s']:.2f}x, "
-                    f"p50 {f['ttft_p50_s']:.2f}x, p99 {f['ttft_p99_s']:.2f}x)"
-                )
-            )
-            print(
-                f"clients {clients} median {name}: {m['tokens_per_s']:.1f} tok/s, p50 "
-                f"{m['ttft_p50_s']:.3f} s, p99 {m['ttft_p99_s']:.3f} s{ratio}",
-                flush=True,
-            )
+            print(f"clients {clients} median {name}: {m['tokens_per_s']:.1f} tok/s, p50 "
+                  f"{m['ttft_p50_s']:.3f} s, p99 {m['ttft_p99_s']:.3f} s", flush=True)  # fmt: skip
+        for name in others:  # ours over each peer
+            f = {k: med[first][k] / med[name][k] for k in FIELDS}
+            print(f"clients {clients} {first} / {name}: tok/s {f['tokens_per_s']:.2f}x, "
+                  f"p50 {f['ttft_p50_s']:.2f}x, p99 {f['ttft_p99_s']:.2f}x", flush=True)  # fmt: skip
         report["runs"][str(clients)] = {"rounds": runs, "median": med}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
