@@ -38,6 +38,8 @@ import asyncio
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 
 import h11
 import uvicorn
@@ -76,6 +78,31 @@ class HeadLimitConnection(h11.Connection):
         return event
 
 
+class DeadlineTimer:
+    """``callback`` once ``delay_s`` have passed by the monotonic clock, never before. The
+    loop's own timers may fire early (uvloop's clock is the one cached at the start of the
+    loop's iteration), and a client is promised the whole timeout: an early firing re-arms for
+    what is left."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, delay_s: float, callback: Callable[[], None]
+    ):
+        self.loop = loop
+        self.deadline = time.monotonic() + delay_s
+        self.callback = callback
+        self.handle = loop.call_later(delay_s, self._fire)
+
+    def _fire(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left > 0:
+            self.handle = self.loop.call_later(left, self._fire)
+        else:
+            self.callback()
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
 class JSONErrorH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, answering a request it cannot parse with an OpenAI error body
     instead of its plain-text 400, with the head's size limit enforced however it arrives, and
@@ -90,12 +117,12 @@ class JSONErrorH11Protocol(H11Protocol):
         limit = self.config.h11_max_incomplete_event_size
         self.max_head_bytes = DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if limit is None else limit
         self.conn = HeadLimitConnection(self.max_head_bytes)
-        self.header_timer: asyncio.TimerHandle | None = None
-        self.body_timer: asyncio.TimerHandle | None = None
+        self.header_timer: DeadlineTimer | None = None
+        self.body_timer: DeadlineTimer | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self.header_timer = self.loop.call_later(self.header_timeout_s, self.header_timed_out)
+        self.header_timer = DeadlineTimer(self.loop, self.header_timeout_s, self.header_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
@@ -116,15 +143,15 @@ class JSONErrorH11Protocol(H11Protocol):
         state = self.conn.their_state
         if state is h11.IDLE and self.conn.trailing_data[0]:
             if self.header_timer is None:
-                self.header_timer = self.loop.call_later(
-                    self.header_timeout_s, self.header_timed_out
+                self.header_timer = DeadlineTimer(
+                    self.loop, self.header_timeout_s, self.header_timed_out
                 )
         elif state is not h11.IDLE and self.header_timer is not None:
             self.header_timer.cancel()
             self.header_timer = None
         if state is h11.SEND_BODY:
             if self.body_timer is None:
-                self.body_timer = self.loop.call_later(self.body_timeout_s, self.body_timed_out)
+                self.body_timer = DeadlineTimer(self.loop, self.body_timeout_s, self.body_timed_out)
         elif self.body_timer is not None:
             self.body_timer.cancel()
             self.body_timer = None

@@ -5,6 +5,7 @@ the connection is closed (one that sent nothing is just closed). The timeouts ar
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import http.client
 import json
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from kvwise.server import create_app
-from kvwise.server.serving import DrainingServer
+from kvwise.server.serving import DeadlineTimer, DrainingServer
 from tests.fakes import fake_engine
 
 from .conftest import LiveServer
@@ -207,3 +208,28 @@ def _config():
     import uvicorn
 
     return uvicorn.Config(lambda scope, receive, send: None)
+
+
+class EarlyLoop:
+    """An event loop whose timers fire at half their delay, as uvloop's may fire a little early
+    (its clock is the one cached at the start of an iteration)."""
+
+    def __init__(self, loop):
+        self.loop = loop
+
+    def call_later(self, delay, callback):
+        return self.loop.call_later(delay / 2, callback)
+
+
+def test_a_timeout_never_fires_before_its_whole_delay():
+    async def main():
+        loop = asyncio.get_running_loop()
+        fired = loop.create_future()
+        start = time.monotonic()
+        DeadlineTimer(EarlyLoop(loop), 0.2, lambda: fired.set_result(time.monotonic()))
+        cancelled = DeadlineTimer(EarlyLoop(loop), 0.1, lambda: fired.set_result(None))
+        await asyncio.sleep(0.06)  # past the early loop's first firing: re-armed, then cancelled
+        cancelled.cancel()
+        return await fired - start
+
+    assert 0.2 <= asyncio.run(main()) < 0.2 + SLACK_S
