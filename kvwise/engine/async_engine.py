@@ -56,7 +56,7 @@ logger = logging.getLogger("kvwise")
 
 _T = TypeVar("_T")
 
-IDLE_AUDIT_DELAY_S = 0.02  # idle this long before the pool's audit
+IDLE_AUDIT_DELAY_S = 0.02  # idle this long before the pool's audit (``idle_audit_delay_s``)
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "QueueFullError"]
@@ -93,6 +93,8 @@ class AsyncEngine:
         close_engine: close the engine (flushing its pending tier writes) once the loop has
             stopped; False leaves it open, to be reused after `shutdown` (tests).
         idle_refresh_s: while idle, stats are refreshed this often.
+        idle_audit_delay_s: idle this long before the pool's integrity audit, so that the
+            event loop first takes the last step's outputs (the audit holds the GIL).
         tokenizer_threads: threads that render and tokenize prompts (off the engine thread).
     """
 
@@ -104,8 +106,10 @@ class AsyncEngine:
         close_engine: bool = True,
         idle_refresh_s: float = 1.0,
         tokenizer_threads: int = 2,
+        idle_audit_delay_s: float = IDLE_AUDIT_DELAY_S,
     ) -> None:
         self.engine = engine
+        self.idle_audit_delay_s = idle_audit_delay_s
         self._tokenizers = concurrent.futures.ThreadPoolExecutor(
             tokenizer_threads, thread_name_prefix="kvwise-tokenize"
         )
@@ -325,7 +329,7 @@ class AsyncEngine:
                 else:
                     # NOTE: the audit holds the GIL for ~1 ms: first let the event loop take the
                     # last step's outputs (a first token waited for it: 1.4 ms of a 12 ms hit)
-                    if self._wake.wait(IDLE_AUDIT_DELAY_S):
+                    if self._wake.wait(self.idle_audit_delay_s):
                         continue
                     # idle: audit the pool; an inconsistent one stops the engine (503)
                     engine.check_integrity()

@@ -142,3 +142,23 @@ def test_shutdown_ends_open_streams(async_engine, runner):
 
     asyncio.run(main())
     assert not async_engine.is_running
+
+
+def test_the_idle_audit_waits_until_the_outputs_are_delivered(engine):
+    """The pool's audit (it holds the GIL ~1 ms on a real pool) runs once the loop has been idle
+    ``idle_audit_delay_s``, not between the last step and the delivery of its outputs."""
+    async_engine = AsyncEngine(engine, close_engine=False, idle_audit_delay_s=1.0)
+    async_engine.start()
+    try:
+
+        async def main():
+            before = async_engine.stats().kv_integrity_checks
+            outs = [out async for out in async_engine.generate("one two", GREEDY)]
+            at_delivery = async_engine.stats().kv_integrity_checks
+            await asyncio.sleep(1.5)
+            return outs[-1].finished, before, at_delivery, async_engine.stats().kv_integrity_checks
+
+        finished, before, at_delivery, later = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert finished and at_delivery == before and later == before + 1
