@@ -168,9 +168,21 @@ def _cross_tenant_hits(turns, primed: dict[str, int]) -> int | None:
     return sum(1 for t in turns if t[0] == 0 and t[4] in primed and t[3] >= primed[t[4]] - 16)
 
 
-def _kvwise_cmd(gguf: str, port: int, config: str, pool: str, disk: str, tenants: int) -> list[str]:
+_KV_BYTES = {
+    "auto": 4,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int8": 1,
+    "int4": 0.5,
+}  # ~ per element
+
+
+def _kvwise_cmd(
+    gguf: str, port: int, config: str, pool: str, disk: str, tenants: int, kv_dtype: str = "auto"
+) -> list[str]:
     cmd = [sys.executable, "-m", "kvwise.cli", "serve", "--model", gguf, "--port", str(port),
-           "--kv-cache-memory", pool]  # fmt: skip
+           "--kv-cache-memory", pool, "--kv-cache-dtype", kv_dtype]  # fmt: skip
     for t in range(abs(tenants) if abs(tenants) > 1 else 0):  # < 0: the keys share one tenant
         cmd += ["--api-key", f"key-{t}=tenant-{t if tenants > 0 else 0}"]
     if config == "tiers":
@@ -185,11 +197,12 @@ def _context(args: argparse.Namespace) -> int:
 
 
 def _vllm(python: str, args: argparse.Namespace) -> dict:
-    """The agents against vLLM's CPU build (``vllm_peer``), its KV cache as many tokens as
-    kvwise's pool holds in float32 (half the bytes of bf16)."""
+    """The agents against vLLM's CPU build (``vllm_peer``), its KV cache (bf16) as many tokens
+    as kvwise's pool holds in its format (float32: half the bytes)."""
     from kvwise.utils import parse_bytes
 
-    kv_bytes = parse_bytes(args.pool_memory, "pool_memory") // 2
+    per_element = _KV_BYTES.get(args.kv_cache_dtype, 4)
+    kv_bytes = int(parse_bytes(args.pool_memory, "pool_memory") * 2 / per_element)
     work = functools.partial(_agents_load, args=args)
     return vllm_peer.serve(python, args.vllm_model, kv_bytes, _context(args), work)
 
@@ -216,7 +229,9 @@ def _run(config: str, gguf: str, args: argparse.Namespace) -> dict | None:
             return asyncio.run(_agents_load(server.url, args))
     with tempfile.TemporaryDirectory() as disk:
         port = llamacpp.free_port()
-        cmd = _kvwise_cmd(gguf, port, config, args.pool_memory, disk, args.tenants)
+        cmd = _kvwise_cmd(
+            gguf, port, config, args.pool_memory, disk, args.tenants, args.kv_cache_dtype
+        )
         url = f"http://127.0.0.1:{port}"
         return serve_process(cmd, url, lambda u: _agents_load(u, args))
 

@@ -98,6 +98,9 @@ def add_agents_args(p: argparse.ArgumentParser) -> None:
                         "one tenant, the control in which such hits must show")  # fmt: skip
     p.add_argument("--pool-memory", default="300MiB",
                    help="kvwise's device pool (default: a quarter of 8 agents' contexts)")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="kvwise's KV format (auto: float32; bfloat16 stores what vLLM's and "
+                        "llama.cpp's KV caches store, per token)")  # fmt: skip
     p.add_argument("--configs", default="tiers,pool,no-cache,llama.cpp,vllm",
                    help="tiers, pool, no-cache, llama.cpp, vllm, in this order")  # fmt: skip
     p.add_argument("--llama-cpp", default=None, help="directory of llama-server")
