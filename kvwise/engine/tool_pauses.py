@@ -6,10 +6,14 @@ turn, which carries the tool's result. Pure Python bookkeeping (no torch).
 turn as waiting for a tool: the engine keeps its blocks in the pool ahead of everything
 unkept (``KVCacheManager.retain_cached``, for ``pause_s``), and the tiers hold them as they
 hold any finished turn's, so pool pressure moves them to the host tier (then disk) instead of
-losing them. ``resumed(request)``, at a request's first token: a turn whose prompt extends a
-paused one resumes it; its paused tokens count as found in the pool, loaded from a tier, or
-recomputed (evicted from everywhere, or not worth loading). A pause that outlives ``pause_s``
-is forgotten (its blocks are then cached like any others, and evicted like them).
+losing them. ``resumed(request)``, at a request's first token: a turn whose prompt repeats a
+paused turn's whole prompt, and perhaps some of its answer, resumes it — the longest such
+prefix counts (the next prompt may write the call back with other tokens than the model
+generated, and part ways inside the answer; another conversation that only shares a system
+prompt with it resumes nothing); the paused tokens it repeats count as found in the pool, loaded from a
+tier, or recomputed (evicted from everywhere, or not worth loading). A pause that outlives
+``pause_s``, or the oldest beyond ``capacity`` pauses, is forgotten (its blocks are then cached
+like any others, and evicted like them).
 """
 
 from __future__ import annotations
@@ -38,15 +42,26 @@ class ToolPauses:
         self.capacity = capacity
         self.clock = clock
         self.counts = ToolPauseCounts()
-        self._recent: OrderedDict[str, tuple[str, list[BlockHash]]] = OrderedDict()
-        self._paused: dict[tuple[str, BlockHash], tuple[float, int]] = {}
+        # finished turns by request id: (tenant, block hashes, full blocks of the prompt)
+        self._recent: OrderedDict[str, tuple[str, list[BlockHash], int]] = OrderedDict()
+        self._next_id = 0
+        # paused turns by id, oldest first: (paused at, tenant, block hashes)
+        self._paused: OrderedDict[int, tuple[float, str, list[BlockHash]]] = OrderedDict()
+        # (tenant, block hash) -> (pause id, the block's index), for a pause's blocks from its
+        # prompt's last full one on: where a prompt that repeats the paused one leaves it
+        self._index: dict[tuple[str, BlockHash], tuple[int, int]] = {}
 
     def finished(self, request: Request, block_size: int) -> None:
         """Remember a finished request's full blocks' hashes (its prompt and answer)."""
         num_full = min(request.num_computed_tokens // block_size, len(request.block_hashes))
         if not num_full:
             return
-        self._recent[request.request_id] = (request.tenant, request.block_hashes[:num_full])
+        prompt_blocks = min(request.num_prompt_tokens // block_size, num_full)
+        self._recent[request.request_id] = (
+            request.tenant,
+            request.block_hashes[:num_full],
+            prompt_blocks,
+        )
         while len(self._recent) > self.capacity:
             self._recent.popitem(last=False)
 
@@ -56,23 +71,29 @@ class ToolPauses:
         found = self._recent.pop(request_id, None)
         if found is None:
             return None
-        tenant, hashes = found
+        tenant, hashes, prompt_blocks = found
         self._expire()
-        self._paused[(tenant, hashes[-1])] = (self.clock(), len(hashes))
+        pause_id, self._next_id = self._next_id, self._next_id + 1
+        self._paused[pause_id] = (self.clock(), tenant, hashes)
+        for i in range(max(0, prompt_blocks - 1), len(hashes)):  # a later pause takes it over
+            self._index[(tenant, hashes[i])] = (pause_id, i)
+        while len(self._paused) > self.capacity:
+            self._forget(next(iter(self._paused)))
         self.counts.pauses += 1
-        return found
+        return tenant, hashes
 
     def resumed(self, request: Request, block_size: int) -> bool:
-        """At a request's first token: whether it extends a paused turn (then counted, and the
-        pause ended)."""
+        """At a request's first token: whether its prompt repeats a paused turn's prefix (then
+        counted, and the pause ended)."""
         if not self._paused:
             return False
         self._expire()
         for h in reversed(request.block_hashes):
-            entry = self._paused.pop((request.tenant, h), None)
-            if entry is None:
+            pause_id, index = self._index.get((request.tenant, h), (None, 0))
+            if pause_id is None or pause_id not in self._paused:
                 continue
-            paused_tokens = entry[1] * block_size
+            self._forget(pause_id)
+            paused_tokens = (index + 1) * block_size  # the paused prefix this prompt repeats
             cached = min(request.num_cached_tokens, paused_tokens)
             loaded = min(request.num_loaded_tokens, cached)
             c = self.counts
@@ -83,8 +104,18 @@ class ToolPauses:
             return True
         return False
 
+    def _forget(self, pause_id: int) -> None:
+        _, tenant, hashes = self._paused.pop(pause_id)
+        for h in hashes:
+            key = (tenant, h)
+            if self._index.get(key, (None,))[0] == pause_id:
+                del self._index[key]
+
     def _expire(self) -> None:
         limit = self.clock() - self.pause_s
-        for key in [k for k, (t, _) in self._paused.items() if t < limit]:
-            del self._paused[key]
+        while self._paused:
+            pause_id, (paused_at, _, _) = next(iter(self._paused.items()))
+            if paused_at >= limit:
+                break
+            self._forget(pause_id)
             self.counts.expired += 1

@@ -47,3 +47,22 @@ def test_expired_and_unknown_pauses():
     engine.tool_pause(first.request_id)
     _run(engine, [TURN + first.token_ids + [1]])
     assert engine.stats().tool_resumes == 0 and engine.tool_pauses.counts.expired == 1
+
+
+def test_a_prompt_that_parts_ways_inside_the_answer_still_resumes_the_pause():
+    """The next turn may write the call back with other tokens than the model generated: it
+    resumes the pause by the prefix it repeats (the whole prompt, part of the answer); another
+    conversation that shares only the start of the prompt resumes nothing."""
+    engine = fake_engine(num_blocks=64, block_size=4)
+    first = _run(engine, [TURN])[0]
+    assert engine.tool_pause(first.request_id) > len(TURN)
+    _run(engine, [TURN[:40] + [100 + i for i in range(30)]])  # shares 10 of its 15 blocks
+    assert engine.stats().tool_resumes == 0
+    rewritten = TURN + first.token_ids[:2] + [9] * 6 + [7, 7, 7, 7]  # parts in block 15
+    second = _run(engine, [rewritten])[0]
+    stats = engine.stats()
+    assert second.num_cached_tokens >= len(TURN)
+    assert stats.tool_resumes == 1
+    assert stats.tool_resumed_device_tokens == len(TURN) and stats.tool_recomputed_tokens == 0
+    _run(engine, [rewritten])  # a pause is resumed once
+    assert engine.stats().tool_resumes == 1
