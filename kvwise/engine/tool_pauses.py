@@ -7,10 +7,10 @@ turn as waiting for a tool: the engine keeps its blocks in the pool ahead of eve
 unkept (``KVCacheManager.retain_cached``, for ``pause_s``), and the tiers hold them as they
 hold any finished turn's, so pool pressure moves them to the host tier (then disk) instead of
 losing them. ``resumed(request)``, at a request's first token: a turn whose prompt repeats a
-paused turn's whole prompt, and perhaps some of its answer, resumes it — the longest such
-prefix counts (the next prompt may write the call back with other tokens than the model
+paused turn's whole prompt, and perhaps some of its answer, and is longer than that turn
+(its prompt and answer) resumes it — the longest such prefix counts (the next prompt may write the call back with other tokens than the model
 generated, and part ways inside the answer; another conversation that only shares a system
-prompt with it resumes nothing); the paused tokens it repeats count as found in the pool, loaded from a
+prompt with it, or the same prompt sent again, resumes nothing); the paused tokens it repeats count as found in the pool, loaded from a
 tier, or recomputed (evicted from everywhere, or not worth loading). A pause that outlives
 ``pause_s``, or the oldest beyond ``capacity`` pauses, is forgotten (its blocks are then cached
 like any others, and evicted like them).
@@ -92,6 +92,8 @@ class ToolPauses:
             pause_id, index = self._index.get((request.tenant, h), (None, 0))
             if pause_id is None or pause_id not in self._paused:
                 continue
+            if request.num_prompt_tokens <= len(self._paused[pause_id][2]) * block_size:
+                return False  # the paused turn's prompt again, not its tool's result
             self._forget(pause_id)
             paused_tokens = (index + 1) * block_size  # the paused prefix this prompt repeats
             cached = min(request.num_cached_tokens, paused_tokens)

@@ -52,11 +52,14 @@ def test_expired_and_unknown_pauses():
 def test_a_prompt_that_parts_ways_inside_the_answer_still_resumes_the_pause():
     """The next turn may write the call back with other tokens than the model generated: it
     resumes the pause by the prefix it repeats (the whole prompt, part of the answer); another
-    conversation that shares only the start of the prompt resumes nothing."""
+    conversation that shares only the start of the prompt, or the same prompt sent again,
+    resumes nothing."""
     engine = fake_engine(num_blocks=64, block_size=4)
     first = _run(engine, [TURN])[0]
     assert engine.tool_pause(first.request_id) > len(TURN)
     _run(engine, [TURN[:40] + [100 + i for i in range(30)]])  # shares 10 of its 15 blocks
+    assert engine.stats().tool_resumes == 0
+    _run(engine, [TURN])  # the paused turn's prompt sent again: not its tool's result
     assert engine.stats().tool_resumes == 0
     rewritten = TURN + first.token_ids[:2] + [9] * 6 + [7, 7, 7, 7]  # parts in block 15
     second = _run(engine, [rewritten])[0]
