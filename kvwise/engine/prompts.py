@@ -121,7 +121,10 @@ def tokenize_prompt(
         if not prompt:
             raise InvalidRequest("prompt", "must not be empty")
         _check_length(tokenizer, "prompt", len(prompt), max_tokens)
-        return tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt)
+        if not ids:  # e.g. control characters a GGUF's vocabulary has no token for
+            raise InvalidRequest("prompt", "the text tokenizes to no tokens")
+        return ids
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
         if len(prompt) > MAX_MESSAGES:
             raise InvalidRequest(
