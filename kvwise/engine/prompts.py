@@ -118,13 +118,7 @@ def tokenize_prompt(
         if not prompt:
             raise InvalidRequest("messages", "expected a non-empty list of messages")
     if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequest("prompt", "must not be empty")
-        _check_length(tokenizer, "prompt", len(prompt), max_tokens)
-        ids = tokenizer.encode(prompt)
-        if not ids:  # e.g. control characters a GGUF's vocabulary has no token for
-            raise InvalidRequest("prompt", "the text tokenizes to no tokens")
-        return ids
+        return _encode_text(tokenizer, prompt, max_tokens)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
         if len(prompt) > MAX_MESSAGES:
             raise InvalidRequest(
@@ -154,6 +148,16 @@ def tokenize_prompt(
     raise InvalidRequest(
         "prompt", "expected a non-empty string, a list of chat messages or a list of token ids"
     )
+
+
+def _encode_text(tokenizer: Tokenizer, text: str, max_tokens: int | None) -> list[int]:
+    if not text:
+        raise InvalidRequest("prompt", "must not be empty")
+    _check_length(tokenizer, "prompt", len(text), max_tokens)
+    ids = tokenizer.encode(text)
+    if not ids:  # e.g. control characters a GGUF's vocabulary has no token for
+        raise InvalidRequest("prompt", "the text tokenizes to no tokens")
+    return ids
 
 
 def _check_length(tokenizer: Tokenizer, field: str, num_chars: int, max_tokens: int | None):
