@@ -204,7 +204,8 @@ def test_the_store_secret_is_on_no_command_line(cluster):
 
 
 def test_killing_a_replica_fails_only_its_requests(cluster):
-    body = {"model": "kvwise", "max_tokens": 400, "stream": True, "temperature": 0,
+    # 1,500 tokens: the stream outlasts a kill that takes seconds on a loaded machine
+    body = {"model": "kvwise", "max_tokens": 1500, "stream": True, "temperature": 0,
             "ignore_eos": True, "messages": [{"role": "user", "content": "Count to a thousand."}]}  # fmt: skip
     headers = {"Authorization": "Bearer key-alice"}
     with cluster.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
@@ -217,6 +218,7 @@ def test_killing_a_replica_fails_only_its_requests(cluster):
         ray.kill(ray.get_actor(_replicas()[victim], namespace="serve"), no_restart=True)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
+    assert '"error"' in rest[-2], rest[-2]  # the stream ended in the replica's loss
     error = json.loads(rest[-2][len("data: ") :])["error"]
     assert error["code"] == "replica_unavailable"
     # the service keeps answering, from the other replica (and the restarted one, later)
