@@ -168,16 +168,6 @@ def _cross_tenant_hits(turns, primed: dict[str, int]) -> int | None:
     return sum(1 for t in turns if t[0] == 0 and t[4] in primed and t[3] >= primed[t[4]] - 16)
 
 
-_KV_BYTES = {
-    "auto": 4,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "int8": 1,
-    "int4": 0.5,
-}  # ~ per element
-
-
 def _kvwise_cmd(
     gguf: str, port: int, config: str, pool: str, disk: str, tenants: int, kv_dtype: str = "auto"
 ) -> list[str]:
@@ -199,10 +189,12 @@ def _context(args: argparse.Namespace) -> int:
 def _vllm(python: str, args: argparse.Namespace) -> dict:
     """The agents against vLLM's CPU build (``vllm_peer``), its KV cache (bf16) as many tokens
     as kvwise's pool holds in its format (float32: half the bytes)."""
+    from kvwise.core.kv_spec import kv_format
     from kvwise.utils import parse_bytes
 
-    per_element = _KV_BYTES.get(args.kv_cache_dtype, 4)
-    kv_bytes = int(parse_bytes(args.pool_memory, "pool_memory") * 2 / per_element)
+    dtype = "float32" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    per_value = kv_format(dtype).bytes_per_value  # its scales apart
+    kv_bytes = int(parse_bytes(args.pool_memory, "pool_memory") * 2 / per_value)
     work = functools.partial(_agents_load, args=args)
     return vllm_peer.serve(python, args.vllm_model, kv_bytes, _context(args), work)
 

@@ -7,11 +7,12 @@ turn as waiting for a tool: the engine keeps its blocks in the pool ahead of eve
 unkept (``KVCacheManager.retain_cached``, for ``pause_s``), and the tiers hold them as they
 hold any finished turn's, so pool pressure moves them to the host tier (then disk) instead of
 losing them. ``resumed(request)``, at a request's first token: a turn whose prompt repeats a
-paused turn's whole prompt, and perhaps some of its answer, and is longer than that turn
-(its prompt and answer) resumes it — the longest such prefix counts (the next prompt may write the call back with other tokens than the model
-generated, and part ways inside the answer; another conversation that only shares a system
-prompt with it, or the same prompt sent again, resumes nothing); the paused tokens it repeats count as found in the pool, loaded from a
-tier, or recomputed (evicted from everywhere, or not worth loading). A pause that outlives
+paused turn's whole prompt, and perhaps some of its answer, and is longer than that turn (its
+prompt and answer) resumes it, by the longest such prefix: the next prompt may write the call
+back with other tokens than the model generated and part ways inside the answer; another
+conversation that only shares a system prompt with it, or the same prompt sent again, resumes
+nothing. The paused tokens it repeats count as found in the pool, loaded from a tier, or
+recomputed (evicted from everywhere, or not worth loading). A pause that outlives
 ``pause_s``, or the oldest beyond ``capacity`` pauses, is forgotten (its blocks are then cached
 like any others, and evicted like them).
 """
@@ -45,8 +46,8 @@ class ToolPauses:
         # finished turns by request id: (tenant, block hashes, full blocks of the prompt)
         self._recent: OrderedDict[str, tuple[str, list[BlockHash], int]] = OrderedDict()
         self._next_id = 0
-        # paused turns by id, oldest first: (paused at, tenant, block hashes)
-        self._paused: OrderedDict[int, tuple[float, str, list[BlockHash]]] = OrderedDict()
+        # paused turns by id, oldest first: (paused at, tenant, block hashes, first indexed)
+        self._paused: OrderedDict[int, tuple[float, str, list[BlockHash], int]] = OrderedDict()
         # (tenant, block hash) -> (pause id, the block's index), for a pause's blocks from its
         # prompt's last full one on: where a prompt that repeats the paused one leaves it
         self._index: dict[tuple[str, BlockHash], tuple[int, int]] = {}
@@ -74,8 +75,9 @@ class ToolPauses:
         tenant, hashes, prompt_blocks = found
         self._expire()
         pause_id, self._next_id = self._next_id, self._next_id + 1
-        self._paused[pause_id] = (self.clock(), tenant, hashes)
-        for i in range(max(0, prompt_blocks - 1), len(hashes)):  # a later pause takes it over
+        first = max(0, prompt_blocks - 1)
+        self._paused[pause_id] = (self.clock(), tenant, hashes, first)
+        for i in range(first, len(hashes)):  # a later pause takes it over
             self._index[(tenant, hashes[i])] = (pause_id, i)
         while len(self._paused) > self.capacity:
             self._forget(next(iter(self._paused)))
@@ -107,8 +109,8 @@ class ToolPauses:
         return False
 
     def _forget(self, pause_id: int) -> None:
-        _, tenant, hashes = self._paused.pop(pause_id)
-        for h in hashes:
+        _, tenant, hashes, first = self._paused.pop(pause_id)
+        for h in hashes[first:]:
             key = (tenant, h)
             if self._index.get(key, (None,))[0] == pause_id:
                 del self._index[key]
@@ -116,7 +118,7 @@ class ToolPauses:
     def _expire(self) -> None:
         limit = self.clock() - self.pause_s
         while self._paused:
-            pause_id, (paused_at, _, _) = next(iter(self._paused.items()))
+            pause_id, (paused_at, *_) = next(iter(self._paused.items()))
             if paused_at >= limit:
                 break
             self._forget(pause_id)
