@@ -136,7 +136,7 @@ async def _agents_load(url: str, args: argparse.Namespace) -> dict:
         "prompt_tokens": sum(t[2] for t in turns), "cached_tokens": sum(t[3] for t in turns),
         "cross_tenant_full_hits": _cross_tenant_hits(turns, primed),
         "tool_metrics": [line for line in metrics.splitlines()
-                         if line.startswith("kvwise_tool_") and not line.startswith("#")],
+                         if line.startswith(("kvwise_tool_", "kvwise_preemptions_total"))],
     }  # fmt: skip
 
 

@@ -142,6 +142,24 @@ class KVCacheManager:
         ``step_tokens``."""
         return sum(held_blocks(w, self.block_size, num_tokens, step_tokens) for w in self.windows)
 
+    def blocks_to_come(
+        self, request: Request, step_tokens: int, hit: list[list[KVBlock]] | None = None
+    ) -> int:
+        """Blocks ``request`` will still take from the free ones to finish its prompt and write
+        the next block of its answer, computing ``step_tokens`` at a time (``hit``: a waiting
+        request's cached prefix, whose blocks other requests use take nothing)."""
+        left = request.sampling_params.max_tokens - request.num_output_tokens
+        target = max(request.num_tokens, request.num_prompt_tokens)
+        need = self.blocks_for(target + max(0, min(self.block_size, left)), step_tokens)
+        null = self.null_block
+        if hit is not None:
+            return need - sum(1 for t in hit for b in t if b is not null and b.ref_cnt > 0)
+        held = sum(
+            len(t) if not w else sum(1 for b in t if b is not null)
+            for t, w in zip(self.req_to_blocks.get(request.request_id, ()), self.windows)
+        )
+        return max(0, need - held)
+
     def block_ids(self, request_id: str, group: int = 0) -> list[int]:
         """Group ``group``'s block table of a request (the null block where a windowed group
         let blocks go)."""

@@ -86,12 +86,13 @@ def test_preemption_frees_newest_and_recomputes_identically():
     # reference: plenty of blocks
     scheduler, manager, runner = make(num_blocks=64)
     for i in range(3):
-        scheduler.add_request(req(f"r{i}", 7, max_tokens=10, start=10 * i))
+        scheduler.add_request(req(f"r{i}", 7, max_tokens=14, start=10 * i))
     expected = run_all(scheduler, runner)
 
-    scheduler, manager, runner = make(num_blocks=8)  # 3 x 17 tokens need 15 blocks
+    # two are admitted (their prompts and a block each fit); their answers outgrow the pool
+    scheduler, manager, runner = make(num_blocks=8)
     for i in range(3):
-        scheduler.add_request(req(f"r{i}", 7, max_tokens=10, start=10 * i))
+        scheduler.add_request(req(f"r{i}", 7, max_tokens=14, start=10 * i))
     got = run_all(scheduler, runner, check=manager.check_integrity)
     assert scheduler.num_preemptions > 0
     assert got == expected
@@ -100,18 +101,33 @@ def test_preemption_frees_newest_and_recomputes_identically():
 
 def test_preempts_newest_first():
     scheduler, manager, runner = make(num_blocks=4, block_size=2)
-    scheduler.add_request(req("old", 3, max_tokens=10))
-    scheduler.add_request(req("new", 3, max_tokens=10, start=20))
-    out = scheduler.schedule()
-    assert [s.block_ids for s in out.scheduled] == [[0, 1], [2, 3]]
-    scheduler.update(out, runner.execute(out))
-    out = scheduler.schedule()  # "old" needs a third block at position 4... no: pos 3 fits
-    scheduler.update(out, runner.execute(out))
-    out = scheduler.schedule()  # position 4 needs block 3 for "old": preempt "new"
-    assert out.preempted_ids == ["new"]
-    assert [(s.request_id, s.block_ids) for s in out.scheduled] == [("old", [0, 1, 3])]
+    scheduler.add_request(req("old", 2, max_tokens=10))
+    scheduler.add_request(req("new", 2, max_tokens=10, start=20))
+    out = scheduler.schedule()  # each prompt and a block of its answer fit: both admitted
+    assert [s.block_ids for s in out.scheduled] == [[0], [1]]
+    for _ in range(3):  # positions 2 (a block each), 3
+        scheduler.update(out, runner.execute(out))
+        out = scheduler.schedule()
+    assert out.preempted_ids == ["new"]  # position 4 needs a third block for "old"
+    assert [(s.request_id, s.block_ids) for s in out.scheduled] == [("old", [0, 2, 3])]
     assert scheduler.waiting[0].request_id == "new"
     assert scheduler.waiting[0].num_computed_tokens == 0
+
+
+def test_a_request_waits_until_its_whole_prompt_fits():
+    """Admitted on its first chunk, "b" would take the blocks "a"'s prompt still needs and one
+    of them would be preempted: it waits until the pool holds its whole prompt beside the rest
+    of "a"'s (and a block of each answer), and nothing is preempted."""
+    scheduler, manager, runner = make(num_blocks=10, prefill_chunk_size=4, max_num_batched_tokens=8)
+    scheduler.add_request(req("a", 20, max_tokens=3))
+    scheduler.add_request(req("b", 16, max_tokens=3, start=100))
+    out = scheduler.schedule()
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("a", 4)]
+    assert [r.request_id for r in scheduler.waiting] == ["b"]
+    scheduler.update(out, runner.execute(out))
+    got = run_all(scheduler, runner, check=manager.check_integrity)
+    assert scheduler.num_preemptions == 0
+    assert sorted(got) == ["a", "b"] and manager.pool.num_free_blocks == 10
 
 
 def test_cache_disabled_recomputes_everything_but_same_output():

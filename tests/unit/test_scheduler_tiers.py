@@ -13,6 +13,7 @@ from kvwise.worker.fake_runner import FakeModelRunner
 BS = 4  # tokens per block
 CHUNK = 2  # blocks per stored chunk
 P = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 class FakePlanner:
@@ -54,8 +55,8 @@ def make(planner, num_blocks=32, **sched):
     return Scheduler(config, manager, max_model_len=1000, tiers=planner), manager
 
 
-def req(rid, n, start=0, **options):
-    return Request(rid, list(range(start, start + n)), P, options=RequestOptions(**options))
+def req(rid, n, start=0, params=P, **options):
+    return Request(rid, list(range(start, start + n)), params, options=RequestOptions(**options))
 
 
 def test_admission_loads_what_the_tiers_hold_into_exact_blocks():
@@ -120,31 +121,35 @@ def test_a_waiting_request_keeps_its_plan():
 
 def test_finished_and_preempted_requests_queue_their_full_blocks():
     planner = FakePlanner(num_stored=0)
-    scheduler, _ = make(planner, num_blocks=6)
-    runner = FakeModelRunner(6, BS)
+    scheduler, _ = make(planner, num_blocks=8)
+    runner = FakeModelRunner(8, BS)
 
     def saves():
         return [(s.block_ids, s.chunk.first_block, len(s.chunk.block_hashes), s.ttl_s)
                 for s in scheduler.take_saves()]  # fmt: skip
 
-    scheduler.add_request(req("a", 9, retention="1h"))
+    scheduler.add_request(req("a", 9, params=LONG, retention="1h"))
     out = scheduler.schedule()
     scheduler.update(out, runner.execute(out))
-    scheduler.add_request(req("b", 12, start=100))  # blocks 3-5: a's growth preempts b
+    # b's prompt and a block of each answer fit (blocks 3-6); the answers outgrow the pool
+    scheduler.add_request(req("b", 12, start=100, params=LONG))
     out = scheduler.schedule()
-    scheduler.update(out, runner.execute(out))
-    assert saves() == []
-    out = scheduler.schedule()
-    assert out.preempted_ids == ["b"]
-    # b leaves the pool: its 3 full blocks, in chunks of 2, before the blocks are reused
-    assert saves() == [([3, 4], 0, 2, None), ([5], 2, 1, None)]
-    scheduler.update(out, runner.execute(out))
-    # a finished (9 + 3 tokens, the last never computed): 2 full blocks, kept an hour
-    assert saves() == [([0, 1], 0, 2, 3600.0)]
-    while scheduler.num_unfinished:
-        out = scheduler.schedule()
+    while not out.preempted_ids:
+        assert saves() == []
         scheduler.update(out, runner.execute(out))
-    assert [first for _, first, _, _ in saves()] == [0, 2]  # b again, when it finished
+        out = scheduler.schedule()
+    assert out.preempted_ids == ["b"]  # the newest, at position 16 with no block left
+    # b leaves the pool: its 4 full blocks, in chunks of 2, before the blocks are reused
+    assert saves() == [([3, 4], 0, 2, None), ([5, 6], 2, 2, None)]
+    while "a" in scheduler.requests:
+        scheduler.update(out, runner.execute(out))
+        out = scheduler.schedule()
+    # a finished (9 + 12 tokens, the last never computed): 5 full blocks, kept an hour
+    assert saves() == [([0, 1], 0, 2, 3600.0), ([2, 7], 2, 2, 3600.0), ([6], 4, 1, 3600.0)]
+    while scheduler.num_unfinished:
+        scheduler.update(out, runner.execute(out))
+        out = scheduler.schedule()
+    assert [first for _, first, _, _ in saves()] == [0, 2, 4]  # b again, when it finished
     assert saves() == []
 
 
