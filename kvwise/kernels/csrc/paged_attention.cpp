@@ -471,6 +471,23 @@ constexpr int64_t kMaxHeadDim512 = 256;
 // false: the AVX2 chains in this build too (attention_isa("avx2"): the same bits, for tests)
 bool g_attn512 = true;
 
+// The hsum of each 8-lane half of 8 accumulators (two keys x four pairs of vectors: a[p],
+// b[p] the pairs' sums over key 0 and key 1), all at once: each sum is the chain of additions
+// `hsum` makes, ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), lane for lane, so the bits
+// are hsum's. Lane 4 * (2 * key + half) + pair holds the sum of vector 2 * pair + half.
+__attribute__((always_inline)) inline __m512 hsum_2x4(const __m512* a, const __m512* b) {
+  __m512 lo[4];  // (x0 + x4, x1 + x5, x2 + x6, x3 + x7) per 128-bit lane: key 0's halves, key 1's
+  for (int p = 0; p < 4; ++p)
+    lo[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[p], b[p], 0x88),
+                          _mm512_shuffle_f32x4(a[p], b[p], 0xDD));
+  // ((x0 + x4) + (x2 + x6), (x1 + x5) + (x3 + x7)) of pairs 0 and 1, of pairs 2 and 3
+  const __m512 c01 = _mm512_add_ps(_mm512_shuffle_ps(lo[0], lo[1], 0x44),
+                                   _mm512_shuffle_ps(lo[0], lo[1], 0xEE));
+  const __m512 c23 = _mm512_add_ps(_mm512_shuffle_ps(lo[2], lo[3], 0x44),
+                                   _mm512_shuffle_ps(lo[2], lo[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(c01, c23, 0x88), _mm512_shuffle_ps(c01, c23, 0xDD));
+}
+
 // group_scores for GC query vectors in (GC + 1) / 2 pairs, R keys at a time
 template <typename E, int GC, int R>
 inline void group_scores512(float* s, int64_t n, const float* const* qv, const void* const* rows,
@@ -496,6 +513,19 @@ inline void group_scores512(float* s, int64_t n, const float* const* qv, const v
         for (int p = 0; p < P; ++p)
           acc[r][p] = _mm512_fmadd_ps(_mm512_load_ps(qp[p] + 2 * d), k, acc[r][p]);
       }
+    }
+    if constexpr (P == 4 && R % 2 == 0) {  // 16 sums at once, by hsum's own additions
+      for (int r = 0; r < R; r += 2) {
+        alignas(64) float sum[16];
+        _mm512_store_ps(sum, hsum_2x4(acc[r], acc[r + 1]));
+        const float f0 = kIsQ8<E> ? scale * rs[i + r] : scale;
+        const float f1 = kIsQ8<E> ? scale * rs[i + r + 1] : scale;
+        for (int g = 0; g < GC; ++g) {  // lane 4 * (2 * key + g % 2) + g / 2
+          s[g * n + i + r] = sum[4 * (g % 2) + g / 2] * f0;
+          s[g * n + i + r + 1] = sum[4 * (2 + g % 2) + g / 2] * f1;
+        }
+      }
+      continue;
     }
     for (int r = 0; r < R; ++r) {
       const float f = kIsQ8<E> ? scale * rs[i + r] : scale;
@@ -584,15 +614,19 @@ template <typename E>
 void all_group_values(float* const* out, const void* const* rows, const float* rs,
                       const float* w, int64_t n, int64_t nv, int64_t D, Ahead* ahead) {
 #if defined(__AVX512F__)
-  if (g_attn512) {
-    for (int64_t g0 = 0; g0 < nv; g0 += 4) {
+  if (g_attn512) {  // up to 8 vectors a pass (16 accumulators): each V row converted once
+    for (int64_t g0 = 0; g0 < nv; g0 += 8) {
       float* const* og = out + g0;
       const float* wg = w + g0 * n;
-      switch (std::min<int64_t>(4, nv - g0)) {
+      switch (std::min<int64_t>(8, nv - g0)) {
         case 1: group_values512<E, 1>(og, rows, rs, wg, n, D, ahead); break;
         case 2: group_values512<E, 2>(og, rows, rs, wg, n, D, ahead); break;
         case 3: group_values512<E, 3>(og, rows, rs, wg, n, D, ahead); break;
-        default: group_values512<E, 4>(og, rows, rs, wg, n, D, ahead); break;
+        case 4: group_values512<E, 4>(og, rows, rs, wg, n, D, ahead); break;
+        case 5: group_values512<E, 5>(og, rows, rs, wg, n, D, ahead); break;
+        case 6: group_values512<E, 6>(og, rows, rs, wg, n, D, ahead); break;
+        case 7: group_values512<E, 7>(og, rows, rs, wg, n, D, ahead); break;
+        default: group_values512<E, 8>(og, rows, rs, wg, n, D, ahead); break;
       }
     }
     return;
