@@ -170,7 +170,7 @@ class Scheduler:
             if self.kv.shared_prefill(self.waiting[0], self.running) is not None:
                 self.num_prefill_waits += 1
                 break  # its prompt is being computed now: one prefill, then a prefix hit
-            if self.running and committed is None:
+            if self.running and committed is None and self.config.admit_whole_prompts:
                 committed = sum(self.kv.blocks_to_come(r, self._chunk) for r in self.running)
             admitted = self._admit(self.waiting[0], out, budget, committed or 0)
             if admitted is None:
@@ -245,7 +245,7 @@ class Scheduler:
         num_cached -= in_pool
         num_device = num_cached // bs
         loads = [] if in_pool else self._plan_load(request, num_device)
-        if self.running and (
+        if self.running and self.config.admit_whole_prompts and (
             self.kv.blocks_to_come(request, self._chunk, computed_blocks) + committed
             > self.kv.pool.num_free_blocks
         ):

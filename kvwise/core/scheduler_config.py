@@ -15,9 +15,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     prefill_chunk_size: int | None = 512  # most prompt tokens of one request in one step
     max_waiting: int | None = None  # None: unbounded waiting queue
+    # while others run, admit a request only when its whole prompt (and a block of its answer)
+    # fits beside the rest of theirs; False: on its first chunk (more at once, preempted when
+    # the pool runs out)
+    admit_whole_prompts: bool = True
 
     def __post_init__(self) -> None:
         check_positive_int("max_num_seqs", self.max_num_seqs)
         check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_positive_or_none("prefill_chunk_size", self.prefill_chunk_size)
         check_positive_or_none("max_waiting", self.max_waiting)
+        if not isinstance(self.admit_whole_prompts, bool):
+            raise ValueError(
+                f"admit_whole_prompts: must be True or False, got {self.admit_whole_prompts!r}"
+            )

@@ -134,12 +134,13 @@ def test_a_greedy_request_gives_the_same_tokens_alone_and_in_any_batch(
     )
     assert len(alone[0]) == GREEDY.max_tokens
 
-    # the target amid 15 others, in a pool of about a quarter of what they need: it decodes
-    # beside later requests' prefill chunks, and is preempted (the newest running goes first)
-    # and recomputed. With ignore_eos the schedule depends only on the block size.
+    # the target amid 15 others, in a pool of about a quarter of what they need, admitted on
+    # their first chunks: it decodes beside later requests' prefill chunks, and is preempted
+    # (the newest running goes first) and recomputed. With ignore_eos the schedule depends
+    # only on the block size.
     engine = make_engine(
         loaded, kv_cache_dtype=kv_dtype, kv_cache_memory=_pool_bytes(loaded, kv_dtype, 400),
-        **SCHEDULE,
+        admit_whole_prompts=False, **SCHEDULE,
     )  # fmt: skip
     victims, steps = _preempted(engine), _steps(engine)
     batched = _generate(engine, NEIGHBOURS[:8] + [TARGET] + NEIGHBOURS[8:])[8]

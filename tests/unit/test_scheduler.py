@@ -129,6 +129,24 @@ def test_a_request_waits_until_its_whole_prompt_fits():
     assert scheduler.num_preemptions == 0
     assert sorted(got) == ["a", "b"] and manager.pool.num_free_blocks == 10
 
+    # admitted on its first chunk (admit_whole_prompts=False), b runs at once and one of the
+    # two is preempted
+    scheduler, manager, runner = make(
+        num_blocks=10, prefill_chunk_size=4, max_num_batched_tokens=8, admit_whole_prompts=False
+    )
+    scheduler.add_request(req("a", 20, max_tokens=3))
+    scheduler.add_request(req("b", 16, max_tokens=3, start=100))
+    out = scheduler.schedule()
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("a", 4), ("b", 4)]
+    scheduler.update(out, runner.execute(out))
+    assert sorted(run_all(scheduler, runner, check=manager.check_integrity)) == ["a", "b"]
+    assert scheduler.num_preemptions > 0
+
+
+def test_admit_whole_prompts_must_be_a_bool():
+    with pytest.raises(ValueError, match="admit_whole_prompts"):
+        SchedulerConfig(admit_whole_prompts="yes")
+
 
 def test_cache_disabled_recomputes_everything_but_same_output():
     scheduler, manager, runner = make(caching=False)
