@@ -175,7 +175,7 @@ def _drain(engine, prompts, params):
 def test_gemma3_hybrid_cache_cold_pool_preempted_disk_and_all_full(gemma3_path, kv, tmp_path):
     """Two ~1,600-token prompts (3x the window) on the hybrid KV cache: the same greedy tokens
     cold, from the pool (a hit past the window: the local layers' last window only), after
-    preemptions in a small pool, loaded from the disk tier, and with every layer keeping
+    preemptions in a small pool (admission on the first chunk), loaded from the disk tier, and with every layer keeping
     every token (--no-hybrid-kv-cache)."""
     loaded = load_model(gemma3_path, progress=False)
     kv_args = dict(kv_cache_dtype=kv, block_size=16)  # int4's too (its default is 32)
@@ -192,7 +192,8 @@ def test_gemma3_hybrid_cache_cold_pool_preempted_disk_and_all_full(gemma3_path, 
     assert all(o.num_cached_tokens >= len(p) - spec.block_size for o, p in zip(again, prompts))
     small = _gemma3_engine(loaded, **kv_args, prefill_chunk_size=256,
                            max_num_batched_tokens=256, enable_prefix_caching=False,
-                           kv_cache_memory=f"{450 * spec.block_bytes}B")  # fmt: skip
+                           kv_cache_memory=f"{450 * spec.block_bytes}B",
+                           admit_whole_prompts=False)  # fmt: skip
     assert [o.token_ids for o in _drain(small, prompts, params)] == cold
     assert small.scheduler.num_preemptions > 0
     full = _gemma3_engine(loaded, **kv_args, hybrid_kv_cache=False)

@@ -111,10 +111,12 @@ def test_cold_from_the_pool_after_preemption_and_from_disk(model, kv, tmp_path):
     again = run_outputs(engine, prompts, GREEDY)  # the prompts' blocks, cached
     assert [out.token_ids for out in again] == cold
     assert again[0].num_cached_tokens >= 176
-    spec = engine.runner.spec  # a pool of 20 blocks of every layer: the four won't fit
+    # a pool of 20 blocks of every layer, requests admitted on their first chunks: the four
+    # won't fit, and one is preempted mid-prompt
+    spec = engine.runner.spec
     block_bytes = spec.block_bytes * spec.num_model_layers // spec.num_layers
     small = _engine(model, kv_cache_dtype=kv, enable_prefix_caching=False,
-                    kv_cache_memory=f"{20 * block_bytes}B")  # fmt: skip
+                    kv_cache_memory=f"{20 * block_bytes}B", admit_whole_prompts=False)  # fmt: skip
     assert run(small, prompts, GREEDY) == cold
     assert small.scheduler.num_preemptions > 0
     disk = _engine(model, kv_cache_dtype=kv, kv_disk_path=str(tmp_path), kv_store_min_tokens=16,
