@@ -245,10 +245,8 @@ class Scheduler:
         num_cached -= in_pool
         num_device = num_cached // bs
         loads = [] if in_pool else self._plan_load(request, num_device)
-        if self.running and self.config.admit_whole_prompts and (
-            self.kv.blocks_to_come(request, self._chunk, computed_blocks) + committed
-            > self.kv.pool.num_free_blocks
-        ):
+        need = committed + self.kv.blocks_to_come(request, self._chunk, computed_blocks)
+        if self.running and self.config.admit_whole_prompts and need > self.kv.pool.num_free_blocks:
             return None
         # loaded: the tokens after the device hit up to the end of group 0's load (a windowed
         # group's table holds the null block before its window's first loaded block)

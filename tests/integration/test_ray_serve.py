@@ -140,11 +140,11 @@ def test_another_tenants_identical_prompt_gets_nothing(cluster):
     assert first.headers["x-kvwise-replica"]
 
 
-def _replicas() -> dict[str, str]:
+def _replicas(timeout_s: float = 30) -> dict[str, str]:
     """Replica id -> Ray actor name, asked through the router (no hint: two random choices)."""
     handle = serve.get_deployment_handle("EngineReplica", app_name=ray_serve.APP_NAME)
     found = {}
-    deadline = time.monotonic() + 30  # a handle learns of a new replica within seconds
+    deadline = time.monotonic() + timeout_s  # a handle learns of a new replica within seconds
     while len(found) < 2:
         assert time.monotonic() < deadline, f"fewer than two replicas answered: {found}"
         replica, name = handle.identity.remote(route=RouteHint()).result()
@@ -229,7 +229,9 @@ def test_killing_a_replica_fails_only_its_requests(cluster):
     while _running_replicas() < 2:
         assert time.monotonic() < deadline, "Ray did not replace the killed replica"
         time.sleep(1)
-    assert victim not in _replicas()
+    # a replacement that has just started may take the handle longer to learn of on a loaded
+    # machine (a full local run saw 30 s pass with one replica answering)
+    assert victim not in _replicas(timeout_s=120)
 
 
 def _running_replicas() -> int:

@@ -431,8 +431,9 @@ inline void group_chunk_scores(float* s, int64_t n, const float* const* qv,
 // ---- the same chains 16 lanes wide (the AVX-512 build): every lane runs the operations of
 // its AVX2 lane in the same order, so the bits are the AVX2 build's
 // (tests/unit/test_kernels.py). Scores pair two query vectors in one register, each half the
-// AVX2 accumulator of one (vector, key) dot product, reduced by the same `hsum`; weighted sums
-// take 16 channels a register, a channel's chain over the keys unchanged.
+// AVX2 accumulator of one (vector, key) dot product, reduced by the same additions as `hsum`
+// (eight vectors' at once by `hsum_2x4`); weighted sums take 16 channels a register, up to
+// eight vectors a pass, a channel's chain over the keys unchanged.
 
 // 16 channels d .. d + 15 of a row as float32 (an exact conversion from any storage dtype)
 template <typename E>
