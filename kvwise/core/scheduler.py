@@ -2,12 +2,11 @@
 
 Each step: running requests first (decodes and unfinished prefill chunks, in admission order),
 then waiting ones in FIFO order while the budget, the ``max_num_seqs`` cap and the pool
-allow: while others run, a request is admitted only when the free blocks hold its whole prompt
-beside the rest of the running ones' prompts (and a block of each answer), so admitting it
-does not set up a preemption. A long prompt is cut into chunks of at most
+allow; while others run, each only once the free blocks hold its whole prompt beside the
+rest of theirs (and a block of each answer). A long prompt is cut into chunks of at most
 ``prefill_chunk_size`` tokens, so it never stalls the others' decoding. When blocks run out
-all the same (answers outgrowing the pool), the newest running request is preempted: its
-blocks are freed and it goes back to the head of the queue to be recomputed.
+(answers outgrowing the pool), the newest running request is preempted: its blocks are freed
+and it goes back to the head of the queue to be recomputed.
 
 With tiers below the pool (a ``KVTierPlanner``, see ``core/kv_tiers.py``), admission continues
 a device prefix hit from the slower tiers when the tiers' plan says loading beats recomputing
@@ -163,22 +162,23 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[list[int]], int]] = []
         budget = self._schedule_running(out, scheduled, budget)
-        committed = None  # blocks the running requests will still take (computed once)
+        committed = None  # blocks the running requests will still take (summed once)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if out.preempted_ids:
                 break  # the pool is full: do not admit while evicting
             if self.kv.shared_prefill(self.waiting[0], self.running) is not None:
                 self.num_prefill_waits += 1
                 break  # its prompt is being computed now: one prefill, then a prefix hit
-            if self.running and committed is None and self.config.admit_whole_prompts:
+            if committed is None and self.running and self.config.admit_whole_prompts:
                 committed = sum(self.kv.blocks_to_come(r, self._chunk) for r in self.running)
-            admitted = self._admit(self.waiting[0], out, budget, committed or 0)
+            admitted = self._admit(self.waiting[0], out, budget, committed)
             if admitted is None:
                 break
             if admitted:
                 scheduled.append(admitted)
                 budget -= admitted[1]
-                committed = (committed or 0) + self.kv.blocks_to_come(admitted[0], self._chunk)
+                if committed is not None:
+                    committed += self.kv.blocks_to_come(admitted[0], self._chunk)
         for request, num_new, tables, in_pool in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
@@ -228,15 +228,14 @@ class Scheduler:
             i += 1
         return budget
 
-    def _admit(self, request: Request, out: SchedulerOutput, budget: int, committed: int = 0):
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int, committed: int | None):
         """Admit the head of the waiting queue: its cached prefix, any load from the tiers,
         and blocks for its first chunk. Returns ``(request, num_new, tables, kv_in_pool)``,
         ``()`` when it finished instead (it can never fit), or None when it must wait for
         blocks.
 
-        While others run, it waits until the free blocks hold its whole prompt and a block of
-        its answer beside what the running ones have ``committed`` to take: admitted on its
-        first chunk alone it could soon be preempted, its work lost."""
+        Past what the running ones have ``committed`` to take (None: no check), the free blocks
+        must hold its whole prompt and a block of its answer, or it would soon be preempted."""
         computed_blocks, num_cached = self.kv.get_computed_blocks(request)
         bs = self.kv.block_size
         # a whole hit: the pool holds the last token's K/V too; it is computed (for its
@@ -245,8 +244,11 @@ class Scheduler:
         num_cached -= in_pool
         num_device = num_cached // bs
         loads = [] if in_pool else self._plan_load(request, num_device)
-        need = committed + self.kv.blocks_to_come(request, self._chunk, computed_blocks)
-        if self.running and self.config.admit_whole_prompts and need > self.kv.pool.num_free_blocks:
+        room = None if committed is None else self.kv.pool.num_free_blocks - committed
+        if (
+            room is not None
+            and self.kv.blocks_to_come(request, self._chunk, computed_blocks) > room
+        ):
             return None
         # loaded: the tokens after the device hit up to the end of group 0's load (a windowed
         # group's table holds the null block before its window's first loaded block)
