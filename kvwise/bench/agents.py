@@ -12,10 +12,12 @@ Configurations, one after the other (``--configs``): ``tiers`` (kvwise serve, ho
 tiers on), ``pool`` (tiers off), ``no-cache`` (prefix caching off), ``llama.cpp``
 (llama-server with a slot per agent, ``--jinja``, when found), ``vllm`` (vLLM's CPU build
 from its own venv, prefix caching on, the same model as an HF directory: ``vllm_peer``).
-Reported per configuration: model turns per second of wall time, the latency of the turns after a tool result (p50, p99:
-the time to the whole answer, and TTFT, the time to its first content or tool-call delta —
-answers are streamed, as agents stream them), the prompt tokens cached, and kvwise's
-tool-pause counts.
+Reported per configuration: model turns per second of wall time and per second of the time
+with a turn in flight (``in_flight_s``: the server's rate, without the stretches in which every
+agent waits for its tool, such as the end of a run, when only the slowest agents' long tool
+calls are left), the latency of the turns after a tool result (p50, p99: the time to the whole
+answer, and TTFT, the time to its first content or tool-call delta — answers are streamed, as
+agents stream them), the prompt tokens cached, and kvwise's tool-pause counts.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ async def _agent(http, url, model, task, results, sleeps, max_tokens, record, ke
         answer = await _streamed_answer(http, f"{url}/v1/chat/completions", body, headers)
         first, usage, calls = answer["first_s"] - start, answer["usage"], answer["calls"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        record(i, time.perf_counter() - start, usage.get("prompt_tokens") or 0, cached, key, first)
+        end = time.perf_counter()
+        record(i, end - start, usage.get("prompt_tokens") or 0, cached, key, first, start, end)
         calls = calls or [{"id": f"call_{i}", "type": "function",
                            "function": {"name": "search", "arguments": '{"query": "x"}'}}]  # fmt: skip
         messages.append({"role": "assistant", "content": answer["content"] or None,
@@ -108,7 +111,8 @@ async def _agents_load(url: str, args: argparse.Namespace) -> dict:
     texts = _slices(args.agents * (args.rounds + 1), int(args.result_tokens * _CHARS_PER_TOKEN))
     sleeps = tool_latencies(args.agents * args.rounds, args.tool_median_s, args.tool_p90_s,
                             args.seed)  # fmt: skip
-    turns: list[tuple] = []  # (round, latency, prompt, cached, key, time to first delta)
+    # (round, latency, prompt, cached, key, time to first delta, sent at, answered at)
+    turns: list[tuple] = []
     keys = [f"key-{a % abs(args.tenants)}" for a in range(args.agents)]
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
@@ -126,9 +130,11 @@ async def _agents_load(url: str, args: argparse.Namespace) -> dict:
         metrics = resp.text if resp.status_code == 200 else ""
     after = [t for t in turns if t[0] > 0]
     latencies, ttfts = sorted(t[1] for t in after), sorted(t[5] for t in after)
+    in_flight = in_flight_s([(t[6], t[7]) for t in turns])
     return {
         "turns": len(turns), "wall_s": wall, "busy_s": sum(t[1] for t in turns),
         "turns_per_s": len(turns) / wall,
+        "in_flight_s": in_flight, "turns_per_in_flight_s": len(turns) / in_flight,
         "post_tool_p50_s": statistics.median(latencies),
         "post_tool_p99_s": percentile(latencies, 0.99),
         "post_tool_ttft_p50_s": statistics.median(ttfts),
@@ -138,6 +144,19 @@ async def _agents_load(url: str, args: argparse.Namespace) -> dict:
         "tool_metrics": [line for line in metrics.splitlines()
                          if line.startswith(("kvwise_tool_", "kvwise_preemptions_total"))],
     }  # fmt: skip
+
+
+def in_flight_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one of the (sent, answered) spans was open: the time the
+    server had a turn to work on. Turns over it are the server's rate, where turns over the
+    wall time also count the stretches in which every agent waits for its tool (at the end of a
+    run, the long tail of the slowest agents' tool calls)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _auth(key: str) -> dict:
@@ -252,7 +271,8 @@ def main(args: argparse.Namespace) -> int:
                 continue
             runs.setdefault(config, []).append(r)
             print(f"round {round_ + 1}, {config}: {r['turns']} turns, {r['turns_per_s']:.3f} "
-                  f"turns/s, post-tool answer p50 {r['post_tool_p50_s']:.2f} s p99 "
+                  f"turns/s of wall time, {r['turns_per_in_flight_s']:.3f} of the "
+                  f"{r['in_flight_s']:.0f} s with a turn in flight, post-tool answer p50 {r['post_tool_p50_s']:.2f} s p99 "
                   f"{r['post_tool_p99_s']:.2f} s, first delta p50 {r['post_tool_ttft_p50_s']:.2f}"
                   f" s p99 {r['post_tool_ttft_p99_s']:.2f} s, cached {r['cached_tokens']:,} of "
                   f"{r['prompt_tokens']:,} prompt tokens, cross-tenant full hits "
@@ -260,7 +280,8 @@ def main(args: argparse.Namespace) -> int:
     results = {config: _medians(rs) for config, rs in runs.items()}
     if args.repeat > 1:
         for config, r in results.items():
-            print(f"median of {args.repeat}, {config}: {r['turns_per_s']:.3f} turns/s, "
+            print(f"median of {args.repeat}, {config}: {r['turns_per_s']:.3f} turns/s of wall "
+                  f"time, {r['turns_per_in_flight_s']:.3f} in flight, "
                   f"post-tool answer p50 {r['post_tool_p50_s']:.2f} s, first delta p50 "
                   f"{r['post_tool_ttft_p50_s']:.2f} s")  # fmt: skip
     if args.out:
