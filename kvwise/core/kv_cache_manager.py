@@ -61,7 +61,7 @@ class KVCacheManager:
             raise ValueError(f"windows: expected one or more windows >= 0, got {windows!r}")
         self.block_size = block_size
         self.windows = tuple(int(w) for w in windows)
-        self.whole_hits = whole_hits and not any(self.windows)
+        self.whole_hits = whole_hits and enable_caching and not any(self.windows)
         self.released: list[int] = []  # see take_released
         self.enable_caching = enable_caching
         self.model_fingerprint = model_fingerprint
@@ -206,6 +206,14 @@ class KVCacheManager:
         self.num_prefix_query_tokens += request.num_tokens
         self.num_prefix_hit_tokens += len(tables[0]) * self.block_size
         return tables, len(tables[0]) * self.block_size
+
+    def last_row_key(self, request: Request, end: int) -> BlockHash | None:
+        """``ScheduledRequest.last_row_key`` of the chunk of ``request`` ending at ``end``."""
+        n, lp = request.num_prompt_tokens, request.sampling_params.prompt_logprobs
+        if end != n or n % self.block_size or lp is not None or not self.whole_hits:
+            return None
+        self._update_block_hashes(request, n)
+        return request.block_hashes[n // self.block_size - 1]
 
     def shared_prefill(self, request: Request, running: list[Request]) -> Request | None:
         """A running request prefilling now the blocks of most of ``request``'s prompt (the

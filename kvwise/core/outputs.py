@@ -36,6 +36,12 @@ class ScheduledRequest:
     # 1: the pool holds this chunk's first row's K/V already (a prompt cached whole, its last
     # token computed for its logits): the row attends but is not written
     kv_in_pool: int = 0
+    # a block-aligned prompt's key (its last block's hash, which descends from its namespace's
+    # root) on the chunk that ends at the prompt's end: the runner may keep that last row's
+    # final hidden state under it, and a whole hit (``kv_in_pool``) with the same key may
+    # sample from the kept state instead of computing the row again (the same bits: a row's
+    # result does not depend on its batch, chunk or step)
+    last_row_key: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -90,3 +96,5 @@ class ModelOutput:
     prompt_logprobs: dict[str, list[tuple[int, float, list[tuple[int, float]]]]] = field(
         default_factory=dict
     )
+    # whole hits sampled from a kept last row (``ScheduledRequest.last_row_key``), not computed
+    last_rows_reused: int = 0

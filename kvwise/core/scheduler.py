@@ -28,13 +28,7 @@ from dataclasses import dataclass
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.kv_spec import first_window_block
 from kvwise.core.kv_tiers import KVTierPlanner, LoadPlan
-from kvwise.core.outputs import (
-    KVLoad,
-    KVSave,
-    ModelOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from kvwise.core.outputs import KVLoad, KVSave, ModelOutput, ScheduledRequest, SchedulerOutput
 from kvwise.core.request import Request, RequestStatus
 from kvwise.core.scheduler_config import SchedulerConfig
 from kvwise.errors import ContextLengthExceeded, InvalidRequest, QueueFullError
@@ -195,6 +189,7 @@ class Scheduler:
                     history=request.token_ids if _reads_history(request) else None,
                     num_prompt_tokens=request.num_prompt_tokens,
                     kv_in_pool=in_pool,
+                    last_row_key=self.kv.last_row_key(request, end),
                 )
             )
         return out

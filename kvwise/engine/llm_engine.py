@@ -62,6 +62,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, runner.vocab_size)
         self.answers = RecentAnswers()
         self.tool_pauses = ToolPauses()
+        self.num_last_rows_reused = 0  # whole hits sampled from a kept last row
         self._next_id = 0
         self._closed = False
 
@@ -164,6 +165,7 @@ class LLMEngine:
         self._save_blocks()  # of requests preempted just now, before their blocks are reused
         self._grammar_masks(sched_out)
         model_out, short_loads = self._execute(sched_out)
+        self.num_last_rows_reused += model_out.last_rows_reused
         updates = self.scheduler.update(sched_out, model_out, short_loads)
         completed = self._grammar_accept(updates)
         processed = self.outputs.process(updates)
@@ -265,6 +267,7 @@ class LLMEngine:
             num_waiting=len(scheduler.waiting),
             num_preemptions=scheduler.num_preemptions,
             num_load_rollbacks=scheduler.num_load_rollbacks,
+            num_last_rows_reused=self.num_last_rows_reused,
             kv=self.kv_manager.stats(scheduler.running),
             store=self.store.stats() if self.store is not None else None,
             **tool_pause_stats(self.tool_pauses.counts),

@@ -40,6 +40,11 @@ class EngineStats:
     )
     kv: KVCacheStats  # the device pool and the prefix cache
     store: StoreStats | None = None  # the tiers below the pool; None without tiers
+    num_last_rows_reused: int = metric(  # total
+        "kvwise_last_rows_reused",
+        "prompts cached whole whose first token came from their kept last row (no model run)",
+        default=0,
+    )
     tool_pauses: int = metric(
         "kvwise_tool_pauses",
         "turns that ended in tool calls, their KV kept for the pause",

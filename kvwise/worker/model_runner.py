@@ -14,6 +14,8 @@ both implement the runner contract the engine relies on:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvwise.core.kv_spec import KVSpec
@@ -21,6 +23,7 @@ from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.worker.attention import LayerAttention, TorchSDPAAttention
 from kvwise.worker.input_batch import build_input_batch
 from kvwise.worker.kv_cache import make_kv_cache
+from kvwise.worker.last_rows import LastRows
 from kvwise.worker.sampler import bitmask_words, sample, top_logprobs
 
 PROMPT_LOGITS_ROWS = 64  # prompt logprobs: rows of logits computed at a time
@@ -51,6 +54,7 @@ class ModelRunner:
         self.attention = TorchSDPAAttention(
             self.kv_cache, arch.num_heads, arch.head_dim, layers=layers, places=places
         )
+        self.last_rows = LastRows()  # whole hits' first tokens (worker/last_rows.py)
 
     @torch.inference_mode()
     def write_kv(
@@ -75,25 +79,26 @@ class ModelRunner:
     def execute(self, sched_out: SchedulerOutput, layer_ready=None) -> ModelOutput:
         """Run one step; ``layer_ready(layer)`` (optional) blocks until loads for that layer
         are in the cache."""
+        # whole hits whose last row is kept: sampled from it, not run through the model
+        kept = [(s, row) for s in sched_out.scheduled if s.kv_in_pool and s.sample
+                for row in [self.last_rows.get(s.last_row_key)] if row is not None]  # fmt: skip
+        if kept:
+            done = {id(s) for s, _ in kept}
+            sched_out = replace(sched_out, scheduled=[s for s in sched_out.scheduled
+                                                      if id(s) not in done])  # fmt: skip
+        out, reqs, rows = ModelOutput(last_rows_reused=len(kept)), [], []
         if sched_out.is_empty:
             self.kv_cache.begin_step(sched_out.released_block_ids)
-            return ModelOutput()
-        batch = build_input_batch(sched_out, self.block_size, self.num_groups)
-        # the releases, then the step's slots (each KV group's): a format with per-step state
-        # (int4's staging) plans its writes once for every layer of a group
-        metas = batch.group_metas
-        slots = [m.slot_mapping for m in metas] if metas else batch.attn_meta.slot_mapping
-        self.kv_cache.begin_step(sched_out.released_block_ids, slots)
-        attn = self.attention.bind(batch.attn_meta, layer_ready, batch.group_metas)
-        hidden = self.model(batch.input_ids, batch.positions, attn)  # (T, hidden)
-        out = ModelOutput()
-        if batch.prompt_items:
-            out.prompt_logprobs = self._prompt_logprobs(batch.prompt_items, hidden)
-        if not batch.sample_requests:
+        else:
+            reqs, computed = self._forward(sched_out, layer_ready, out)
+            rows.append(computed)
+        if kept:
+            reqs += [s for s, _ in kept]
+            rows.append(torch.stack([row for _, row in kept]))
+        if not reqs:
             return out
-        reqs = batch.sample_requests
         bitmask = bitmask_words(reqs, sched_out.token_bitmasks, self.vocab_size)
-        logits = self.model.compute_logits(hidden[batch.sample_rows], bitmask)  # (S, vocab)
+        logits = self.model.compute_logits(torch.cat(rows), bitmask)  # (S, vocab)
         histories = [None if r.history is None else (r.history, r.num_prompt_tokens) for r in reqs]
         picked = sample(logits, [r.sampling_params for r in reqs], [r.output_index for r in reqs],
                         histories, bitmask)  # fmt: skip
@@ -102,6 +107,25 @@ class ModelRunner:
             if picked.top[i] is not None:
                 out.top_logprobs[r.request_id] = picked.top[i]
         return out
+
+    def _forward(self, sched_out: SchedulerOutput, layer_ready, out: ModelOutput):
+        """Run the model over the step's rows: the requests that sample and their rows'
+        final hidden states; prompt logprobs into ``out``; prompts' last rows kept."""
+        batch = build_input_batch(sched_out, self.block_size, self.num_groups)
+        # the releases, then the step's slots (each KV group's): a format with per-step state
+        # (int4's staging) plans its writes once for every layer of a group
+        metas = batch.group_metas
+        slots = [m.slot_mapping for m in metas] if metas else batch.attn_meta.slot_mapping
+        self.kv_cache.begin_step(sched_out.released_block_ids, slots)
+        attn = self.attention.bind(batch.attn_meta, layer_ready, batch.group_metas)
+        hidden = self.model(batch.input_ids, batch.positions, attn)  # (T, hidden)
+        if batch.prompt_items:
+            out.prompt_logprobs = self._prompt_logprobs(batch.prompt_items, hidden)
+        rows = hidden[batch.sample_rows]
+        for i, r in enumerate(batch.sample_requests):
+            if r.last_row_key is not None:
+                self.last_rows.put(r.last_row_key, rows[i])
+        return list(batch.sample_requests), rows
 
     def _prompt_logprobs(self, items, hidden: torch.Tensor) -> dict:
         """Each item's prompt positions its rows predict: (position, the prompt token's

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvwise.types import RequestOptions, SamplingParams
+from kvwise.worker.last_rows import LastRows
 from tests.hits import whole_hit
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -137,6 +138,7 @@ def _aligned_prompt(engine, blocks: int = 6) -> list[int]:
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8", "int4"])
 def test_a_prompt_cached_whole_computes_its_last_token_alone(make_engine, kv):
     engine = make_engine(kv_cache_dtype=kv)
+    engine.runner.last_rows = LastRows(0)  # no kept last rows: the row is computed each time
     ids = _aligned_prompt(engine)
     cold_tokens = run(make_engine(kv_cache_dtype=kv, enable_prefix_caching=False), ids).token_ids
     assert run(engine, ids).token_ids == cold_tokens
@@ -173,6 +175,7 @@ def test_a_whole_hit_leaves_the_cached_block_unwritten(make_engine, paged_kernel
     from kvwise.worker.attention import TorchSDPAAttention
 
     engine = make_engine()
+    engine.runner.last_rows = LastRows(0)  # the row is computed, not taken from a kept one
     if not paged_kernel:
         a = engine.runner.attention
         engine.runner.attention = TorchSDPAAttention(a.kv_cache, a.num_heads, a.head_dim,
@@ -189,3 +192,63 @@ def test_a_whole_hit_leaves_the_cached_block_unwritten(make_engine, paged_kernel
     assert again.num_cached_tokens == len(ids) - 1
     assert torch.equal(cache.kv[:, :, block.block_id, 15], poison)
     assert again.logprobs[0] != pytest.approx(cold.logprobs[0], abs=1e-3)
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
+def test_a_whole_hit_samples_from_the_kept_last_row(make_engine, kv):
+    """A block-aligned prompt computed once keeps its last row's final hidden state; its whole
+    hits then run no model row for their first token. The tokens and logprobs are the same
+    bits as those of the first run and of a whole hit that computes the row again."""
+    engine = make_engine(kv_cache_dtype=kv)
+    ids = _aligned_prompt(engine)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    first = run(engine, ids, params)
+    assert len(engine.runner.last_rows) == 1 and engine.stats().num_last_rows_reused == 0
+    rows, forward = [], engine.runner._forward
+    engine.runner._forward = lambda out, *a: rows.append(len(out.scheduled)) or forward(out, *a)
+    again = run(engine, ids, params)
+    engine.runner._forward = forward
+    assert again.num_cached_tokens == len(ids) - 1
+    assert engine.stats().num_last_rows_reused == 1
+    assert len(rows) == len(again.token_ids) - 1  # the decode steps only: no step for the hit
+    engine.runner.last_rows = LastRows()  # forgotten: the hit computes its row again
+    recomputed = run(engine, ids, params)
+    assert engine.stats().num_last_rows_reused == 1
+    for out in (again, recomputed):
+        assert out.token_ids == first.token_ids
+        assert out.logprobs == first.logprobs  # exact: the same bits
+        assert out.top_logprobs == first.top_logprobs
+
+
+def test_kept_last_rows_stay_in_their_namespace_and_batch(make_engine):
+    """Another tenant or salt with the same prompt finds no kept row (its hashes descend from
+    another root); a kept row serves its hit in a step beside a decode and a whole hit that
+    computes its row (none kept for it), each answer the one it gets alone."""
+    engine = make_engine()
+    ids = _aligned_prompt(engine)
+    alone = run(engine, ids, tenant="alice")
+    assert run(engine, ids, tenant="bob").num_cached_tokens == 0
+    assert run(engine, ids, tenant="alice", cache_salt="s").num_cached_tokens == 0
+    assert engine.stats().num_last_rows_reused == 0
+    other, shorter = ids[:40] + [ids[1]] * 9, ids[: 4 * engine.kv_manager.block_size]
+    refs = {tuple(p): run(make_engine(enable_prefix_caching=False), p).token_ids
+            for p in (other, shorter)}  # fmt: skip
+    alice = RequestOptions(tenant="alice")
+    rids = [engine.add_request(other, GREEDY, alice)]
+    engine.step()  # its prefill: it decodes in the next step
+    rids += [engine.add_request(p, GREEDY, alice) for p in (ids, shorter)]
+    steps = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda out, *a: steps.append(out.scheduled) or execute(out, *a)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.runner.execute = execute
+    engine.check_integrity()
+    assert [s.request_id for s in steps[0]] == rids  # one step: the decode and both hits
+    assert engine.stats().num_last_rows_reused == 1  # ids' row was kept, shorter's was not
+    assert done[rids[0]].token_ids == refs[tuple(other)]
+    assert done[rids[1]].token_ids == alone.token_ids
+    assert done[rids[2]].token_ids == refs[tuple(shorter)]
+    assert done[rids[1]].num_cached_tokens == len(ids) - 1
+    assert done[rids[2]].num_cached_tokens == len(shorter) - 1
