@@ -143,6 +143,8 @@ async def _agents_load(url: str, args: argparse.Namespace) -> dict:
         "cross_tenant_full_hits": _cross_tenant_hits(turns, primed),
         "tool_metrics": [line for line in metrics.splitlines()
                          if line.startswith(("kvwise_tool_", "kvwise_preemptions_total"))],
+        # each turn's (round, sent, answered), seconds from the start: a timeline of the run
+        "spans": sorted((t[0], round(t[6] - start, 3), round(t[7] - start, 3)) for t in turns),
     }  # fmt: skip
 
 
