@@ -95,6 +95,27 @@ def test_cached_tokens_on_a_repeated_prompt(alice):
     assert n > 4 * BLOCK and again.usage.prompt_tokens_details.cached_tokens == full_blocks(n)
 
 
+def test_a_repeated_block_aligned_prompt_takes_its_first_token_from_the_kept_row(server, alice):
+    """A token-id prompt of whole blocks, sent twice: the repeat is a whole hit whose first
+    token comes from the kept last row, with the same token and logprob, counted in /metrics."""
+    import httpx
+
+    def reused() -> float:
+        text = httpx.get(server.base_url + "/metrics",
+                         headers={"Authorization": "Bearer key-alice"}).text  # fmt: skip
+        (line,) = [x for x in text.splitlines() if x.startswith("kvwise_last_rows_reused_total")]
+        return float(line.split()[-1])
+
+    ids = [1000 + 37 * i % 9000 for i in range(4 * BLOCK)]
+    before = reused()
+    first, again = (alice.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0,
+                                             logprobs=2) for _ in range(2))  # fmt: skip
+    assert again.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    assert reused() == before + 1
+    assert again.choices[0].text == first.choices[0].text
+    assert again.choices[0].logprobs.token_logprobs == first.choices[0].logprobs.token_logprobs
+
+
 def test_tenant_isolation_end_to_end(alice, bob):
     prompt = "Tenant isolation check. " + DOC
 
