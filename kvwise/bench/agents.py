@@ -274,7 +274,8 @@ def main(args: argparse.Namespace) -> int:
             runs.setdefault(config, []).append(r)
             print(f"round {round_ + 1}, {config}: {r['turns']} turns, {r['turns_per_s']:.3f} "
                   f"turns/s of wall time, {r['turns_per_in_flight_s']:.3f} of the "
-                  f"{r['in_flight_s']:.0f} s with a turn in flight, post-tool answer p50 {r['post_tool_p50_s']:.2f} s p99 "
+                  f"{r['in_flight_s']:.0f} s with a turn in flight, post-tool answer p50 "
+                  f"{r['post_tool_p50_s']:.2f} s p99 "
                   f"{r['post_tool_p99_s']:.2f} s, first delta p50 {r['post_tool_ttft_p50_s']:.2f}"
                   f" s p99 {r['post_tool_ttft_p99_s']:.2f} s, cached {r['cached_tokens']:,} of "
                   f"{r['prompt_tokens']:,} prompt tokens, cross-tenant full hits "

@@ -80,25 +80,29 @@ class ModelRunner:
         """Run one step; ``layer_ready(layer)`` (optional) blocks until loads for that layer
         are in the cache."""
         # whole hits whose last row is kept: sampled from it, not run through the model
-        kept = [(s, row) for s in sched_out.scheduled if s.kv_in_pool and s.sample
-                for row in [self.last_rows.get(s.last_row_key)] if row is not None]  # fmt: skip
+        kept = []
+        for item in sched_out.scheduled:
+            row = self.last_rows.get(item.last_row_key) if item.kv_in_pool and item.sample else None
+            if row is not None:
+                kept.append((item, row))
         if kept:
-            done = {id(s) for s, _ in kept}
+            done = {id(item) for item, _ in kept}
             sched_out = replace(sched_out, scheduled=[s for s in sched_out.scheduled
                                                       if id(s) not in done])  # fmt: skip
-        out, reqs, rows = ModelOutput(last_rows_reused=len(kept)), [], []
+        out = ModelOutput(last_rows_reused=len(kept))
         if sched_out.is_empty:
             self.kv_cache.begin_step(sched_out.released_block_ids)
+            reqs, rows = [], None
         else:
-            reqs, computed = self._forward(sched_out, layer_ready, out)
-            rows.append(computed)
-        if kept:
-            reqs += [s for s, _ in kept]
-            rows.append(torch.stack([row for _, row in kept]))
+            reqs, rows = self._forward(sched_out, layer_ready, out)
+        if kept:  # after the computed rows (a new list and tensor only here)
+            reqs = reqs + [item for item, _ in kept]
+            kept_rows = torch.stack([row for _, row in kept])
+            rows = kept_rows if rows is None else torch.cat([rows, kept_rows])
         if not reqs:
             return out
         bitmask = bitmask_words(reqs, sched_out.token_bitmasks, self.vocab_size)
-        logits = self.model.compute_logits(torch.cat(rows), bitmask)  # (S, vocab)
+        logits = self.model.compute_logits(rows, bitmask)  # (S, vocab)
         histories = [None if r.history is None else (r.history, r.num_prompt_tokens) for r in reqs]
         picked = sample(logits, [r.sampling_params for r in reqs], [r.output_index for r in reqs],
                         histories, bitmask)  # fmt: skip
@@ -125,7 +129,7 @@ class ModelRunner:
         for i, r in enumerate(batch.sample_requests):
             if r.last_row_key is not None:
                 self.last_rows.put(r.last_row_key, rows[i])
-        return list(batch.sample_requests), rows
+        return batch.sample_requests, rows
 
     def _prompt_logprobs(self, items, hidden: torch.Tensor) -> dict:
         """Each item's prompt positions its rows predict: (position, the prompt token's

@@ -175,8 +175,8 @@ def _drain(engine, prompts, params):
 def test_gemma3_hybrid_cache_cold_pool_preempted_disk_and_all_full(gemma3_path, kv, tmp_path):
     """Two ~1,600-token prompts (3x the window) on the hybrid KV cache: the same greedy tokens
     cold, from the pool (a hit past the window: the local layers' last window only), after
-    preemptions in a small pool (admission on the first chunk), loaded from the disk tier, and with every layer keeping
-    every token (--no-hybrid-kv-cache)."""
+    preemptions in a small pool (admission on the first chunk), loaded from the disk tier,
+    and with every layer keeping every token (--no-hybrid-kv-cache)."""
     loaded = load_model(gemma3_path, progress=False)
     kv_args = dict(kv_cache_dtype=kv, block_size=16)  # int4's too (its default is 32)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
