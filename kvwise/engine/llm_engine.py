@@ -63,6 +63,7 @@ class LLMEngine:
         self.answers = RecentAnswers()
         self.tool_pauses = ToolPauses()
         self.num_last_rows_reused = 0  # whole hits sampled from a kept last row
+        self.num_generated_tokens = 0  # sampled, in every step so far
         self._next_id = 0
         self._closed = False
 
@@ -167,6 +168,7 @@ class LLMEngine:
         model_out, short_loads = self._execute(sched_out)
         self.num_last_rows_reused += model_out.last_rows_reused
         updates = self.scheduler.update(sched_out, model_out, short_loads)
+        self.num_generated_tokens += sum(len(u.new_token_ids) for u in updates)
         completed = self._grammar_accept(updates)
         processed = self.outputs.process(updates)
         if processed.stopped_ids or completed:
@@ -268,6 +270,7 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             num_load_rollbacks=scheduler.num_load_rollbacks,
             num_last_rows_reused=self.num_last_rows_reused,
+            num_generated_tokens=self.num_generated_tokens,
             kv=self.kv_manager.stats(scheduler.running),
             store=self.store.stats() if self.store is not None else None,
             **tool_pause_stats(self.tool_pauses.counts),

@@ -64,6 +64,12 @@ class EngineStats:
     tool_recomputed_tokens: int = metric(
         _RESUMED, _RESUMED_HELP, default=0, labels={"source": "recomputed"}
     )
+    num_generated_tokens: int = metric(  # total
+        "kvwise_engine_generated_tokens",
+        "tokens sampled, counted in the step that sampled them (the dashboard's tokens/s; "
+        "kvwise_generation_tokens_total counts them when their request ends)",
+        default=0,
+    )
     kv_integrity_checks: int = metric(  # the async engine's
         "kvwise_kv_integrity_checks",
         "KV pool integrity checks passed while idle (a failure stops the engine)",

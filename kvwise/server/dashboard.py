@@ -2,18 +2,22 @@
 ``kvwise/server/static/``: charts are inline SVG drawn by plain JavaScript, nothing is fetched
 from elsewhere) and ``GET /dashboard/data`` (JSON), which the page polls every ``interval_s``.
 
-What it shows: KV pool occupancy, the prefix hit rate of the device pool and of each tier
-(the share of prompt tokens looked up that each one served), the cost model's load-vs-
-recompute decisions, its current fit as predicted TTFT against prefix length per tier and for
-recomputing (each tier's break-even marked), and the waiting queue, running requests and 429s.
+What it shows: generated tokens/s and TTFT (p50, p99, mean) over time, KV pool occupancy,
+the prefix hit rate of the device pool and of each tier (the share of prompt tokens looked up
+that each one served), the cost model's load-vs-recompute decisions, its current fit as
+predicted TTFT against prefix length per tier and for recomputing (each tier's break-even
+marked), the waiting queue, running requests and 429s, a row per tier, and a row per tenant
+(requests, prompt, generated and cached tokens: ``ServerMetrics.tenants``, the busiest
+``max_tenants`` by name and one row for the rest).
 
-Samples: a task of the app samples the engine's stats and the request totals every
-``interval_s`` (and a data request does when the last sample is older), into a ring buffer of
-the last ``max_samples``, so a page opened late still sees the last minutes; hit rates and the
-mean TTFT are over a sliding window of ``window`` samples. A sample holds every field the
-stats dataclasses name a metric for (``core.stat_fields``; JSON key: the field's name without
-``num_``), and the JSON's ``now`` and ``tiers`` carry them all, so a new stats field reaches
-the page's data with no edit here; the charts pick theirs by that key.
+Samples (``dashboard_series.py``): a task of the app samples the engine's stats and the
+request totals every ``interval_s`` (and a data request does when the last sample is older),
+into a ring buffer of the last ``max_samples``, so a page opened late still sees the last
+minutes; hit rates and TTFT are over a sliding window of ``window`` samples, tokens/s per
+interval (and over the window). A sample holds every field the stats dataclasses name a
+metric for (``core.stat_fields``; JSON key: the field's name without ``num_``), and the JSON's
+``now``, ``tiers`` and ``tenants`` carry them all, so a new stats field reaches the page's data
+with no edit here; the charts pick theirs by that key.
 
 Access (``AdminGate``): without API keys and without an admin key the dashboard is open, like
 /metrics. Otherwise it needs the admin key (``--admin-key`` / ``$KVWISE_ADMIN_KEY``), sent as
@@ -30,24 +34,25 @@ import asyncio
 import hashlib
 import hmac
 import importlib.resources
-import math
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from urllib.parse import parse_qsl, urlencode
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from kvwise.core.kv_stats import KVCacheStats
-from kvwise.core.stat_fields import metric_fields
 from kvwise.engine.client import EngineClient
-from kvwise.engine.stats import EngineStats
-from kvwise.server.metrics import RequestTotals, ServerMetrics
+from kvwise.server.dashboard_series import (
+    DashboardHistory,
+    Sample,
+    finite,
+    stat_values,
+    take_sample,
+)
+from kvwise.server.metrics import ServerMetrics
 from kvwise.server.protocol import APIError
-from kvwise.store.stats import StoreStats, TierStats
+from kvwise.server.request_stats import OTHER_TENANTS, TenantCounts
+from kvwise.store.stats import TierStats
 
 COOKIE = "kvwise_dashboard"
 _COOKIE_TAG = b"kvwise.dashboard.v1"
@@ -57,153 +62,6 @@ _HEADERS = {
     # the page runs only its own script: no inline script, nothing from another origin
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; "
     "style-src 'self' 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'",
-}
-
-
-# ---- samples --------------------------------------------------------------------------------
-
-
-def stat_key(attr: str) -> str:
-    """A stats field's key in the JSON: its name without the units prefix ``num_``
-    (``num_waiting`` → ``waiting``, ``num_entries`` → ``entries``)."""
-    return attr.removeprefix("num_")
-
-
-def stat_values(stats, stats_type: type) -> dict[str, float]:
-    """Every field of the stats dataclass ``stats_type`` that names a metric
-    (``core.stat_fields``), by ``stat_key``, valued from ``stats`` (None: all 0, e.g. no
-    store), so a new stats field reaches the JSON with no edit here."""
-    fields = metric_fields(stats_type)
-    if stats is None:
-        return {stat_key(f.attr): 0 for f in fields}
-    return {stat_key(f.attr): getattr(stats, f.attr) for f in fields}
-
-
-@dataclass(frozen=True)
-class Sample:
-    """The server at one moment; counters are totals since start."""
-
-    t: float  # time.time()
-    engine_up: bool
-    # the engine's, the pool's and the store's stats fields (``stat_values``): blocks_total,
-    # blocks_used, blocks_cached_free, waiting, running, prefix_query_tokens, ...
-    stats: dict[str, float]
-    tier_loaded_tokens: dict[str, int]  # prompt tokens loaded from each tier (tier order)
-    requests_finished: int
-    rejected_429: int
-    ttft_sum_s: float
-    ttft_count: int
-
-
-def take_sample(stats: EngineStats, totals: RequestTotals, engine_up: bool, t: float) -> Sample:
-    tiers = stats.store.tiers if stats.store is not None else {}
-    return Sample(
-        t=t,
-        engine_up=engine_up,
-        stats={
-            **stat_values(stats, EngineStats),
-            **stat_values(stats.kv, KVCacheStats),
-            **stat_values(stats.store, StoreStats),
-        },
-        tier_loaded_tokens={name: t.loaded_tokens for name, t in tiers.items()},
-        requests_finished=sum(totals.finished.values()),
-        rejected_429=totals.by_status.get("429", 0),
-        ttft_sum_s=totals.ttft_sum_s,
-        ttft_count=totals.ttft_count,
-    )
-
-
-class DashboardHistory:
-    """The last ``max_samples`` samples, one every ``interval_s``, and the series drawn from
-    them (JSON-ready).
-
-    Args:
-        read: takes a sample now.
-        window: samples a rate is taken over (hit rates, mean TTFT).
-        clock: seconds, for spacing the samples (tests pass their own).
-    """
-
-    def __init__(
-        self,
-        read: Callable[[], Sample],
-        interval_s: float = 2.0,
-        max_samples: int = 450,
-        window: int = 15,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if interval_s <= 0 or max_samples < 2 or window < 1:
-            raise ValueError("dashboard: interval_s > 0, max_samples >= 2 and window >= 1")
-        self.read = read
-        self.interval_s = interval_s
-        self.window = window
-        self.clock = clock
-        self.samples: deque[Sample] = deque(maxlen=max_samples)
-        self._last = float("-inf")
-        self._lock = threading.Lock()  # the sampler task and data requests (on threads)
-
-    def sample(self) -> Sample:
-        """Take a sample unless the last one is less than half an interval old; the newest."""
-        with self._lock:
-            now = self.clock()
-            if not self.samples or now - self._last >= self.interval_s / 2:
-                self.samples.append(self.read())
-                self._last = now
-            return self.samples[-1]
-
-    async def run(self) -> None:
-        """Sample every ``interval_s`` until cancelled."""
-        while True:
-            self.sample()
-            await asyncio.sleep(self.interval_s)
-
-    def series(self) -> dict:
-        """Each quantity over time, oldest first; ``t`` in seconds relative to the newest.
-        Rates are None where the window saw nothing to divide by."""
-        with self._lock:
-            samples = list(self.samples)
-        if not samples:
-            return {"t": []}
-        newest = samples[-1]
-        tiers = list(newest.tier_loaded_tokens)
-
-        def windowed(num: Callable[[Sample], float], den: Callable[[Sample], float]):
-            out = []
-            for i, s in enumerate(samples):
-                first = samples[max(0, i - self.window)]
-                d = den(s) - den(first)
-                out.append(None if d <= 0 else (num(s) - num(first)) / d)
-            return out
-
-        def queried(s: Sample) -> float:
-            return s.stats["prefix_query_tokens"]
-
-        hit_rate = {"device pool": windowed(lambda s: s.stats["prefix_hit_tokens"], queried)}
-        for tier in tiers:
-            hit_rate[tier] = windowed(
-                lambda s, tier=tier: s.tier_loaded_tokens.get(tier, 0), queried
-            )
-        drawn = {key: [s.stats[attr] for s in samples] for key, attr in _DRAWN.items()}
-        return {
-            "t": [round(s.t - newest.t, 3) for s in samples],
-            **drawn,
-            "rejected_429": [
-                s.rejected_429 - (samples[i - 1].rejected_429 if i else s.rejected_429)
-                for i, s in enumerate(samples)
-            ],
-            "hit_rate": hit_rate,
-            "ttft_mean_s": _finite(windowed(lambda s: s.ttft_sum_s, lambda s: s.ttft_count)),
-        }
-
-
-# the stats the page charts over time: its series' name -> the stats key (``stat_values``)
-_DRAWN = {
-    "blocks_total": "blocks_total",
-    "blocks_used": "blocks_used",
-    "blocks_cached": "blocks_cached_free",
-    "waiting": "waiting",
-    "running": "running",
-    "load_decisions": "load_decisions",
-    "recompute_decisions": "recompute_decisions",
 }
 
 
@@ -245,7 +103,10 @@ class Dashboard:
             "device pool": _ratio(stats["prefix_hit_tokens"], queried),
             **{tier: _ratio(n, queried) for tier, n in newest.tier_loaded_tokens.items()},
         }
-        ttft = series["ttft_mean_s"][-1] if series.get("ttft_mean_s") else None
+
+        def last(key: str):  # the newest point of a series (None before any sample)
+            return series[key][-1] if series.get(key) else None
+
         return {
             "model": self.model_name,
             "time": newest.t,
@@ -258,10 +119,15 @@ class Dashboard:
                 "rejected_429": newest.rejected_429,
                 "requests_finished": newest.requests_finished,
                 "hit_rate": hit_rate,  # since start
-                "ttft_mean_s": ttft,  # over the window
+                # over the window
+                "ttft_mean_s": last("ttft_mean_s"),
+                "ttft_p50_s": last("ttft_p50_s"),
+                "ttft_p99_s": last("ttft_p99_s"),
+                "tokens_per_s": last("tokens_per_s_window"),
             },
             "series": series,
             "tiers": self._tiers(),
+            "tenants": self._tenants(),
             "cost_model": self._cost_model(),
         }
 
@@ -272,6 +138,15 @@ class Dashboard:
         tiers = store.tiers.items() if store is not None else ()
         return [{"name": name, **stat_values(t, TierStats)} for name, t in tiers]
 
+    def _tenants(self) -> list[dict]:
+        """A row per tenant, most requests first, every ``TenantCounts`` field by its key
+        (requests, prompt_tokens, generated_tokens, cached_tokens); the tenants without a row
+        of their own (``max_tenants``) last, as ``OTHER_TENANTS`` with ``other`` true."""
+        return [
+            {"name": name, "other": name == OTHER_TENANTS, **stat_values(counts, TenantCounts)}
+            for name, counts in self.metrics.tenants.rows()
+        ]
+
     def _cost_model(self) -> dict | None:
         curves = self.engine.cost_curves()
         if curves is None:
@@ -279,12 +154,12 @@ class Dashboard:
         return {
             "policy": curves.policy,
             "prefix_tokens": list(curves.prefix_tokens),
-            "recompute_ttft_s": _finite(curves.recompute_ttft_s),
+            "recompute_ttft_s": finite(curves.recompute_ttft_s),
             "step_observations": curves.num_step_observations,
             "tiers": [
                 {
                     "name": c.tier,
-                    "ttft_s": _finite(c.ttft_s),
+                    "ttft_s": finite(c.ttft_s),
                     "break_even_tokens": c.break_even_tokens,
                     "observations": c.num_observations,
                 }
@@ -311,11 +186,6 @@ class Dashboard:
 
 def _ratio(num: int, den: int) -> float | None:
     return num / den if den > 0 else None
-
-
-def _finite(values) -> list[float | None]:
-    """JSON has no NaN or infinity: a fit gone astray shows as a gap, never a 500."""
-    return [v if v is not None and math.isfinite(v) else None for v in values]
 
 
 # ---- access ---------------------------------------------------------------------------------

@@ -9,7 +9,11 @@ and hit tokens, preemptions, load rollbacks; the store's load / recompute decisi
 recomputed-instead tokens, chunks written, writes dropped, bytes waiting to be written), one
 series per tier (label ``tier``) for every ``TierStats`` field, whether the engine is up, and
 each tier's break-even prefix length under the cost model's current fit. A new stats field
-with a metric needs no edit here. Each finished request also writes one log line.
+with a metric needs no edit here. Per tenant (label ``tenant``; the API key's tenant,
+``default`` without keys): requests, prompt, generated and cached tokens, for at most
+``max_tenants`` tenants by name (``request_stats.TenantTable``: the quietest tenant's series
+folds into ``tenant="(other)"`` when a new one comes to a full table). Each finished request
+also writes one log line.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvwise.core.kv_stats import KVCacheStats
 from kvwise.core.stat_fields import COUNTER, MetricField, metric_fields
 from kvwise.engine.client import EngineClient
 from kvwise.engine.stats import EngineStats
+from kvwise.server.request_stats import RecentValues, TenantCounts, TenantTable
 from kvwise.store.stats import StoreStats, TierStats
 from kvwise.types import RequestOutput
 
@@ -87,6 +92,17 @@ def _families(stats, stats_type: type, per: str | None = None):
         yield metric
 
 
+class _TenantCollector:
+    """The tenant table's rows (``TenantCounts``' fields) as series labelled ``tenant``, read
+    at scrape time."""
+
+    def __init__(self, tenants: TenantTable) -> None:
+        self.tenants = tenants
+
+    def collect(self):
+        yield from _families(dict(self.tenants.rows()), TenantCounts, per="tenant")
+
+
 @dataclass(frozen=True)
 class RequestTotals:
     """Totals of the per-request series since start."""
@@ -98,6 +114,8 @@ class RequestTotals:
     generation_tokens: int
     ttft_sum_s: float
     ttft_count: int
+    num_ttfts_seen: int = 0  # TTFTs observed (recent_ttfts_s: the last of them)
+    recent_ttfts_s: tuple[float, ...] = ()
 
 
 def _total(counter: Counter) -> int:
@@ -117,8 +135,21 @@ def _by_label(counter: Counter, label: str) -> dict[str, int]:
 
 
 class ServerMetrics:
-    def __init__(self, engine: EngineClient) -> None:
+    """The server's registry, and the per-request figures the dashboard reads (``totals``,
+    ``tenants``).
+
+    Args:
+        engine: read at scrape time for its stats.
+        max_tenants: tenants with series (and dashboard rows) of their own.
+        recent_ttfts: the last TTFTs kept for the dashboard's percentiles.
+    """
+
+    def __init__(
+        self, engine: EngineClient, max_tenants: int = 50, recent_ttfts: int = 256
+    ) -> None:
         self.registry = registry = CollectorRegistry()
+        self.tenants = TenantTable(max_tenants)
+        self.recent_ttfts = RecentValues(recent_ttfts)
         self.requests = Counter(
             "kvwise_http_requests",
             "HTTP requests by route and status",
@@ -161,6 +192,7 @@ class ServerMetrics:
             registry=registry,
         )
         registry.register(_EngineCollector(engine))
+        registry.register(_TenantCollector(self.tenants))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -168,6 +200,7 @@ class ServerMetrics:
     def totals(self) -> RequestTotals:
         """The per-request series so far, summed over their labels (the dashboard's source)."""
         ttft = {s.name: s.value for m in self.ttft.collect() for s in m.samples}
+        num_ttfts_seen, recent_ttfts_s = self.recent_ttfts.snapshot()
         return RequestTotals(
             finished=_by_label(self.finished, "finish_reason"),
             by_status=_by_label(self.requests, "status"),
@@ -176,6 +209,8 @@ class ServerMetrics:
             generation_tokens=_total(self.generation_tokens),
             ttft_sum_s=ttft.get("kvwise_time_to_first_token_seconds_sum", 0.0),
             ttft_count=int(ttft.get("kvwise_time_to_first_token_seconds_count", 0)),
+            num_ttfts_seen=num_ttfts_seen,
+            recent_ttfts_s=recent_ttfts_s,
         )
 
     def observe_request(
@@ -184,6 +219,7 @@ class ServerMetrics:
         """Record one ended request (``out``: its last output, None if none came) and log it."""
         self.finished.labels(finish_reason).inc()
         if out is None:
+            self.tenants.record(tenant, 0, 0, 0)
             logger.info("%s tenant=%s no output, finish=%s", request_id, tenant, finish_reason)
             return
         m = out.metrics
@@ -191,8 +227,10 @@ class ServerMetrics:
         self.prompt_tokens.inc(out.num_prompt_tokens)
         self.cached_tokens.inc(out.num_cached_tokens)
         self.generation_tokens.inc(num_generated)
+        self.tenants.record(tenant, out.num_prompt_tokens, num_generated, out.num_cached_tokens)
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
+            self.recent_ttfts.add(m.ttft)
         for gap in m.inter_token_times:
             self.itl.observe(gap)
         end = m.finished_time or time.perf_counter()

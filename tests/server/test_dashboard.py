@@ -57,6 +57,40 @@ def test_open_dashboard_serves_page_script_and_data():
         assert series["hit_rate"]["host"][-1] == 0.0  # looked up, none loaded
 
 
+def test_two_tenants_show_with_tokens_per_second_and_ttft_percentiles():
+    keys = {"key-alice": "alice", "key-bob": "bob"}
+    with serve(fake_engine(), api_keys=keys, admin_key=ADMIN) as (server, client):
+        server.app.state.dashboard.history.interval_s = 0.05
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        for key, num_requests in (("key-alice", 2), ("key-bob", 1)):
+            for _ in range(num_requests):
+                r = client.post("/v1/completions", json=completion(LONG, max_tokens=5),
+                                headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+        def shown():
+            now = client.get("/dashboard/data", headers=admin).json()["now"]
+            return now["requests_finished"] == 3 and now["ttft_p99_s"] is not None
+
+        assert wait_for(shown, timeout=5)
+        data = client.get("/dashboard/data", headers=admin).json()
+        now, series = data["now"], data["series"]
+        assert now["generated_tokens"] == 15 and now["tokens_per_s"] > 0
+        assert 0 < now["ttft_p50_s"] <= now["ttft_p99_s"]
+        assert max(v for v in series["tokens_per_s"] if v is not None) > 0
+        assert len(series["ttft_p50_s"]) == len(series["ttft_p99_s"]) == len(series["t"])
+        rows = {row["name"]: row for row in data["tenants"]}
+        assert [row["name"] for row in data["tenants"]] == ["alice", "bob"]
+        assert (rows["alice"]["requests"], rows["bob"]["requests"]) == (2, 1)
+        assert rows["alice"]["generated_tokens"] == 10 and rows["bob"]["generated_tokens"] == 5
+        assert rows["alice"]["prompt_tokens"] == 2 * rows["bob"]["prompt_tokens"] > 0
+        assert rows["alice"]["cached_tokens"] > 0  # her second request hit her first's blocks
+        assert rows["bob"]["cached_tokens"] == 0  # never another tenant's
+        metrics = client.get("/metrics").text
+        assert 'kvwise_tenant_requests_total{tenant="alice"} 2.0' in metrics
+        assert 'kvwise_tenant_cached_prompt_tokens_total{tenant="bob"} 0.0' in metrics
+
+
 def test_dashboard_without_tiers_has_no_cost_model():
     with serve(fake_engine()) as (_, client):
         data = client.get("/dashboard/data").json()

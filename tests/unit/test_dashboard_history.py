@@ -12,9 +12,19 @@ from kvwise.core.kv_stats import KVCacheStats
 from kvwise.core.stat_fields import metric_fields
 from kvwise.engine.async_engine import AsyncEngine
 from kvwise.engine.stats import EngineStats
-from kvwise.server.dashboard import Dashboard, DashboardHistory, Sample, stat_key, stat_values
+from kvwise.server.dashboard import Dashboard
+from kvwise.server.dashboard_series import DashboardHistory, Sample, stat_key, stat_values
 from kvwise.server.metrics import ServerMetrics
+from kvwise.server.request_stats import (
+    OTHER_TENANTS,
+    RecentValues,
+    TenantCounts,
+    TenantTable,
+    percentile,
+    since,
+)
 from kvwise.store.stats import StoreStats, TierStats
+from kvwise.types import SamplingParams
 from tests.fakes import fake_engine
 from tests.store_util import FakeClock
 
@@ -135,3 +145,99 @@ def test_every_stats_field_reaches_the_json_by_its_key():
     assert set(tier) == {"name"} | tier_keys
     assert {"entries", "bytes", "hits", "misses", "faults", "loads", "load_seconds"} <= tier_keys
     assert tier["entries"] == stats.store.tiers["host"].num_entries
+
+
+# ---- tokens/s, TTFT percentiles, tenants ----------------------------------------------------
+
+
+def test_generated_tokens_per_second_per_interval_and_over_the_window():
+    def s(t, generated):
+        stats = {**STATS, "generated_tokens": generated}
+        return dataclasses.replace(ZERO, t=t, stats=stats)
+
+    # a data request took the third sample half an interval after the second
+    series = history([s(0, 0), s(2, 40), s(3, 70), s(5, 70), s(7, 70)]).series()
+    assert series["tokens_per_s"] == [None, 20.0, 30.0, 0.0, 0.0]
+    assert series["tokens_per_s_window"] == [None, 20.0, 70 / 3, 10.0, 0.0]  # window: 2
+
+
+def test_ttft_percentiles_over_the_window_from_the_ttfts_of_each_interval():
+    """Each sample reads the last TTFTs observed; the history keeps only those since the
+    sample before, and the p50 / p99 of the window that ends with it."""
+    recent: list[float] = []
+
+    def s(t, *new):
+        recent.extend(new)
+        return dataclasses.replace(
+            ZERO, t=t, num_ttfts_seen=len(recent), ttfts_s=tuple(recent[-4:])
+        )  # the metrics keep the last 4
+
+    h = history([s(0), s(1, 0.1, 0.2, 0.3), s(2, 0.9), s(3), s(4), s(5, *[0.5] * 6)])
+    assert [x.ttfts_s for x in h.samples] == [(), (0.1, 0.2, 0.3), (0.9,), (), (), (0.5,) * 4]
+    series = h.series()
+    assert series["ttft_p50_s"] == [None, 0.2, 0.2, 0.9, None, 0.5]  # nearest rank
+    assert series["ttft_p99_s"] == [None, 0.3, 0.9, 0.9, None, 0.5]
+
+
+def test_percentiles_since_and_recent_values():
+    assert percentile([], 0.5) is None
+    assert percentile([3.0], 0.99) == 3.0
+    values = [float(v) for v in range(100, 0, -1)]
+    assert (percentile(values, 0.5), percentile(values, 0.99), percentile(values, 1.0)) == (
+        50.0, 99.0, 100.0,
+    )  # fmt: skip
+    recent = RecentValues(maxlen=3)
+    for v in (1.0, 2.0, 3.0, 4.0):
+        recent.add(v)
+    seen, values = recent.snapshot()
+    assert (seen, values) == (4, (2.0, 3.0, 4.0))
+    assert since(values, seen, 2) == (3.0, 4.0) and since(values, seen, 4) == ()
+    assert since(values, seen, 0) == (2.0, 3.0, 4.0)  # no more than kept
+    with pytest.raises(ValueError, match="^maxlen"):
+        RecentValues(0)
+
+
+def test_the_tenant_table_is_bounded_and_its_rows_add_up():
+    table = TenantTable(max_tenants=2)
+    for _ in range(3):
+        table.record("alice", 10, 4, 8)
+    table.record("bob", 5, 2, 0)
+    assert [(name, c.num_requests) for name, c in table.rows()] == [("alice", 3), ("bob", 1)]
+    for i in range(1000):  # a flood of new tenants churns one row; alice keeps hers
+        table.record(f"t{i}", 1, 1, 0)
+    rows = dict(table.rows())
+    assert list(rows) == ["alice", "t999", OTHER_TENANTS]
+    assert rows["alice"] == TenantCounts(3, 30, 12, 24)
+    assert rows[OTHER_TENANTS] == TenantCounts(1000, 1004, 1001, 0)  # bob and t0..t998
+    assert sum(c.num_requests for c in rows.values()) == 1004
+    with pytest.raises(ValueError, match="^max_tenants"):
+        TenantTable(0)
+
+
+def test_tenants_reach_the_metrics_and_the_dashboard_data():
+    core = fake_engine()
+    core.add_request("hello there", SamplingParams(max_tokens=3, ignore_eos=True))
+    outs = []
+    while core.has_unfinished():
+        outs += core.step()
+    out = outs[-1]
+    assert out.finished and len(out.token_ids) == 3
+    engine = AsyncEngine(core)
+    try:
+        metrics = ServerMetrics(engine, max_tenants=2)
+        metrics.observe_request("r1", "alice", out, "length")
+        metrics.observe_request("r2", "alice", out, "length")
+        metrics.observe_request("r3", "bob", None, "abort")
+        tenants = Dashboard(engine, metrics, "fake").data()["tenants"]
+        text = metrics.render().decode()
+    finally:
+        engine.shutdown()
+    assert tenants == [
+        {"name": "alice", "other": False, "requests": 2, "prompt_tokens": 2 * out.num_prompt_tokens,
+         "generated_tokens": 6, "cached_tokens": 2 * out.num_cached_tokens},
+        {"name": "bob", "other": False, "requests": 1, "prompt_tokens": 0, "generated_tokens": 0,
+         "cached_tokens": 0},
+    ]  # fmt: skip
+    assert 'kvwise_tenant_requests_total{tenant="alice"} 2.0' in text
+    assert 'kvwise_tenant_generated_tokens_total{tenant="alice"} 6.0' in text
+    assert 'kvwise_tenant_requests_total{tenant="bob"} 1.0' in text
