@@ -140,3 +140,27 @@ def test_stored_bytes_reveal_neither_the_prompt_nor_its_kv(tmp_path):
     )
     assert sum(n in opened for n in _runs([float(i + 1) for i in ids], "f")) > 20
     engine.close()
+
+
+@pytest.mark.parametrize("num_blocks", [1, 3, 40])  # 40: a payload past the scratch slice
+def test_an_entry_read_in_place_opens_where_it_lies_with_the_installed_cryptography(num_blocks):
+    """``open_parts`` decrypts each part where it was read (the disk tier's ``preadv`` into
+    the device pool): with whatever ``cryptography`` release is installed (51 refuses
+    overlapping buffers), across the scratch slice's boundary, into parts of odd sizes."""
+    fmt = serde.EntryFormat(KVSpec(2, 4, 64, 16, "float32"), "model", secret=b"s" * 32)
+    block_bytes = fmt.group_block_bytes(0)  # 16 KiB: 40 blocks are 640 KiB
+    hashes = [bytes([i]) * 32 for i in range(num_blocks)]
+    payload = os.urandom(num_blocks * block_bytes)
+    value = serde.pack(fmt, hashes, 5, 0, payload)
+    key = fmt.entry_key(hashes[-1], 0)
+    head_end = fmt.head_bytes(num_blocks)
+    cuts = sorted({head_end, head_end + 7, head_end + block_bytes, len(value) - serde.TAG_SIZE})
+    parts = [bytearray(value[a:b]) for a, b in zip([0, *cuts], [*cuts, len(value)])]
+    entry = serde.open_parts(fmt, key, parts)
+    assert (entry.first_block, entry.block_hashes, entry.payload) == (5, hashes, None)
+    assert b"".join(parts[1:-1]) == payload  # the plaintext, where the ciphertext was
+    assert bytes(parts[0][serde.HEADER_SIZE :]) == b"".join(hashes)
+    damaged = [bytearray(value[a:b]) for a, b in zip([0, *cuts], [*cuts, len(value)])]
+    damaged[-2][-1] ^= 1
+    with pytest.raises(serde.CorruptEntry, match="authentication failed"):
+        serde.open_parts(fmt, key, damaged)
