@@ -1,8 +1,9 @@
 """The dashboard in headless Chromium against a live ``kvwise serve`` (the default model, a
-disk tier in a temporary directory, API keys and an admin key): the page loads with no
-console error, every chart is drawn, and a chat request sent meanwhile shows in the counters
-and the hit-rate chart within seconds. The admin key gates it (401 / 403) and never reaches
-the server's log."""
+disk tier in a temporary directory, API keys of two tenants and an admin key): the page loads
+with no console error, every chart is drawn, a chat request sent meanwhile shows in the
+counters and the hit-rate chart within seconds, and requests of both tenants then show as
+tokens/s, TTFT p50 / p99 (tiles and chart) and a row per tenant. The admin key gates it
+(401 / 403) and never reaches the server's log."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.server.test_cli_serve import _free_port
 
 ADMIN = "admin-3f9c2e71"
 TENANT_KEY = "sk-browser"
+OTHER_TENANT_KEY = "sk-browser-2"
 CHARTS = ("pool", "hits", "cost", "decisions", "queue")
 
 pytestmark = pytest.mark.slow
@@ -30,7 +32,8 @@ def server(tmp_path_factory):
     disk = tmp_path_factory.mktemp("kv-disk")
     cmd = [sys.executable, "-m", "kvwise.cli", "serve", "--port", str(port)]
     cmd += ["--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--kv-disk-path", str(disk)]
-    cmd += ["--api-key", f"{TENANT_KEY}=carol", "--admin-key", ADMIN]
+    cmd += ["--api-key", f"{TENANT_KEY}=carol", "--api-key", f"{OTHER_TENANT_KEY}=dave"]
+    cmd += ["--admin-key", ADMIN]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -107,5 +110,31 @@ def test_dashboard_draws_and_counts_a_request(server, browser):
     assert drawn("hits") > 0 or page.locator("#chart-hits circle.point").count() > 0
     assert page.inner_text("#tile-ttft .value") not in ("", "–")
     assert page.locator("#banner").is_hidden()
+
+    # a second tenant, and more of the first: tokens/s, TTFT percentiles and a row each
+    dave = OpenAI(base_url=f"{server}/v1", api_key=OTHER_TENANT_KEY, max_retries=0, timeout=60)
+    for c, question in ((dave, "Name a colour."), (client, "Name a fruit."), (dave, "Hi!")):
+        reply = c.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=8,
+            temperature=0,
+        )
+        assert reply.usage.completion_tokens > 0
+    tile = "document.querySelector('#tile-{} .value').textContent"
+    assert poll(page, tile.format("requests_finished"), "4")
+    assert poll(page, "document.querySelectorAll('#tenants-body tr').length", 2)
+    rows = page.evaluate(
+        """[...document.querySelectorAll('#tenants-body tr')]
+             .map(r => [...r.cells].map(c => c.textContent))"""
+    )
+    assert [(r[0], r[1]) for r in rows] == [("carol", "2"), ("dave", "2")], rows
+    assert all(int(r[2]) > 0 and int(r[3]) > 0 for r in rows), rows  # prompt, generated tokens
+    tokens_per_s = page.inner_text("#tile-tokens_per_s .value")
+    assert tokens_per_s not in ("", "–") and float(tokens_per_s) > 0
+    p50, p99 = (page.inner_text(f"#tile-ttft_{p} .value") for p in ("p50", "p99"))
+    assert p50.endswith(("ms", " s")) and p99.endswith(("ms", " s")), (p50, p99)
+    assert drawn("tokens") > 0 or page.locator("#chart-tokens circle.point").count() > 0
+    assert drawn("ttft") >= 2  # p50 and p99
     assert errors == []
     page.close()

@@ -33,6 +33,10 @@
     if (s < 1) return (s * 1e3).toFixed(s < 0.01 ? 1 : 0) + " ms";
     return s.toFixed(s < 10 ? 2 : 1) + " s";
   }
+  function fmtRate(x) {
+    if (x === null || x === undefined) return "–";
+    return x.toFixed(x < 10 ? 1 : 0);
+  }
   function fmtBytes(n) {
     const units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let i = 0;
@@ -213,9 +217,34 @@
     setTile("recompute_decisions", fmtInt(now.recompute_decisions));
     setTile("loaded_tokens", fmtInt(now.loaded_tokens));
     setTile("ttft", fmtSec(now.ttft_mean_s));
+    setTile("ttft_p50", fmtSec(now.ttft_p50_s));
+    setTile("ttft_p99", fmtSec(now.ttft_p99_s));
+    setTile("tokens_per_s", fmtRate(now.tokens_per_s));
 
     const t = s.t || [];
     const timeAxis = { xFmt: fmtAgo, xMax: 0, xMin: Math.min(-60, t.length ? t[0] : -60) };
+
+    drawChart($("chart-tokens"), Object.assign({
+      legend: "legend-tokens", yMin: 0, yLabel: "tokens/s", empty: "no tokens generated yet",
+      series: [
+        { name: "per interval", color: "#1f77b4", x: t, y: s.tokens_per_s, fill: 0.25 },
+        { name: windowText + " mean", color: "#6b7385", x: t, y: s.tokens_per_s_window, dash: "5 4", width: 1.5 },
+      ],
+    }, timeAxis));
+    $("sub-tokens").textContent = `tokens sampled by the engine, every ${d.interval_s} s; ` +
+      `${fmtInt(now.generated_tokens)} since start`;
+
+    drawChart($("chart-ttft"), Object.assign({
+      legend: "legend-ttft", yMin: 0, yFmt: fmtSec, yLabel: "TTFT",
+      empty: "no request finished in the window yet",
+      series: [
+        { name: "p50", color: "#1f77b4", x: t, y: s.ttft_p50_s },
+        { name: "p99", color: "#d62728", x: t, y: s.ttft_p99_s },
+        { name: "mean", color: "#6b7385", x: t, y: s.ttft_mean_s, dash: "5 4", width: 1.5 },
+      ],
+    }, timeAxis));
+    $("sub-ttft").textContent = `of the requests finished in the ${windowText}: ` +
+      `p50 ${fmtSec(now.ttft_p50_s)}, p99 ${fmtSec(now.ttft_p99_s)}, mean ${fmtSec(now.ttft_mean_s)}`;
 
     drawChart($("chart-pool"), Object.assign({
       legend: "legend-pool", yMin: 0, yLabel: "blocks", integer: true,
@@ -260,6 +289,28 @@
 
     renderCost(d.cost_model);
     renderTiers(d.tiers || [], d.cost_model);
+    renderTenants(d.tenants || []);
+  }
+
+  function renderTenants(tenants) {
+    const body = $("tenants-body");
+    body.textContent = "";
+    if (!tenants.length) {
+      const cell = body.insertRow().insertCell();
+      cell.colSpan = 6;
+      cell.textContent = "no request finished yet";
+      return;
+    }
+    for (const t of tenants) {
+      const row = body.insertRow();
+      row.dataset.tenant = t.name;
+      if (t.other) row.title = "tenants beyond the busiest ones shown, together";
+      const cells = [
+        t.name, fmtInt(t.requests), fmtInt(t.prompt_tokens), fmtInt(t.generated_tokens),
+        fmtInt(t.cached_tokens), t.prompt_tokens ? fmtPct(t.cached_tokens / t.prompt_tokens) : "–",
+      ];
+      for (const c of cells) row.insertCell().textContent = c;
+    }
   }
 
   function renderTiers(tiers, cm) {
