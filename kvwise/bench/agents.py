@@ -17,7 +17,8 @@ with a turn in flight (``in_flight_s``: the server's rate, without the stretches
 agent waits for its tool, such as the end of a run, when only the slowest agents' long tool
 calls are left), the latency of the turns after a tool result (p50, p99: the time to the whole
 answer, and TTFT, the time to its first content or tool-call delta — answers are streamed, as
-agents stream them), the prompt tokens cached, and kvwise's tool-pause counts.
+agents stream them), the prompt tokens cached, and kvwise's tool-pause counts. Progress on
+stderr: each server's start-up and a bar over each run's turns (``bench/progress.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 from kvwise.bench import llamacpp, vllm_peer
 from kvwise.bench.chat import _CHARS_PER_TOKEN, _slices
 from kvwise.bench.common import percentile, serve_process, sse_chunks
+from kvwise.bench.progress import bar
 
 TOOL = {"type": "function", "function": {
     "name": "search", "description": "Search the documentation for a query",
@@ -105,7 +107,7 @@ async def _streamed_answer(http, url: str, body: dict, headers: dict) -> dict:
             "usage": usage, "first_s": first or time.perf_counter()}  # fmt: skip
 
 
-async def _agents_load(url: str, args: argparse.Namespace) -> dict:
+async def _agents_load(url: str, args: argparse.Namespace, label: str = "agents") -> dict:
     import httpx
 
     texts = _slices(args.agents * (args.rounds + 1), int(args.result_tokens * _CHARS_PER_TOKEN))
@@ -119,12 +121,18 @@ async def _agents_load(url: str, args: argparse.Namespace) -> dict:
         model = (await http.get(f"{url}/v1/models", headers=_auth(keys[0]))).json()["data"][0]["id"]
         primed = await _prime(http, url, model, args, texts, keys)
         start = time.perf_counter()
-        await asyncio.gather(*(
-            _agent(http, url, model, texts[a * (args.rounds + 1)],
-                   texts[a * (args.rounds + 1) + 1 : (a + 1) * (args.rounds + 1)],
-                   sleeps[a * args.rounds : (a + 1) * args.rounds], args.max_tokens,
-                   lambda *t: turns.append(t), keys[a])
-            for a in range(args.agents)))  # fmt: skip
+        with bar(args.agents * args.rounds, label, "turn") as progress:
+
+            def record(*turn) -> None:
+                turns.append(turn)
+                progress.update()
+
+            await asyncio.gather(*(
+                _agent(http, url, model, texts[a * (args.rounds + 1)],
+                       texts[a * (args.rounds + 1) + 1 : (a + 1) * (args.rounds + 1)],
+                       sleeps[a * args.rounds : (a + 1) * args.rounds], args.max_tokens,
+                       record, keys[a])
+                for a in range(args.agents)))  # fmt: skip
         wall = time.perf_counter() - start
         resp = await http.get(f"{url}/metrics", headers=_auth(keys[0]))
         metrics = resp.text if resp.status_code == 200 else ""
@@ -216,7 +224,7 @@ def _vllm(python: str, args: argparse.Namespace) -> dict:
     dtype = "float32" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     per_value = kv_format(dtype).bytes_per_value  # its scales apart
     kv_bytes = int(parse_bytes(args.pool_memory, "pool_memory") * 2 / per_value)
-    work = functools.partial(_agents_load, args=args)
+    work = functools.partial(_agents_load, args=args, label="agents vllm")
     return vllm_peer.serve(python, args.vllm_model, kv_bytes, _context(args), work)
 
 
@@ -239,14 +247,15 @@ def _run(config: str, gguf: str, args: argparse.Namespace) -> dict | None:
             binary, gguf, torch.get_num_threads(), args.agents, _context(args)
         )
         with server:
-            return asyncio.run(_agents_load(server.url, args))
+            return asyncio.run(_agents_load(server.url, args, "agents llama.cpp"))
     with tempfile.TemporaryDirectory() as disk:
         port = llamacpp.free_port()
         cmd = _kvwise_cmd(
             gguf, port, config, args.pool_memory, disk, args.tenants, args.kv_cache_dtype
         )
         url = f"http://127.0.0.1:{port}"
-        return serve_process(cmd, url, lambda u: _agents_load(u, args))
+        work = functools.partial(_agents_load, args=args, label=f"agents {config}")
+        return serve_process(cmd, url, work, name=f"kvwise serve ({config})")
 
 
 def _medians(runs: list[dict]) -> dict:

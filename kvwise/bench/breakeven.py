@@ -34,6 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvwise.bench.common import median
+from kvwise.bench.progress import phase
 
 
 class _Redis:
@@ -267,12 +268,13 @@ def _measure(args, engines, tiers: list[str], lengths: list[int]) -> dict:
         samples[f"{tier} auto"] = {n: [] for n in lengths}
     chosen: dict[str, dict[int, list[int]]] = {t: {n: [] for n in lengths} for t in tiers}
     warm = _prompt(rng, vocab, 300)
-    for engine in engines.values():  # warm-up, and the cost model's first observations
-        _ttft(engine, warm)
-    for tier in tiers:
-        for n in lengths:
-            _ttft(engines[tier], stored[(tier, n)])
-        engines[tier].flush()  # the writes done: no writer thread competes with what is timed
+    with phase("warm-up, and the prompts written to the tiers"):
+        for engine in engines.values():  # and the cost model's first observations
+            _ttft(engine, warm)
+        for tier in tiers:
+            for n in lengths:
+                _ttft(engines[tier], stored[(tier, n)])
+            engines[tier].flush()  # the writes done: no writer thread competes with the timing
     total = args.reps * len(lengths) * (1 + 2 * len(tiers))
     with tqdm(total=total, desc="bench breakeven", unit="run") as bar:
         for _ in range(args.reps):

@@ -12,13 +12,15 @@ cached context that grows to several thousand tokens; vLLM (``vllm_peer``: the m
 directory, bf16, prefix caching on, 2 GiB of KV like kvwise's pool) through its prefix cache.
 Reported: TTFT per turn (median over the
 conversations) and the prompt size each turn reached. The servers run one after the other,
-``--rounds`` times alternately; medians pool all rounds.
+``--rounds`` times alternately; medians pool all rounds. Progress on stderr: each server's
+start-up and a bar over each run's turns (``bench/progress.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from kvwise.bench import llamacpp, vllm_peer
 from kvwise.bench.common import serve_process, sse_chunks
+from kvwise.bench.progress import bar
 
 # characters per token of the reference text under the default model's tokenizer (measured:
 # 4.0-4.3 on slices of pydoc_data.topics); used only to cut slices of about the right size
@@ -48,8 +51,11 @@ def _slices(count: int, size_chars: int) -> list[str]:
     return out
 
 
-async def _conversation(http, url: str, model: str, user_turns: list[str], max_tokens: int):
-    """Run one conversation; per turn (TTFT s, prompt tokens or None)."""
+async def _conversation(
+    http, url: str, model: str, user_turns: list[str], max_tokens: int, done=lambda: None
+):
+    """Run one conversation; per turn (TTFT s, prompt tokens or None). ``done()`` after each
+    turn."""
     messages, results = [], []
     for text in user_turns:
         messages.append({"role": "user", "content": text})
@@ -75,10 +81,11 @@ async def _conversation(http, url: str, model: str, user_turns: list[str], max_t
                         reply.append(content)
         results.append((first - start if first else float("nan"), prompt_tokens))
         messages.append({"role": "assistant", "content": "".join(reply)})
+        done()
     return results
 
 
-async def _chat_load(url: str, args: argparse.Namespace) -> dict:
+async def _chat_load(url: str, args: argparse.Namespace, label: str = "chat") -> dict:
     import httpx
 
     size = int(args.turn_tokens * _CHARS_PER_TOKEN)
@@ -86,16 +93,16 @@ async def _chat_load(url: str, args: argparse.Namespace) -> dict:
     # a fresh connection per request: llama-server closes idle keep-alive connections after a
     # few seconds, and a request sent on one that is closing fails before it is read
     limits = httpx.Limits(max_keepalive_connections=0)
+    turns = [texts[c * args.turns : (c + 1) * args.turns] for c in range(args.conversations)]
     async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
         model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        runs = await asyncio.gather(
-            *(
-                _conversation(
-                    http, url, model, texts[c * args.turns : (c + 1) * args.turns], args.max_tokens
+        with bar(args.conversations * args.turns, label, "turn") as progress:
+            runs = await asyncio.gather(
+                *(
+                    _conversation(http, url, model, user_turns, args.max_tokens, progress.update)
+                    for user_turns in turns
                 )
-                for c in range(args.conversations)
             )
-        )
     return {
         "ttft_s": [[run[t][0] for run in runs] for t in range(args.turns)],
         "prompt_tokens": [[run[t][1] for run in runs] for t in range(args.turns)],
@@ -124,8 +131,9 @@ def main(args: argparse.Namespace) -> int:
             port = llamacpp.free_port()
             cmd = [sys.executable, "-m", "kvwise.cli", "serve", "--model", gguf,
                    "--port", str(port), "--kv-cache-memory", "2GiB", "--kv-disk-path", disk]  # fmt: skip
+            work = functools.partial(_chat_load, args=args, label="chat kvwise")
             runs["kvwise"].append(
-                serve_process(cmd, f"http://127.0.0.1:{port}", lambda u: _chat_load(u, args))
+                serve_process(cmd, f"http://127.0.0.1:{port}", work, name="kvwise serve")
             )
         if binary:
             import torch
@@ -135,7 +143,8 @@ def main(args: argparse.Namespace) -> int:
             )
             with server:
                 try:
-                    runs["llama.cpp"].append(asyncio.run(_chat_load(server.url, args)))
+                    result = asyncio.run(_chat_load(server.url, args, "chat llama.cpp"))
+                    runs["llama.cpp"].append(result)
                 except Exception as exc:  # noqa: BLE001 - report the peer's failure, keep ours
                     print(f"llama-server failed ({type(exc).__name__}: {exc}); its log ends:\n"
                           f"{server.log_tail()}")  # fmt: skip
@@ -143,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
                         print(f"llama-server exited with {server.proc.returncode}")
         if vllm:
             runs["vllm"].append(vllm_peer.serve(vllm, args.vllm_model, 2 << 30, slot_ctx,
-                                                lambda u: _chat_load(u, args)))  # fmt: skip
+                                                lambda u: _chat_load(u, args, "chat vllm")))  # fmt: skip
     result = _report(runs, args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2, default=str))

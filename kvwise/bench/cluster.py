@@ -35,6 +35,7 @@ from pathlib import Path
 from kvwise.bench.args import CLUSTER_MODES as MODES
 from kvwise.bench.chat import _CHARS_PER_TOKEN, _slices
 from kvwise.bench.common import sse_chunks, wait_ready
+from kvwise.bench.progress import bar, phase
 
 FOLLOW_UPS = (
     "Summarise that in one sentence.",
@@ -106,7 +107,9 @@ async def _conversation(http, url, key, system, doc, args, conv_index, records, 
         ]
 
 
-async def _drive(url: str, keys: list[str], system: str, docs: list[str], args, public: int):
+async def _drive(
+    url: str, keys: list[str], system: str, docs: list[str], args, public: int, label: str
+):
     import httpx
 
     jobs = [(k, c) for c in range(len(docs)) for k in keys]  # interleaves the tenants
@@ -115,13 +118,15 @@ async def _drive(url: str, keys: list[str], system: str, docs: list[str], args, 
     for job in jobs:
         queue.put_nowait(job)
 
-    async def worker(http):
+    async def worker(http, progress):
         while not queue.empty():
             key, c = queue.get_nowait()
             await _conversation(http, url, key, system, docs[c], args, c, records, public)
+            progress.update(args.turns)
 
     async with httpx.AsyncClient(timeout=3600) as http:
-        await asyncio.gather(*(worker(http) for _ in range(args.concurrency)))
+        with bar(len(jobs) * args.turns, label, "turn") as progress:
+            await asyncio.gather(*(worker(http, progress) for _ in range(args.concurrency)))
     return records
 
 
@@ -232,20 +237,21 @@ def _run_mode(mode, port, base, keys, secret, system, docs, args, public):
     engine_kwargs["kv_cache_memory"] = (
         parse_bytes(per_replica, "kv_cache_memory") * args.replicas if big else per_replica
     )
-    ray_serve.start(
-        engine_kwargs,
-        port=port,
-        num_cpus=cpus,
-        replicas=1 if big else args.replicas,
-        routing="cache-aware" if big else mode,
-        threads_per_replica=threads * args.replicas if big else threads,
-        api_keys=keys,
-        secret=secret,
-    )
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    with phase(f"deploying {mode} on {url}"):
+        ray_serve.start(
+            engine_kwargs,
+            port=port,
+            num_cpus=cpus,
+            replicas=1 if big else args.replicas,
+            routing="cache-aware" if big else mode,
+            threads_per_replica=threads * args.replicas if big else threads,
+            api_keys=keys,
+            secret=secret,
+        )
+        wait_ready(url)
     start = time.perf_counter()
-    records = asyncio.run(_drive(url, list(keys), system, docs, args, public))
+    records = asyncio.run(_drive(url, list(keys), system, docs, args, public, f"cluster {mode}"))
     wall = time.perf_counter() - start
     ray_serve.stop(shutdown_ray=False)
     return records, wall

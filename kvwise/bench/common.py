@@ -32,14 +32,20 @@ async def sse_chunks(resp) -> AsyncIterator[dict]:
             yield json.loads(line[6:])
 
 
-def serve_process(cmd: list[str], url: str, work, timeout: float = 300) -> dict:
+def serve_process(
+    cmd: list[str], url: str, work, timeout: float = 300, name: str | None = None
+) -> dict:
     """Start a server process, wait (``timeout`` s at most) until its /health answers (no API
-    key needed), return ``asyncio.run(work(url))``, stop it."""
+    key needed; the wait is a progress phase on stderr, the server called ``name``, by
+    default the command's program), return ``asyncio.run(work(url))``, stop it."""
+    from kvwise.bench.progress import phase
+
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:
-        wait_ready(url, proc, timeout=timeout)
+        with phase(f"starting {name or os.path.basename(cmd[0])} on {url}"):
+            wait_ready(url, proc, timeout=timeout)
         return asyncio.run(work(url))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

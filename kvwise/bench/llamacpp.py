@@ -61,21 +61,24 @@ class LlamaServer:
     def __enter__(self) -> LlamaServer:
         import httpx
 
+        from kvwise.bench.progress import phase
+
         self.proc = subprocess.Popen(
             self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.__exit__()
-        raise RuntimeError("llama-server did not become ready in 300 s")
+        with phase(f"starting llama-server on {self.url}"):
+            deadline = time.time() + 300
+            while time.time() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            self.__exit__()
+            raise RuntimeError("llama-server did not become ready in 300 s")
 
     def __exit__(self, *exc) -> None:
         if self.proc is None:

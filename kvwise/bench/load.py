@@ -16,6 +16,8 @@ concurrent streaming clients for ``--duration`` seconds (bounded in time and in 
 stopped. Prompts share one system prompt (prefix caching's best case) and differ in the user
 question. Reported per server: requests ok / 429 / other errors, p50 and p99 TTFT, total
 generated tokens per second; for kvwise also the pool state afterwards (no leaked blocks).
+Progress on stderr: each server's start-up, and a bar over each load's seconds with its
+requests so far (``bench/progress.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from kvwise.bench import llamacpp, vllm_peer
 from kvwise.bench.common import percentile, serve_process, sse_chunks
+from kvwise.bench.progress import TimedBar
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a small bicycle shop. Answer briefly and politely. "
@@ -105,7 +108,7 @@ async def _client(
         stats["ok"] += 1
 
 
-async def _load(url: str, model: str, args: argparse.Namespace) -> dict:
+async def _load(url: str, model: str, args: argparse.Namespace, label: str = "load") -> dict:
     import httpx
 
     stats = {"ok": 0, "429": 0, "errors": {}, "ttft": [], "tokens": 0}
@@ -116,18 +119,23 @@ async def _load(url: str, model: str, args: argparse.Namespace) -> dict:
     timeout = httpx.Timeout(args.duration + 60)
     key = getattr(args, "api_key", None)
     headers = {"Authorization": f"Bearer {key}"} if key else None
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as http:
-        start = time.perf_counter()
-        deadline = start + args.duration
-        await asyncio.gather(
-            *(
-                _client(
-                    http, url, model, deadline, budget, random.Random(i), args.max_tokens, stats
+    progress = TimedBar(args.duration, label, lambda: _counts(stats))
+    ticker = asyncio.create_task(progress.run())
+    try:
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as http:
+            start = time.perf_counter()
+            deadline = start + args.duration
+            rngs = [random.Random(i) for i in range(args.clients)]
+            await asyncio.gather(
+                *(
+                    _client(http, url, model, deadline, budget, rng, args.max_tokens, stats)
+                    for rng in rngs
                 )
-                for i in range(args.clients)
             )
-        )
-        wall = time.perf_counter() - start
+            wall = time.perf_counter() - start
+    finally:
+        ticker.cancel()
+        progress.close()
     ttft = sorted(stats.pop("ttft"))
     return {
         **stats,
@@ -138,17 +146,25 @@ async def _load(url: str, model: str, args: argparse.Namespace) -> dict:
     }
 
 
+def _counts(stats: dict) -> dict:
+    """What the progress bar shows of a load so far."""
+    errors = sum(stats["errors"].values())
+    return {"ok": stats["ok"], "429": stats["429"], "errors": errors, "tokens": stats["tokens"]}
+
+
 def _serve(cmd: list[str], url: str, args, after=None) -> dict:
-    return serve_process(cmd, url, lambda u: _load_served(u, args, after))
+    return serve_process(
+        cmd, url, lambda u: _load_served(u, args, after, "load kvwise"), name="kvwise serve"
+    )
 
 
-async def _load_served(url: str, args, after=None) -> dict:
+async def _load_served(url: str, args, after=None, label: str = "load") -> dict:
     """The load against the server at ``url`` (its model from /v1/models), then ``after``."""
     import httpx
 
     async with httpx.AsyncClient(timeout=10) as http:
         model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
-    result = await _load(url, model, args)
+    result = await _load(url, model, args, label)
     if after:
         result.update(after(url))
     return result
@@ -218,7 +234,8 @@ def main(args: argparse.Namespace) -> int:
             peer = llamacpp.LlamaServer(binary, gguf, torch.get_num_threads(), slots, args.slot_ctx)
             with peer:
                 model = httpx.get(f"{peer.url}/v1/models", timeout=10).json()["data"][0]["id"]
-                results[f"llama.cpp -np {slots}"] = asyncio.run(_load(peer.url, model, args))
+                name = f"llama.cpp -np {slots}"
+                results[name] = asyncio.run(_load(peer.url, model, args, f"load {name}"))
     elif not args.no_llama_cpp:
         print("llama.cpp skipped: llama-server not found (--llama-cpp DIR)")
     python = vllm_peer.find_python(args.vllm_python)
@@ -232,7 +249,7 @@ def main(args: argparse.Namespace) -> int:
 def _vllm_load(python: str, args: argparse.Namespace) -> dict:
     """The load against vLLM's CPU build (``vllm_peer``), its KV cache the tokens of kvwise's
     2 GiB pool in float32 (1 GiB of bf16)."""
-    work = functools.partial(_load_served, args=args)
+    work = functools.partial(_load_served, args=args, label="load vllm")
     return vllm_peer.serve(python, args.vllm_model, 2**30, args.slot_ctx, work)
 
 
@@ -263,5 +280,5 @@ def _load_running(args: argparse.Namespace) -> int:
     if r.status_code != 200:
         raise ValueError(f"url: GET {url}/v1/models answered {r.status_code} (--api-key?)")
     model = r.json()["data"][0]["id"]
-    _report({url: asyncio.run(_load(url, model, args))}, args)
+    _report({url: asyncio.run(_load(url, model, args, f"load {url}"))}, args)
     return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvwise.bench.common import median, run_to_completion
+from kvwise.bench.progress import phase
 from kvwise.config import EngineConfig
 from kvwise.engine.builder import build_engine, load_for
 from kvwise.types import SamplingParams
@@ -105,7 +106,8 @@ def main(args: argparse.Namespace) -> int:
         _no_share_rates(
             on, off, rep, fresh, no_share_params, timers, rate_on, rate_off, bookkeeping
         )
-    utilization, preemptions = _utilization(kw, loaded, mixed, mixed_params)
+    with phase("pool utilisation under a mixed load"):
+        utilization, preemptions = _utilization(kw, loaded, mixed, mixed_params)
     result = _result(args, (cold, warm, rate_on, rate_off, bookkeeping), utilization, preemptions)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

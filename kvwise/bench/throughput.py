@@ -37,6 +37,7 @@ from kvwise.bench.common import (
     median,
     run_to_completion,
 )
+from kvwise.bench.progress import phase
 from kvwise.config import EngineConfig
 from kvwise.engine.builder import build_engine, load_for
 from kvwise.types import SamplingParams
@@ -76,7 +77,10 @@ class Bench:
             self.engines[_column(other_loaded.weight_format)] = build_engine(
                 other, loaded=other_loaded
             )
-        self.hf = None if args.no_peer else load_hf_reference(loaded.source)
+        self.hf = None
+        if not args.no_peer:
+            with phase("loading transformers' reference"):
+                self.hf = load_hf_reference(loaded.source)
         self.model_path = str(loaded.source)
         self.llama = None
         if not args.no_llama_cpp and self.model_path.endswith(".gguf"):
@@ -236,10 +240,11 @@ class Bench:
                                           torch.get_num_threads(), args.batch, longest + 64)  # fmt: skip
             server.__enter__()
         try:
-            for engine in self.engines.values():  # warm up
-                self.ours_prefill(engine, min(self.prefill_prompts))
-            if self.hf is not None:
-                self.hf_prefill(min(self.prefill_prompts))
+            with phase("warm-up"):
+                for engine in self.engines.values():
+                    self.ours_prefill(engine, min(self.prefill_prompts))
+                if self.hf is not None:
+                    self.hf_prefill(min(self.prefill_prompts))
             for _ in tqdm(range(args.reps), desc="bench throughput", unit="rep"):
                 for name, engine in self.engines.items():
                     got = values[name]
@@ -264,7 +269,8 @@ class Bench:
         finally:
             if server is not None:
                 server.__exit__()
-        bandwidth = measure_read_bandwidth()
+        with phase("measuring the memory read bandwidth"):
+            bandwidth = measure_read_bandwidth()
         bound = self.decode_bound(bandwidth)
         medians = {c: {f: median(v) for f, v in by.items()} for c, by in values.items()}
         main = columns[0]

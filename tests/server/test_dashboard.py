@@ -222,7 +222,11 @@ def test_bench_load_url_drives_a_running_server(capsys):
         argv = ["bench", "load", "--url", server.base_url, "--api-key", "key-alice"]
         argv += ["--clients", "2", "--duration", "1", "--max-tokens", "4"]
         assert load.main(build_parser().parse_args(argv)) == 0
-        row = next(r for r in capsys.readouterr().out.splitlines() if server.base_url in r)
+        out, err = capsys.readouterr()
+        row = next(r for r in out.splitlines() if server.base_url in r)
+        # progress on stderr: the load's bar with its counts; stdout keeps only the table
+        assert f"load {server.base_url}: 100%" in err and "ok=" in err and "tokens=" in err
+        assert all(line.startswith("|") for line in out.splitlines() if line)
         num_ok, num_429, errors = (c.strip() for c in row.split("|")[2:5])
         assert int(num_ok) > 0 and (num_429, errors) == ("0", "0")
         admin = {"Authorization": f"Bearer {ADMIN}"}
