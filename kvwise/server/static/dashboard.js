@@ -29,6 +29,7 @@
   function fmtPct(x) { return x === null || x === undefined ? "–" : (100 * x).toFixed(x < 0.1 && x > 0 ? 1 : 0) + "%"; }
   function fmtSec(s) {
     if (s === null || s === undefined) return "–";
+    if (s === 0) return "0";
     if (s < 1e-3) return (s * 1e6).toFixed(0) + " µs";
     if (s < 1) return (s * 1e3).toFixed(s < 0.01 ? 1 : 0) + " ms";
     return s.toFixed(s < 10 ? 2 : 1) + " s";
