@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from kvwise.server import create_app, parse_api_keys
     from kvwise.server.dashboard import check_admin_key
     from kvwise.server.transport import InvalidRequestBudget, allowed_hosts_for
+    from kvwise.store.selftest import log_self_test
     from kvwise.utils import parse_bytes
 
     keys = parse_api_keys(args.api_key, os.environ.get("KVWISE_API_KEYS"))
@@ -134,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_ray(args, keys, name, app_kwargs)
     engine = build_engine_for_loop(config)  # stepped by the AsyncEngine's thread
+    if engine.store is not None:  # each tier seals, writes, reads back and opens one entry
+        log_self_test(engine.store)
     app_kwargs["invalid_request_budget"] = InvalidRequestBudget()
     app = create_app(engine, api_keys=keys, model_name=name, **app_kwargs)
     logging.getLogger("kvwise").info(

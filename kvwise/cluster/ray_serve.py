@@ -97,6 +97,7 @@ class EngineReplica:
         from kvwise.config import EngineConfig
         from kvwise.engine.async_engine import AsyncEngine
         from kvwise.engine.builder import build_engine_for_loop
+        from kvwise.store.selftest import log_self_test
 
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -108,6 +109,8 @@ class EngineReplica:
             rank = getattr(context.rank, "rank", 0)
             kwargs["kv_disk_path"] = os.path.join(disk or default_kv_disk_path(), f"rank-{rank}")
         self.llm_engine = build_engine_for_loop(EngineConfig.from_kwargs(**kwargs), progress=False)
+        if self.llm_engine.store is not None:  # as `kvwise serve` does
+            log_self_test(self.llm_engine.store)
         self.engine = AsyncEngine(self.llm_engine)
         self.engine.start()
         self.publisher = EventPublisher(

@@ -102,7 +102,8 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats | None:
         tiers = {}
         for name in dict.fromkeys(t for s in stores for t in s.tiers):
             parts = [s.tiers[name] for s in stores if name in s.tiers]
-            tiers[name] = _sum_dataclass(parts, type(parts[0]))
+            degraded = "; ".join(dict.fromkeys(p.degraded for p in parts if p.degraded))
+            tiers[name] = _sum_dataclass(parts, type(parts[0]), degraded=degraded, health=None)
         store = _sum_dataclass(stores, StoreStats, tiers=tiers)
     return _sum_dataclass(stats, EngineStats, kv=kv, store=store)
 

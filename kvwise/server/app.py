@@ -175,5 +175,10 @@ def _add_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
         routes.list_models
     )
     app.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS)(routes.get_model)
-    app.get("/health", response_model=Health, responses={503: {"model": Health}})(routes.health)
+    app.get(
+        "/health",
+        response_model=Health,
+        response_model_exclude_none=True,
+        responses={503: {"model": Health}},
+    )(routes.health)
     app.get("/metrics", response_class=Response)(routes.prometheus_metrics)

@@ -170,7 +170,10 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: str
+    status: str  # "ok"; "degraded" while a KV tier is (still serving: 200); else why it is down
+    degraded_tiers: dict[str, str] | None = Field(
+        default=None, description="each degraded KV tier and why (its errors, its breaker)"
+    )
 
 
 class ParkResponse(BaseModel):

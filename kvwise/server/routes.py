@@ -323,7 +323,12 @@ class OpenAIRoutes:
 
     async def health(self):
         if self.engine.is_running:
-            return Health(status="ok")
+            store = self.engine.stats().store
+            tiers = store.tiers.items() if store is not None else ()
+            degraded = {name: t.degraded for name, t in tiers if t.degraded}
+            if degraded:
+                return Health(status="degraded", degraded_tiers=degraded).model_dump()
+            return Health(status="ok").model_dump(exclude_none=True)
         reason = self.engine.dead_reason or "the engine is not started"
         return JSONResponse(Health(status=reason).model_dump(), status_code=503)
 

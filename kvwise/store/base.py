@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from kvwise.store.health import TierHealth, op_class
 from kvwise.store.stats import TierStats
 
 logger = logging.getLogger("kvwise.store")
@@ -182,45 +183,51 @@ def call_deadline(tier: KVStore) -> float:
 # several threads: one lock for all of them keeps ``stats.faults`` exact
 _COUNT_LOCK = threading.Lock()
 
-# the exceptions a tier's I/O is expected to raise: logged without a traceback
-_IO_ERRORS = (OSError, TimeoutError)
-
 
 class FaultLog:
-    """Counts faults into ``stats`` and logs each kind once (then at debug level)."""
+    """Counts one tier's faults into its ``stats``: errors (an exception or a timeout in an
+    operation: ``error``, ``exception``) go to the tier's ``health.TierHealth``, which logs
+    them and trips the tier's breaker; corrupt entries are logged once per kind."""
 
     def __init__(self, tier: str, stats: TierStats) -> None:
         self.tier = tier
         self.stats = stats
+        with _COUNT_LOCK:  # the tier's one TierHealth, whichever FaultLog comes first
+            if stats.health is None:
+                stats.health = TierHealth()
+        self.health: TierHealth = stats.health
         self._seen: set[str] = set()
 
     def corrupt(self, detail: object = "") -> None:
         """An entry the tier returned (and counted as a hit) failed its checks: it is a
-        fault, not a hit."""
+        fault, not a hit, and no error of the tier (its bytes were read)."""
         with _COUNT_LOCK:
             self.stats.hits -= 1
-        self.fault("corrupt entry", detail)
+            self.stats.faults += 1
+            first = str(detail) not in self._seen
+            self._seen.add(str(detail))
+        log = logger.warning if first else logger.debug
+        log("kv tier %s: corrupt entry %s (served as a miss)", self.tier, detail)
 
-    def fault(self, kind: str, detail: object = "", exc: BaseException | None = None) -> None:
-        """Count one fault of ``kind``; the first of its kind is a warning, with ``exc``'s
-        traceback when it is no I/O error (a surprise: maybe a bug, which a test must see)."""
+    def error(
+        self, op: str, kind: str, detail: object = "", exc: BaseException | None = None
+    ) -> None:
+        """One error of the tier operation ``op`` (``health.op_class`` names them), of
+        ``kind`` (``TierHealth.error``): counted by its class (``stats.<class>_errors``) and
+        reported to the tier's health."""
+        field = f"{op_class(op)}_errors"
         with _COUNT_LOCK:
             self.stats.faults += 1
-            first = kind not in self._seen
-            self._seen.add(kind)
-        if not first:
-            logger.debug("kv tier %s: %s %s (served as a miss)", self.tier, kind, detail)
-        elif exc is None or isinstance(exc, _IO_ERRORS):
-            logger.warning("kv tier %s: %s %s (served as a miss)", self.tier, kind, detail)
-        else:
-            logger.error(
-                "kv tier %s: unexpected %s %s (served as a miss)", self.tier, kind, detail,
-                exc_info=exc,
-            )  # fmt: skip
+            setattr(self.stats, field, getattr(self.stats, field) + 1)
+        self.health.error(self.tier, op, kind, detail, exc)
 
     def exception(self, op: str, exc: BaseException) -> None:
-        """``op`` (e.g. "contains") raised ``exc``: a fault of its kind."""
-        self.fault(f"{type(exc).__name__} in {op}", f"({exc})", exc)
+        """``op`` (e.g. "contains") raised ``exc``."""
+        self.error(op, f"{type(exc).__name__}: {exc}", f"in {op}", exc)
+
+    def success(self, op: str) -> None:
+        """``op`` worked (ends its run of errors: ``TierHealth.success``)."""
+        self.health.success(self.tier, op)
 
 
 def guarded(faults: FaultLog, op: str, call: Callable[..., T], *args: Any, miss: T) -> T:
@@ -230,9 +237,26 @@ def guarded(faults: FaultLog, op: str, call: Callable[..., T], *args: Any, miss:
     NOTE: this is the one fault boundary between the store and its tiers (the planner, the
     reader and the writer call every tier through it), so a new tier needs nothing of its
     own for it. ``Exception`` only: an interrupt still interrupts.
+
+    It is also the breaker: while the tier's is open (``health.TierHealth``), ``miss`` at once,
+    without calling it. A call that raised nothing and counted no error of its own is a
+    success of ``op``, except a read's (``get``, ``get_into``): that succeeds once what it
+    read opens (``reader.Reader``).
     """
+    health = faults.health
+    if not health.allows():
+        return miss
+    errors_before = error_count(faults.stats)
     try:
-        return call(*args)
+        out = call(*args)
     except Exception as exc:
         faults.exception(op, exc)
         return miss
+    if op_class(op) != "read" and error_count(faults.stats) == errors_before:
+        faults.success(op)
+    return out
+
+
+def error_count(stats: TierStats) -> int:
+    """A tier's errors so far, every operation's."""
+    return stats.read_errors + stats.write_errors + stats.lookup_errors + stats.delete_errors

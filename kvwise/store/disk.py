@@ -143,7 +143,7 @@ class DiskStore(EvictionReports):
                     if not os.path.exists(path):
                         self._index.remove(keys[i])
                 elif isinstance(result, OSError):
-                    self._faults.fault(disk_files.error_kind("read", result), path)
+                    self._faults.error("read", disk_files.error_kind("read", result), path, result)
                 else:
                     out[i] = result
                     self.stats.hits += 1
@@ -187,7 +187,7 @@ class DiskStore(EvictionReports):
                 try:
                     os.replace(tmp, path)
                 except OSError as exc:
-                    self._faults.fault(disk_files.error_kind("write", exc), path)
+                    self._faults.error("write", disk_files.error_kind("write", exc), path, exc)
                     self._unlink(tmp)
                     continue
                 self._index.remove(key)
@@ -277,7 +277,7 @@ class DiskStore(EvictionReports):
             os.utime(tmp, ns=(disk_files.ns(now), disk_files.ns(keep_until or now)))
         except OSError as exc:
             with self._lock:
-                self._faults.fault(disk_files.error_kind("write", exc), path)
+                self._faults.error("write", disk_files.error_kind("write", exc), path, exc)
                 self._unlink(tmp)
             return None
         return tmp
@@ -289,7 +289,7 @@ class DiskStore(EvictionReports):
         except FileNotFoundError:
             pass
         except OSError as exc:
-            self._faults.fault(disk_files.error_kind("unlink", exc), path)
+            self._faults.error("unlink", disk_files.error_kind("unlink", exc), path, exc)
 
     def _load_index(self) -> None:
         """Rebuild the index from the directory; drop temporaries; trim to the budget."""

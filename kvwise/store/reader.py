@@ -11,7 +11,9 @@ Contract:
   many of the chunk's blocks the entry holds, verified against the prompt's hashes; ``skip``
   how many of the entry's leading blocks come before the chunk. It never raises for a tier
   fault or a bad entry: a miss, a fault, a corrupt entry or one that starts after the
-  chunk's first block gives ``usable`` 0.
+  chunk's first block gives ``usable`` 0. An exception in opening an entry (not a corrupt
+  entry: a bug, a library that changed) is an error of the tier's reads, counted and logged
+  by its health (``health.TierHealth``); an entry that opens is a success of its reads.
 - A corrupt entry (fails its checks, or ends elsewhere than its key says) is a fault of its
   tier: counted and logged once per kind, deleted from the tier, and forgotten in the known
   map, so that it is written again. An entry that starts too late is no fault (another
@@ -184,13 +186,16 @@ class Reader:
             with writing():  # the read itself lands in dest's buffers
                 got = guarded(faults, "get_into", tier.get_into, [keys[i] for i in part],
                               [buffers_for(i) for i in part], miss=misses)  # fmt: skip
-                return [self._open_parts(keys[i], buffers) for i, buffers in zip(part, got)]
+                return [self._open_parts(keys[i], b, faults) for i, b in zip(part, got)]
         values = guarded(faults, "get", tier.get, [keys[i] for i in part], miss=misses)
         with writing():  # opened into dest's buffers
-            return [self._open(keys[i], v, group, i, dest) for i, v in zip(part, values)]
+            return [self._open(keys[i], v, group, i, dest, faults) for i, v in zip(part, values)]
 
-    def _open(self, key: bytes, value, group: int, i: int, dest: Dest | None) -> _Got:
-        """Open an entry read into memory: into ``dest``'s buffers when given."""
+    def _open(
+        self, key: bytes, value, group: int, i: int, dest: Dest | None, faults: FaultLog
+    ) -> _Got:
+        """Open an entry read into memory: into ``dest``'s buffers when given. An exception
+        other than a corrupt entry's is an error of the tier's reads (a miss)."""
         if value is None:
             return _Got(0, None, None)
         try:
@@ -203,6 +208,9 @@ class Reader:
             return _Got(len(value), serde.open_into(self.fmt, key, value, buffers), value)
         except serde.CorruptEntry as e:
             return _Got(len(value), e, value)
+        except Exception as exc:  # a bug, or a library that changed under us: loud, a miss
+            faults.exception("open", exc)
+            return _Got(len(value), None, None)
 
     def _into(self, dest: Dest, i: int, group: int, num_blocks: int) -> list:
         """``dest``'s buffers for an entry of ``num_blocks``, or a scratch buffer when it
@@ -212,7 +220,7 @@ class Reader:
             return [bytearray(num_blocks * self.fmt.group_block_bytes(group))]
         return buffers
 
-    def _open_parts(self, key: bytes, buffers: list | None) -> _Got:
+    def _open_parts(self, key: bytes, buffers: list | None, faults: FaultLog) -> _Got:
         if buffers is None:
             return _Got(0, None, None)
         if not buffers:  # the tier's size for it is no whole entry: nothing was read
@@ -222,6 +230,9 @@ class Reader:
             return _Got(num_bytes, serde.open_parts(self.fmt, key, buffers), None)
         except serde.CorruptEntry as e:
             return _Got(num_bytes, e, None)
+        except Exception as exc:  # as in ``_open``
+            faults.exception("open", exc)
+            return _Got(num_bytes, None, None)
 
     def _check(self, tier_index: int, key: bytes, read: _Got, chunk: PlannedChunk) -> GroupRead:
         """Match a read entry against the prompt; faults, deletion and promotion."""
@@ -235,6 +246,7 @@ class Reader:
             guarded(self._faults[tier_index], "delete", tier.delete, [key], miss=None)
             self.known.forget(chunk.key)
             return _MISS
+        self._faults[tier_index].success("read")  # read and opened: the tier reads fine
         skip = chunk.first_block - entry.first_block
         if skip < 0:  # it starts after the chunk's first block: no use to this prompt
             return _MISS

@@ -391,7 +391,7 @@ class RedisStore:
         with self._lock:
             if outage:
                 self._down_until[node] = self._clock() + self.retry_after_s
-            self._faults.fault(kind, f"in {op}{where}: {detail}", exc)
+            self._faults.error(op, f"{kind}{where}", detail, exc)
         if outage:
             self._disconnect(node)
 

@@ -12,6 +12,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvwise.core.stat_fields import GAUGE, metric
+from kvwise.store.health import TierHealth
+
+_ERRORS = "kvwise_tier_errors"
+_ERRORS_HELP = "exceptions and timeouts in the tier's operations (served as misses), by operation"
 
 
 @dataclass
@@ -49,14 +53,35 @@ class TierStats:
         "entries stored in plain LRU order though asked to be kept: the tenant was at its cap",
         default=0,
     )
+    read_errors: int = metric(  # counted by base.FaultLog (health.TierHealth's operations)
+        _ERRORS, _ERRORS_HELP, labels={"op": "read"}, default=0
+    )
+    write_errors: int = metric(_ERRORS, _ERRORS_HELP, labels={"op": "write"}, default=0)
+    lookup_errors: int = metric(_ERRORS, _ERRORS_HELP, labels={"op": "lookup"}, default=0)
+    delete_errors: int = metric(_ERRORS, _ERRORS_HELP, labels={"op": "delete"}, default=0)
     num_entries: int = metric(
         "kvwise_kv_tier_entries", "KV entries held by the tier", GAUGE, default=0
     )
     num_bytes: int = metric("kvwise_kv_tier_bytes", "bytes held by the tier", GAUGE, default=0)
+    breaker_open: int = metric(  # set by snapshot, from ``health``
+        "kvwise_tier_breaker_open",
+        "1 while the tier's breaker is open (consecutive errors): the store skips it",
+        GAUGE,
+        default=0,
+    )
+    degraded: str = ""  # why the tier is degraded, "" when it is not (set by snapshot)
+    # the tier's errors and breaker (``health.TierHealth``), shared by every FaultLog of this
+    # tier: made by the first (``base.FaultLog``); None in a snapshot (plain data, picklable)
+    health: TierHealth | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def snapshot(self) -> TierStats:
-        """A copy, unaffected by later updates."""
-        return dataclasses.replace(self)
+        """A copy, unaffected by later updates, with the breaker's state and the reason."""
+        health = self.health
+        if health is None:
+            return dataclasses.replace(self)
+        return dataclasses.replace(
+            self, breaker_open=int(health.is_open()), degraded=health.reason(), health=None
+        )
 
 
 _DECISIONS = "kvwise_kv_store_decisions"

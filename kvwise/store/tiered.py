@@ -34,6 +34,7 @@ from kvwise.store.base import KVStore
 from kvwise.store.costmodel import CostCurves, CostModel, LoadDecision, cost_curves
 from kvwise.store.planner import ChunkPlanner, other_groups_cost
 from kvwise.store.reader import Dest, GroupRead, Reader
+from kvwise.store.selftest import TierCheck, self_test
 from kvwise.store.stats import StoreStats
 from kvwise.store.tier_events import TierEvents
 from kvwise.store.writer import Promote, WriteChunk, Writer
@@ -211,6 +212,11 @@ class TieredStore:
             tiers={t.name: t.stats.snapshot() for t in self.tiers},
             recomputed_tokens=self._planner.recomputed_tokens,
         )
+
+    def self_test(self) -> list[TierCheck]:
+        """Seal, write, read back, open and delete one entry in each tier (``selftest``); a
+        failure is an error of that tier. For start-up, before any request."""
+        return self_test(self.tiers, self.fmt)
 
     def cost_curves(self, max_tokens: int, num_points: int = 48) -> CostCurves:
         """The cost model's current fit as predicted TTFT against prefix length, per tier and

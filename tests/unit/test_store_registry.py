@@ -109,12 +109,27 @@ def test_tier_stats_name_their_metrics():
         ),
         "num_entries": ("kvwise_kv_tier_entries", "KV entries held by the tier", "gauge"),
         "num_bytes": ("kvwise_kv_tier_bytes", "bytes held by the tier", "gauge"),
+        "breaker_open": (
+            "kvwise_tier_breaker_open",
+            "1 while the tier's breaker is open (consecutive errors): the store skips it",
+            "gauge",
+        ),
     }
+    errors = "exceptions and timeouts in the tier's operations (served as misses), by operation"
+    for op in ("read", "write", "lookup", "delete"):  # one family, told apart by op
+        expected[f"{op}_errors"] = ("kvwise_tier_errors", errors, "counter", {"op": op})
     got = {
         f.name: (f.metadata["metric"], f.metadata["help"], f.metadata["kind"])
+        + ((f.metadata["labels"],) if f.metadata["labels"] else ())
         for f in dataclasses.fields(TierStats)
+        if "metric" in f.metadata
     }
     assert got == expected
+    # the reason a tier is degraded and its live health are no series
+    assert {f.name for f in dataclasses.fields(TierStats) if "metric" not in f.metadata} == {
+        "degraded",
+        "health",
+    }
 
 
 def test_tier_stats_snapshot_is_a_copy():

@@ -126,7 +126,7 @@ def test_a_failing_job_does_not_stop_the_background_writer(caplog):
         assert foreground.submit(Promote(1, chain(1)[0], b"x"))
         assert foreground.submit(Promote(1, chain(1, "c")[0], b"x"))
     assert broken.stats.faults == 2 and foreground.pending_bytes == 0
-    (record,) = [r for r in caplog.records if "RuntimeError in put" in r.getMessage()]
+    (record,) = [r for r in caplog.records if "write error: RuntimeError: bug" in r.getMessage()]
     assert record.exc_info is not None  # with its traceback, once
 
 
