@@ -133,10 +133,14 @@ class Dashboard:
 
     def _tiers(self) -> list[dict]:
         """A row per tier: every ``TierStats`` field (``stat_values``: entries, bytes, hits,
-        misses, faults, loads, load_seconds, loaded_tokens, ...)."""
+        misses, faults, loads, load_seconds, loaded_tokens, errors by operation, breaker_open,
+        ...) and ``degraded``: why the tier is degraded ("" when it is not)."""
         store = self.engine.stats().store
         tiers = store.tiers.items() if store is not None else ()
-        return [{"name": name, **stat_values(t, TierStats)} for name, t in tiers]
+        return [
+            {"name": name, **stat_values(t, TierStats), "degraded": t.degraded}
+            for name, t in tiers
+        ]
 
     def _tenants(self) -> list[dict]:
         """A row per tenant, most requests first, every ``TenantCounts`` field by its key

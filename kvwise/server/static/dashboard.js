@@ -322,21 +322,37 @@
     if (!tiers.length) {
       const row = body.insertRow();
       const cell = row.insertCell();
-      cell.colSpan = 8;
+      cell.colSpan = 10;
       cell.textContent = "no KV tiers below the device pool";
+      renderTierAlert([]);
       return;
     }
     for (const t of tiers) {
       const be = breakEven[t.name];
+      const errors = (t.read_errors || 0) + (t.write_errors || 0) + (t.lookup_errors || 0) +
+        (t.delete_errors || 0);
+      const health = t.breaker_open ? "breaker open" : t.degraded ? "degraded" : "ok";
       const cells = [
         t.name, fmtInt(t.entries), fmtBytes(t.bytes), fmtInt(t.hits), fmtInt(t.loaded_tokens),
-        t.loads ? fmtSec(t.load_seconds / t.loads) : "–", fmtInt(t.faults),
-        be === null || be === undefined ? "never" : fmtTokens(be) + " tokens",
+        t.loads ? fmtSec(t.load_seconds / t.loads) : "–", fmtInt(t.faults), fmtInt(errors),
+        health, be === null || be === undefined ? "never" : fmtTokens(be) + " tokens",
       ];
       const row = body.insertRow();
       row.id = `tier-${t.name}`;
       for (const c of cells) row.insertCell().textContent = c;
+      const healthCell = row.cells[8];
+      healthCell.className = health === "ok" ? "" : "degraded";
+      healthCell.title = t.degraded || "no error in the last minute";
     }
+    renderTierAlert(tiers.filter((t) => t.degraded));
+  }
+
+  // a degraded tier is said above the tiles, with why (its errors, its breaker): its loads are
+  // recomputed and its writes dropped while it lasts, so the answers stay right but slower
+  function renderTierAlert(degraded) {
+    const alert = $("tier-alert");
+    alert.textContent = degraded.map((t) => `KV tier ${t.name} degraded: ${t.degraded}`).join("\n");
+    alert.style.display = degraded.length ? "block" : "none";
   }
 
   function renderCost(cm) {
