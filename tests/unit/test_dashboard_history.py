@@ -142,7 +142,7 @@ def test_every_stats_field_reaches_the_json_by_its_key():
     assert now["lookup_misses"] == stats.store.lookup_misses
     (tier,) = data["tiers"]
     tier_keys = {stat_key(f.attr) for f in metric_fields(TierStats)}
-    assert set(tier) == {"name"} | tier_keys
+    assert set(tier) == {"name", "degraded"} | tier_keys and tier["degraded"] == ""
     assert {"entries", "bytes", "hits", "misses", "faults", "loads", "load_seconds"} <= tier_keys
     assert tier["entries"] == stats.store.tiers["host"].num_entries
 
