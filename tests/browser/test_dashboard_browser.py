@@ -7,6 +7,7 @@ tokens/s, TTFT p50 / p99 (tiles and chart) and a row per tenant. The admin key g
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -46,6 +47,8 @@ def server(tmp_path_factory):
     log = stop_serving(proc, timeout=30)
     assert "GET /dashboard" in log  # the access log is on ...
     assert ADMIN not in log  # ... and the key in ?key= never reached it
+    # the start-up self-test of each tier: sealed, written, read back, opened
+    assert re.search(r"KV tier self-test: host ok \([\d.]+ ms\), disk ok \([\d.]+ ms\)", log)
 
 
 def poll(page, expression: str, expected=True, timeout_s: float = 10.0) -> bool:
