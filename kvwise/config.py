@@ -7,6 +7,7 @@ keywords such as ``block_size=16, kv_cache_memory="2GiB", max_num_seqs=16``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import string
 from dataclasses import dataclass, field
@@ -14,6 +15,14 @@ from pathlib import Path
 
 from kvwise.core.kv_spec import default_block_size, kv_format, kv_formats
 from kvwise.core.scheduler_config import SchedulerConfig
+from kvwise.machine import (
+    DEFAULT_DISK_BYTES,
+    available_memory_bytes,
+    default_disk_size,
+    dir_owner,
+    free_directory,
+    kvwise_cache_dir,
+)
 from kvwise.utils import check_positive_int, check_positive_or_none, parse_bytes, parse_duration
 
 __all__ = [
@@ -38,6 +47,9 @@ class ModelConfig:
     quantization: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # a Jinja chat template that replaces (or supplies) the model's: a file's path, or the
+    # template itself when the text holds "{%" or "{{"; None: the model's own
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -56,6 +68,12 @@ class ModelConfig:
             )
         check_positive_or_none("max_model_len", self.max_model_len)
         check_positive_or_none("num_threads", self.num_threads)
+        if self.chat_template is not None:
+            from kvwise.engine.chat_template import load_chat_template  # jinja2: only when used
+
+            if isinstance(self.chat_template, Path):
+                object.__setattr__(self, "chat_template", str(self.chat_template))
+            load_chat_template(self.chat_template)  # ValueError naming chat_template
 
 
 @dataclass(frozen=True)
@@ -63,7 +81,9 @@ class CacheConfig:
     block_size: int | None = None  # None: 16 tokens, 32 for int4 KV (default_block_size)
     kv_cache_dtype: str = "auto"  # how the KV pool stores K/V; "auto": the model's dtype
     kv_int4_group_size: int = 0  # int4 KV: channels per scale group (0: 32)
-    kv_cache_memory: int | str | None = None  # bytes or "2GiB"; None: a fraction of free RAM
+    # bytes or "2GiB"; None: what the model and the scheduler's limits need, at most
+    # kv_cache_memory_fraction of the RAM available (kvwise.machine.default_pool)
+    kv_cache_memory: int | str | None = None
     kv_cache_memory_fraction: float = 0.2
     enable_kv_cache: bool = True  # False: recompute the whole prefix at every step
     enable_prefix_caching: bool = True
@@ -118,7 +138,9 @@ class CacheConfig:
             )
 
     def kv_cache_bytes(self) -> int:
-        """The KV pool's byte budget: explicit, or a fraction of available memory."""
+        """The KV pool's byte budget when given, else its cap: ``kv_cache_memory_fraction`` of
+        the available memory (the engine sizes the default pool with ``machine.default_pool``,
+        which needs the model's KV layout)."""
         if self.kv_cache_memory is not None:
             return int(self.kv_cache_memory)
         return int(available_memory_bytes() * self.kv_cache_memory_fraction)
@@ -152,10 +174,29 @@ def check_secret_strength(secret: str, source: str = "kv_store_secret") -> None:
         )
 
 
-def default_kv_disk_path() -> str:
-    """``$XDG_CACHE_HOME/kvwise/kv`` (``~/.cache/kvwise/kv`` by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvwise", "kv")
+def _lock_name() -> str:
+    from kvwise.store.disk_files import LOCK_NAME  # the disk tier's own (the store imports us)
+
+    return LOCK_NAME
+
+
+def default_kv_disk_path(name: str = "local") -> str | None:
+    """The default disk tier directory of an engine named ``name`` (a server: its port):
+    ``$XDG_CACHE_HOME/kvwise/kv-<name>`` (``~/.cache/kvwise`` without it), or the first of
+    ``kv-<name>-2`` ... ``kv-<name>-8`` no running engine holds; None when all are held."""
+    return free_directory(name, _lock_name())
+
+
+def check_kv_disk_path_free(path: str | None) -> None:
+    """ValueError naming ``kv_disk_path`` when a running engine holds the directory ``path``
+    (the disk tier would refuse it after the model has loaded)."""
+    owner = dir_owner(path, _lock_name()) if path else None
+    if owner is not None:
+        raise ValueError(
+            f"kv_disk_path: {path} is in use by another kvwise engine (pid {owner}); give each "
+            "engine a directory of its own (or leave --kv-disk-path out: each server then "
+            f"gets one per port under {kvwise_cache_dir()})"
+        )
 
 
 @dataclass(frozen=True)
@@ -163,8 +204,10 @@ class StoreConfig:
     """The tiers below the device pool. Sizes: bytes or "4GiB"; "off" (or 0) disables a tier."""
 
     kv_host_memory: int | str | None = "2GiB"  # host-RAM tier budget
-    kv_disk_path: str | None = None  # None: default_kv_disk_path(); "off": no disk tier
-    kv_disk_size: int | str = "20GiB"
+    # None: default_kv_disk_path(kv_disk_default_name), a directory per server; "off": none
+    kv_disk_path: str | None = None
+    kv_disk_default_name: str = "local"  # the default directory's name: kv-<this> (a port)
+    kv_disk_size: int | str | None = None  # None: min(20GiB, half the free space there)
     # redis:// or rediss:// URL (password allowed), redis+cluster:// for Redis Cluster; None: off
     kv_redis_url: str | None = None
     kv_redis_ttl: str | float = "1h"  # how long Redis keeps an entry (retention may extend it)
@@ -179,6 +222,8 @@ class StoreConfig:
     # tier makes one beside its entries, and a Redis tier is refused unless the next is set)
     kv_store_secret: str | None = field(default=None, repr=False)
     kv_redis_allow_no_secret: bool = False  # share Redis with predictable keys (warned)
+    # how the disk tier's path and budget were chosen (the start-up log), set on construction
+    kv_disk_how: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kv_store_secret is not None:
@@ -188,12 +233,7 @@ class StoreConfig:
         host = self.kv_host_memory
         host = 0 if host in (None, "off", 0) else parse_bytes(host, "kv_host_memory")
         object.__setattr__(self, "kv_host_memory", host)
-        path = self.kv_disk_path
-        if path is not None and not isinstance(path, (str, Path)):
-            raise ValueError(f"kv_disk_path: expected a directory or 'off', got {path!r}")
-        path = default_kv_disk_path() if path is None else str(path)
-        object.__setattr__(self, "kv_disk_path", None if path == "off" else path)
-        object.__setattr__(self, "kv_disk_size", parse_bytes(self.kv_disk_size, "kv_disk_size"))
+        self._resolve_disk_tier()
         url = self.kv_redis_url
         if url in ("", "off"):
             url = None
@@ -230,6 +270,38 @@ class StoreConfig:
                 f"kv_load_policy: expected one of {LOAD_POLICIES}, got {self.kv_load_policy!r}"
             )
 
+    def _resolve_disk_tier(self) -> None:
+        """The disk tier's directory (None: off) and budget, defaults resolved, and how."""
+        path, how = self.kv_disk_path, "given"
+        if path is not None and not isinstance(path, (str, Path)):
+            raise ValueError(f"kv_disk_path: expected a directory or 'off', got {path!r}")
+        name = self.kv_disk_default_name
+        if not isinstance(name, str) or not name or os.sep in name or name.startswith("."):
+            raise ValueError(f"kv_disk_default_name: expected a plain name, got {name!r}")
+        if path is None:
+            path = default_kv_disk_path(name)
+            how = f"this server's own, port {name}" if name.isdigit() else f"the default, {name}"
+            if path is not None and os.path.basename(path) != f"kv-{name}":
+                how += f"; kv-{name} is in use by another kvwise engine"
+            if path is None:
+                logging.getLogger("kvwise").warning(
+                    "KV disk tier off: every default directory kv-%s* under %s is in use by "
+                    "another kvwise engine (give one with --kv-disk-path)",
+                    name,
+                    kvwise_cache_dir(),
+                )
+                path = "off"
+        path = str(path)
+        object.__setattr__(self, "kv_disk_path", None if path == "off" else path)
+        size = self.kv_disk_size
+        if size is None and path == "off":
+            size = DEFAULT_DISK_BYTES
+        elif size is None:
+            chosen = default_disk_size(path)
+            size, how = chosen.num_bytes, f"{how}; its budget {chosen.how}"
+        object.__setattr__(self, "kv_disk_size", parse_bytes(size, "kv_disk_size"))
+        object.__setattr__(self, "kv_disk_how", how)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -256,6 +328,7 @@ class EngineConfig:
                 ("store", StoreConfig),
             )
             for f in dataclasses.fields(klass)
+            if f.init
         }
         for key, value in kwargs.items():
             if key not in owners:
@@ -267,15 +340,3 @@ class EngineConfig:
             scheduler=SchedulerConfig(**parts["scheduler"]),  # type: ignore[arg-type]
             store=StoreConfig(**parts["store"]),  # type: ignore[arg-type]
         )
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo, else total physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

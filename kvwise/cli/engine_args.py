@@ -56,6 +56,14 @@ def _add_model_args(g) -> None:
         default=0,
         help="int4 KV: channels per scale group (default 32)",
     )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template file that replaces the model's own (or gives one to a "
+        "model without: a base model's GGUF), in transformers' dialect: messages, "
+        "add_generation_prompt, bos_token, eos_token",
+    )
 
 
 def _add_scheduling_args(g) -> None:
@@ -66,7 +74,9 @@ def _add_scheduling_args(g) -> None:
     g.add_argument(
         "--kv-cache-memory",
         default=None,
-        help="KV pool size, e.g. 2GiB (default: 20%% of available RAM)",
+        help="KV pool size, e.g. 2GiB (default: --max-num-seqs sequences of 1,024 tokens and "
+        "at least one of --max-model-len, at most 20%% of the RAM available; its pages are "
+        "taken as blocks are first used)",
     )
     g.add_argument("--max-num-seqs", type=int, default=64, help="cap on running requests")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
@@ -171,14 +181,16 @@ def _add_tier_place_args(g, default: dict) -> None:
         "--kv-disk-path",
         default=None,
         metavar="DIR",
-        help="directory of the disk tier; 'off' disables it "
-        "(default: $XDG_CACHE_HOME/kvwise/kv, or ~/.cache/kvwise/kv without it)",
+        help="directory of the disk tier; 'off' disables it (default: one per server under "
+        "$XDG_CACHE_HOME/kvwise, or ~/.cache/kvwise without it: kv-<port> for kvwise serve, "
+        "kv-local otherwise, or kv-<name>-2 ... -8 while another kvwise holds it)",
     )
     g.add_argument(
         "--kv-disk-size",
         default=None,
         metavar="SIZE",
-        help=f"disk tier budget (default: {default['kv_disk_size']})",
+        help="disk tier budget (default: 20GiB, or half the free space of its file system "
+        "when that is less)",
     )
     g.add_argument(
         "--kv-redis-url",
@@ -263,6 +275,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "public_system_prompts": tuple(_read_text(p) for p in args.public_system_prompt_file),
         "public_prefix_min_tokens": args.public_prefix_min_tokens,
         "num_threads": args.threads,
+        "chat_template": args.chat_template,
         **{name: value for name, value in tiers.items() if value is not None},
     }
 
@@ -277,9 +290,10 @@ def _read_text(path: str) -> str:
 
 def engine_config(kwargs: dict):
     """The engine's config, with what can fail fast checked before the model loads: the
-    model path, the store secret's strength and the disk tier's directory (ValueError naming
-    the option)."""
-    from kvwise.config import EngineConfig
+    model path, the chat template, the store secret's strength, the disk tier's directory
+    (free of another engine) and a KV pool size that cannot fit beside the model's weights
+    (ValueError naming the option)."""
+    from kvwise.config import EngineConfig, check_kv_disk_path_free
     from kvwise.store.factory import check_secret_strength, check_store_config
 
     if kwargs.get("kv_store_secret"):  # before StoreConfig's own, shorter, minimum
@@ -297,4 +311,22 @@ def engine_config(kwargs: dict):
         except OSError as e:
             raise ValueError(f"model: cannot read '{model}': {e.strerror}") from None
     check_store_config(config.store)
+    check_kv_disk_path_free(config.store.kv_disk_path)
+    _check_pool_fits(config)
     return config
+
+
+def _check_pool_fits(config) -> None:
+    """A ``--kv-cache-memory`` beside the weights (their files' size) in the RAM available."""
+    from kvwise.machine import available_memory_bytes, check_pool_fits, model_file_bytes
+
+    if config.cache.kv_cache_memory is None:
+        return
+    if config.model.model is not None:
+        path = config.model.model
+    else:
+        from kvwise.models.default import default_model_path
+
+        path = default_model_path()
+    weights = model_file_bytes(path)
+    check_pool_fits(config.cache.kv_cache_memory, available_memory_bytes(), weights, True)

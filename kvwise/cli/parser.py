@@ -21,9 +21,11 @@ RUN_DEST = "_kvwise_run"  # the namespace attribute holding the chosen command's
 def build_parser(commands: tuple[Command, ...] = COMMANDS) -> argparse.ArgumentParser:
     """Every command's parser, each group's subcommands under it."""
     from kvwise.cli.engine_args import add_engine_args
+    from kvwise.version import version_line
 
     parser = argparse.ArgumentParser(prog="kvwise", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=version_line())
     groups = {(): parser.add_subparsers(dest="command", required=True)}
     for command in commands:
         *parent, name = command.path

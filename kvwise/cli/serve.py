@@ -115,11 +115,9 @@ def _seconds(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwise.engine.builder import build_engine_for_loop
-    from kvwise.server import create_app, parse_api_keys
+    from kvwise.server import create_app, parse_api_keys  # no torch: the checks answer at once
     from kvwise.server.dashboard import check_admin_key
     from kvwise.server.transport import InvalidRequestBudget, allowed_hosts_for
-    from kvwise.store.selftest import log_self_test
     from kvwise.utils import parse_bytes
 
     keys = parse_api_keys(args.api_key, os.environ.get("KVWISE_API_KEYS"))
@@ -130,10 +128,16 @@ def run(args: argparse.Namespace) -> int:
         "admin_key": args.admin_key,
         "allowed_hosts": allowed_hosts,
     }
-    config = engine_config({**engine_kwargs(args), "max_waiting": args.max_waiting})
+    # the default disk tier: a directory of this server's own, kv-<port>
+    kwargs = {**engine_kwargs(args), "kv_disk_default_name": str(args.port)}
+    config = engine_config({**kwargs, "max_waiting": args.max_waiting})
     name = _served_name(args)
+    check_port_free(args.host, args.port)  # the last check before the model loads
     if args.ray:
         return _serve_ray(args, keys, name, app_kwargs)
+    from kvwise.engine.builder import build_engine_for_loop  # torch
+    from kvwise.store.selftest import log_self_test
+
     engine = build_engine_for_loop(config)  # stepped by the AsyncEngine's thread
     if engine.store is not None:  # each tier seals, writes, reads back and opens one entry
         log_self_test(engine.store)
@@ -148,6 +152,39 @@ def run(args: argparse.Namespace) -> int:
         f"Host: {', '.join(allowed_hosts)}" if allowed_hosts else "any Host",
     )
     return _run_server(args, app)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError naming ``port`` (or ``host``) unless a server could listen on
+    ``host:port`` now: a bind test, as uvicorn binds (``SO_REUSEADDR``: a port held only by
+    closed connections in TIME_WAIT is free), so a port in use is said before the model loads.
+    """
+    import errno
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port: expected 0-65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"host: cannot resolve {host!r}: {e.strerror}") from None
+    for family, kind, proto, _, address in infos[:1]:  # uvicorn binds the first
+        where = f"[{address[0]}]:{port}" if family == socket.AF_INET6 else f"{address[0]}:{port}"
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(
+                        f"port: {where} is already in use (another server, perhaps another "
+                        "kvwise: stop it, or choose another --port)"
+                    ) from None
+                if e.errno == errno.EACCES:
+                    raise ValueError(
+                        f"port: {where}: permission denied (ports under 1024 need privileges)"
+                    ) from None
+                raise ValueError(f"host: cannot listen on {where}: {e.strerror}") from None
 
 
 def _served_name(args: argparse.Namespace) -> str:
@@ -201,6 +238,10 @@ def _serve_ray(args: argparse.Namespace, keys: dict, name: str, app_kwargs: dict
     if args.replicas < 1:
         raise ValueError(f"replicas: expected at least 1, got {args.replicas}")
     kwargs = {**engine_kwargs(args), "max_waiting": args.max_waiting}
+    if kwargs.get("kv_disk_path") is None:  # each replica takes rank-<n> under this server's
+        from kvwise.machine import kvwise_cache_dir
+
+        kwargs["kv_disk_path"] = os.path.join(kvwise_cache_dir(), f"kv-{args.port}")
     threads = kwargs.pop("num_threads") or max(1, (os.cpu_count() or 1) // args.replicas)
     return ray_serve.run(
         kwargs,

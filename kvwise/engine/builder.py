@@ -11,11 +11,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwise.config import EngineConfig
+from kvwise.config import EngineConfig, check_kv_disk_path_free
 from kvwise.core.kv_spec import KVSpec, kv_groups
 from kvwise.engine.assemble import assemble_engine
+from kvwise.engine.chat_template import load_chat_template
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.engine.tokenizer import Tokenizer
+from kvwise.machine import (
+    PoolSize,
+    available_memory_bytes,
+    check_pool_fits,
+    default_pool,
+    model_file_bytes,
+)
 from kvwise.models.loader import LoadedModel, load_model
 from kvwise.utils import format_bytes
 from kvwise.worker.kv_cache import TORCH_DTYPES
@@ -60,9 +68,18 @@ def build_model_parts(
     config: EngineConfig, *, progress: bool = True, loaded: LoadedModel | None = None
 ) -> ModelParts:
     """Load the model (unless ``loaded`` reuses weights already in memory) and its tokenizer,
-    and size the KV pool: a ``ModelRunner`` over a ``KVSpec``."""
+    and size the KV pool: a ``ModelRunner`` over a ``KVSpec``.
+
+    Raises:
+        ValueError: before the model loads, a ``kv_cache_memory`` that cannot fit beside its
+            weights (their files' size) or a ``kv_disk_path`` another engine holds; after, a
+            pool that cannot fit beside what the weights hold, or under two blocks.
+    """
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
+    available = available_memory_bytes()  # NOTE: before these weights take their share
+    shared = loaded is not None  # weights in memory already: not in `available`
+    check_before_load(config, available, estimate_weights=not shared)
     loaded = loaded or load_for(config, progress)
     logger.info(
         "weights: %s; %s resident",
@@ -74,12 +91,68 @@ def build_model_parts(
                     format_bytes(row.resident_bytes))  # fmt: skip
     arch = loaded.arch
     tokenizer = tokenizer_for(loaded)
+    if config.model.chat_template is not None:
+        tokenizer.set_chat_template(load_chat_template(config.model.chat_template))
+        logger.info("chat template: %s", _template_name(config.model.chat_template))
+    spec = _kv_spec(config, loaded)
+    max_model_len = _max_model_len(config, arch)
+    if config.cache.kv_cache_memory is not None and not shared:
+        check_pool_fits(
+            config.cache.kv_cache_memory, available, loaded.model.weight_bytes(), estimated=False
+        )
+    pool = _pool_size(config, spec, max_model_len)
+    num_blocks = spec.num_blocks_in(pool.num_bytes)
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_cache_memory: {format_bytes(pool.num_bytes)} holds fewer than "
+            f"two blocks of {format_bytes(spec.block_bytes)}"
+        )
+    logger.info("KV pool: %s for %s (its pages are taken as blocks are first used)",
+                format_bytes(num_blocks * spec.block_bytes), pool.how)  # fmt: skip
+    if config.store.kv_disk_path is not None:
+        logger.info("KV disk tier: %s, %s: %s", config.store.kv_disk_path,
+                    format_bytes(config.store.kv_disk_size), config.store.kv_disk_how)  # fmt: skip
+    compute_dtype = TORCH_DTYPES[config.model.dtype]
+    return ModelParts(
+        runner=ModelRunner(loaded.model, arch, spec, num_blocks, compute_dtype),
+        tokenizer=tokenizer,
+        model_fingerprint=f"{loaded.fingerprint}/{config.model.dtype}",
+        max_model_len=max_model_len,
+    )
+
+
+def check_before_load(config: EngineConfig, available: int, estimate_weights: bool) -> None:
+    """What can fail before the model loads: a ``kv_cache_memory`` that cannot fit beside the
+    weights (``estimate_weights``: by their files' size; else they are in memory already), a
+    disk tier directory another engine holds. ValueError naming the option."""
+    if config.cache.kv_cache_memory is not None:
+        weights = model_file_bytes(_model_path(config)) if estimate_weights else 0
+        check_pool_fits(config.cache.kv_cache_memory, available, weights, estimated=True)
+    check_kv_disk_path_free(config.store.kv_disk_path)
+
+
+def _model_path(config: EngineConfig) -> str:
+    if config.model.model is not None:
+        return config.model.model
+    from kvwise.models.default import default_model_path
+
+    return str(default_model_path())
+
+
+def _template_name(template: str) -> str:
+    return "given inline" if "{%" in template or "{{" in template else f"from '{template}'"
+
+
+def _kv_spec(config: EngineConfig, loaded: LoadedModel) -> KVSpec:
+    """The pool's layout: the model's KV shape, the configured block size and format, and its
+    KV groups (a model with sliding-window layers, ``hybrid_kv_cache`` on)."""
+    arch = loaded.arch
     kv_dtype = config.cache.kv_cache_dtype
     kinds = getattr(loaded.model, "attention_kinds", ())
     groups = ()
     if config.cache.hybrid_kv_cache and kinds:
         groups = kv_groups([k.sliding_window or 0 for k in kinds])
-    spec = KVSpec(
+    return KVSpec(
         len(groups[0].layers) if groups else arch.num_layers,
         arch.num_kv_heads,
         arch.head_dim,
@@ -88,18 +161,20 @@ def build_model_parts(
         group_size=config.cache.kv_int4_group_size,
         groups=groups,
     )
-    num_blocks = spec.num_blocks_in(config.cache.kv_cache_bytes())
-    if num_blocks < 2:
-        raise ValueError(
-            f"kv_cache_memory: {format_bytes(config.cache.kv_cache_bytes())} holds fewer than "
-            f"two blocks of {format_bytes(spec.block_bytes)}"
-        )
-    compute_dtype = TORCH_DTYPES[config.model.dtype]
-    return ModelParts(
-        runner=ModelRunner(loaded.model, arch, spec, num_blocks, compute_dtype),
-        tokenizer=tokenizer,
-        model_fingerprint=f"{loaded.fingerprint}/{config.model.dtype}",
-        max_model_len=_max_model_len(config, arch),
+
+
+def _pool_size(config: EngineConfig, spec: KVSpec, max_model_len: int) -> PoolSize:
+    """The pool's bytes: ``kv_cache_memory``, else what the scheduler's limits need
+    (``machine.default_pool``), at most ``kv_cache_memory_fraction`` of the RAM available now
+    (the weights loaded)."""
+    if config.cache.kv_cache_memory is not None:
+        return PoolSize(int(config.cache.kv_cache_memory), "--kv-cache-memory")
+    return default_pool(
+        spec.seq_bytes,
+        config.scheduler.max_num_seqs,
+        max_model_len,
+        available_memory_bytes(),
+        config.cache.kv_cache_memory_fraction,
     )
 
 

@@ -1,4 +1,5 @@
-"""Chat templates: the jinja2 sandbox transformers renders them in, and message checks.
+"""Chat templates: the jinja2 sandbox transformers renders them in, message checks, and a
+template given by the user (``load_chat_template``: ``--chat-template``).
 
 A template is compiled once per tokenizer in the same environment transformers uses
 (trim_blocks, lstrip_blocks, loop controls, ``tojson``, ``raise_exception``, ``strftime_now``
@@ -8,6 +9,7 @@ and a hardened ``namespace``), so rendered prompts are identical to transformers
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -105,7 +107,30 @@ def compile_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"chat_template: not valid Jinja: {exc}") from exc
+        raise ValueError(
+            f"chat_template: not valid Jinja: {exc.message} (line {exc.lineno})"
+        ) from exc
+
+
+def load_chat_template(template: str) -> str:
+    """The Jinja source ``chat_template`` names: the text itself when it holds ``{%`` or
+    ``{{``, else the file at that path. Compiled here, so that a bad one fails at start.
+
+    Raises:
+        ValueError: naming ``chat_template``: no such file, unreadable, or not valid Jinja.
+    """
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"chat_template: expected a file's path or a template, got {template!r}")
+    source = template
+    if "{%" not in template and "{{" not in template:
+        try:
+            with open(os.path.expanduser(template), encoding="utf-8") as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            raise ValueError(f"chat_template: cannot read '{template}': {why}") from None
+    compile_template(source)
+    return source
 
 
 TOOLS_PREAMBLE = (

@@ -200,6 +200,12 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template
 
+    def set_chat_template(self, source: str) -> None:
+        """Render chats with ``source`` (Jinja) instead of the model's own template (or where
+        it has none): ``--chat-template``. ValueError naming ``chat_template`` if not Jinja."""
+        self._compiled_template = compile_template(source)
+        self._chat_template = source
+
     # ---- text <-> ids -------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app: JSON in, typed engine requests out, JSON / SSE back.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream``: server-sent events ending
-with ``data: [DONE]``), GET /v1/models, GET /health, GET /metrics (Prometheus text), the
-extension POST /v1/kvwise/park, and GET /dashboard (with /dashboard/data, its JSON).
+with ``data: [DONE]``), GET /v1/models, GET /health, GET /version (kvwise's, torch's, the
+model), GET /metrics (Prometheus text), the extension POST /v1/kvwise/park, and GET /dashboard
+(with /dashboard/data, its JSON).
 
 Sessions: a request's ``prompt_cache_key`` is its engine session id (within its tenant).
 ``POST /v1/kvwise/park {"prompt_cache_key": ...}`` moves that conversation's KV from the device
@@ -66,6 +67,7 @@ from kvwise.server.transport import (
     InvalidRequestBudget,
     parse_allowed_hosts,
 )
+from kvwise.version import __version__, torch_version
 
 _ERRORS = {
     code: {"model": ErrorResponse, "description": text}
@@ -141,7 +143,17 @@ def create_app(
         app.add_middleware(HostCheck, allowed=allowed)  # outermost: before anything runs
     _add_routes(app, OpenAIRoutes(client, metrics, model_name, default_completion_max_tokens))
     dashboard.add_routes(app)
+    _add_version_route(app, model_name)
     return app
+
+
+def _add_version_route(app: FastAPI, model_name: str) -> None:
+    """GET /version: kvwise's version, torch's and the served model's name (open, as /health)."""
+    body = {"version": __version__, "torch": torch_version(), "model": model_name}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return body
 
 
 def _lifespan(engine: EngineClient, dashboard: Dashboard, owned: AsyncEngine | None):

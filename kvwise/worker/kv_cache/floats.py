@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvwise.core.kv_spec import KVSpec
-from kvwise.worker.kv_cache.base import TORCH_DTYPES, PagedKVCache, kind_args
+from kvwise.worker.kv_cache.base import TORCH_DTYPES, PagedKVCache, kind_args, zeroed_pool
 
 
 class FloatKVCache(PagedKVCache):
@@ -39,7 +39,7 @@ class FloatKVCache(PagedKVCache):
         self.lossy = self._cast
         heads, dim, layers = spec.num_kv_heads, spec.head_dim, range(spec.num_layers)
         # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
-        self.kv = torch.zeros(spec.cache_shape(num_blocks), dtype=dtype)
+        self.kv = zeroed_pool(spec.cache_shape(num_blocks), dtype)
         self.raw = self.kv.view(torch.uint8).view(
             spec.num_layers, 2, num_blocks, spec.half_block_bytes
         )

@@ -11,7 +11,7 @@ import torch
 
 from kvwise.core.kv_spec import KVSpec
 from kvwise.worker import kv_quant
-from kvwise.worker.kv_cache.base import PagedKVCache, kind_args
+from kvwise.worker.kv_cache.base import PagedKVCache, kind_args, zeroed_pool
 
 
 class QuantizedKVCache(PagedKVCache):
@@ -27,9 +27,7 @@ class QuantizedKVCache(PagedKVCache):
         use_kernels: bool = True,
     ) -> None:
         super().__init__(spec, num_blocks, compute_dtype or torch.float32, use_kernels)
-        self.raw = torch.zeros(
-            (spec.num_layers, 2, num_blocks, spec.half_block_bytes), dtype=torch.uint8
-        )
+        self.raw = zeroed_pool((spec.num_layers, 2, num_blocks, spec.half_block_bytes), torch.uint8)
         # [layer][0 = K, 1 = V]: typed views of the codes and the scales of every block
         halves = [[self._typed_views(self.raw[i, kv], kv) for kv in (0, 1)]
                   for i in range(spec.num_layers)]  # fmt: skip
