@@ -5,7 +5,7 @@
 #   requirements/lock.txt          runtime + the test and ray extras (KVWISE_EXTRAS=test)
 #   requirements/lock-runtime.txt  runtime only, the same versions (scripts/run.sh)
 # Then `bash scripts/test_newest.sh` (or scripts/test.sh) checks them. Extra arguments go to
-# pip-compile, e.g. `bash scripts/lock.sh --upgrade-package cryptography==50.0.2`.
+# pip-compile for requirements/lock.txt (e.g. `-c FILE` to hold a release back).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,20 +15,23 @@ if ! "$tools/bin/pip-compile" --version 2>/dev/null | grep -q "${PIP_TOOLS#*==}"
   rm -rf "$tools"
   "$PY" -m venv "$tools"
   "$tools/bin/python" -m pip install --disable-pip-version-check -q "$PIP_TOOLS" 2>&1 \
-    | grep -v "^WARNING: Location" || true
+    | { grep -v "^WARNING: Location" || true; } \
+    || { echo "ERROR: could not install $PIP_TOOLS into $tools" >&2; exit 1; }
 fi
 # compile FILE ARGS...: pip-compile pyproject.toml into FILE, with no index, host or local path
 compile() {
   local out=$1
   shift
-  CUSTOM_COMPILE_COMMAND="bash scripts/lock.sh" "$tools/bin/pip-compile" -q --no-emit-index-url --no-emit-find-links --no-emit-trusted-host \
-    --strip-extras --annotation-style line --unsafe-package torch --no-allow-unsafe \
-    -c requirements/torch.txt \
-    -o "$out.new" "$@" pyproject.toml 2>&1 | grep -v "^WARNING: Location" || true
-  [ -s "$out.new" ] || { echo "ERROR: pip-compile wrote no $out" >&2; exit 1; }
-  # torch is installed first from requirements/torch.txt; say so where pip-compile lists it
-  sed -i -e 's/^# The following packages are considered to be unsafe.*/# kept out (installed first, from requirements\/torch.txt):/' \
+  CUSTOM_COMPILE_COMMAND="bash scripts/lock.sh" "$tools/bin/pip-compile" -q \
+    --no-emit-index-url --no-emit-find-links --no-emit-trusted-host --strip-extras \
+    --annotation-style line --unsafe-package torch --no-allow-unsafe -c requirements/torch.txt \
+    -o "$out.new" "$@" pyproject.toml 2>&1 | { grep -v "^WARNING: Location" || true; } \
+    || { echo "ERROR: pip-compile could not write $out" >&2; exit 1; }
+  # torch is installed first from requirements/torch.txt: say so where pip-compile names it
+  local kept="# kept out (installed first, from requirements\/torch.txt):"
+  sed -i -e "s/^# The following packages are considered to be unsafe.*/$kept/" \
     -e 's/ -c requirements\/[a-z-]*\.txt,//' "$out.new"
+  # a CUDA package means pip resolved torch 2.13.0 to a CUDA wheel, not the CPU one
   if grep -n -i -E '://|^ *--|^/|nvidia|cuda|^torch=' "$out.new"; then
     echo "ERROR: $out would name an index, a local path or a CUDA package (lines above)" >&2
     exit 1
