@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvwise.bench.common import median, run_to_completion
-from kvwise.bench.progress import phase
+from kvwise.bench.progress import bar
 from kvwise.config import EngineConfig
 from kvwise.engine.builder import build_engine, load_for
 from kvwise.types import SamplingParams
@@ -106,8 +106,7 @@ def main(args: argparse.Namespace) -> int:
         _no_share_rates(
             on, off, rep, fresh, no_share_params, timers, rate_on, rate_off, bookkeeping
         )
-    with phase("pool utilisation under a mixed load"):
-        utilization, preemptions = _utilization(kw, loaded, mixed, mixed_params)
+    utilization, preemptions = _utilization(kw, loaded, mixed, mixed_params)
     result = _result(args, (cold, warm, rate_on, rate_off, bookkeeping), utilization, preemptions)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
@@ -173,8 +172,9 @@ def _utilization(kw: dict, loaded, prompts: list, params: list) -> tuple[list[fl
     for p, sp in zip(prompts, params, strict=True):
         engine.add_request(p, sp)
     utilization = []
-    while engine.has_unfinished():
-        engine.step()
-        if engine.scheduler.running:
-            utilization.append(engine.stats().kv.utilization)
+    with bar(len(prompts), "pool utilisation, mixed load", "request") as progress:
+        while engine.has_unfinished():
+            progress.update(sum(out.finished for out in engine.step()))
+            if engine.scheduler.running:
+                utilization.append(engine.stats().kv.utilization)
     return utilization, engine.scheduler.num_preemptions
