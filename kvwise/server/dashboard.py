@@ -138,8 +138,7 @@ class Dashboard:
         store = self.engine.stats().store
         tiers = store.tiers.items() if store is not None else ()
         return [
-            {"name": name, **stat_values(t, TierStats), "degraded": t.degraded}
-            for name, t in tiers
+            {"name": name, **stat_values(t, TierStats), "degraded": t.degraded} for name, t in tiers
         ]
 
     def _tenants(self) -> list[dict]:
