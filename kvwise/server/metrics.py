@@ -9,11 +9,12 @@ and hit tokens, preemptions, load rollbacks; the store's load / recompute decisi
 recomputed-instead tokens, chunks written, writes dropped, bytes waiting to be written), one
 series per tier (label ``tier``) for every ``TierStats`` field, whether the engine is up, and
 each tier's break-even prefix length under the cost model's current fit. A new stats field
-with a metric needs no edit here. Per tenant (label ``tenant``; the API key's tenant,
-``default`` without keys): requests, prompt, generated and cached tokens, for at most
-``max_tenants`` tenants by name (``request_stats.TenantTable``: the quietest tenant's series
-folds into ``tenant="(other)"`` when a new one comes to a full table). Each finished request
-also writes one log line.
+with a metric needs no edit here. Per tenant (the API key's tenant, ``default`` without
+keys): requests, prompt, generated and cached tokens, for at most ``max_tenants`` tenants by
+name (``request_stats.TenantTable``: the quietest tenant folds into "(other)" when a new one
+comes to a full table), for the dashboard only: ``/metrics`` needs no key, so it carries no
+tenant's name or usage (another tenant could read them). Each finished request also writes
+one log line.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kvwise.core.kv_stats import KVCacheStats
 from kvwise.core.stat_fields import COUNTER, MetricField, metric_fields
 from kvwise.engine.client import EngineClient
 from kvwise.engine.stats import EngineStats
-from kvwise.server.request_stats import RecentValues, TenantCounts, TenantTable
+from kvwise.server.request_stats import RecentValues, TenantTable
 from kvwise.store.stats import StoreStats, TierStats
 from kvwise.types import RequestOutput
 
@@ -90,17 +91,6 @@ def _families(stats, stats_type: type, per: str | None = None):
                 values = [key] if per is not None else []
                 metric.add_metric(values + [v for _, v in f.labels], getattr(one, f.attr))
         yield metric
-
-
-class _TenantCollector:
-    """The tenant table's rows (``TenantCounts``' fields) as series labelled ``tenant``, read
-    at scrape time."""
-
-    def __init__(self, tenants: TenantTable) -> None:
-        self.tenants = tenants
-
-    def collect(self):
-        yield from _families(dict(self.tenants.rows()), TenantCounts, per="tenant")
 
 
 @dataclass(frozen=True)
@@ -192,7 +182,6 @@ class ServerMetrics:
             registry=registry,
         )
         registry.register(_EngineCollector(engine))
-        registry.register(_TenantCollector(self.tenants))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -87,8 +87,8 @@ def test_two_tenants_show_with_tokens_per_second_and_ttft_percentiles():
         assert rows["alice"]["cached_tokens"] > 0  # her second request hit her first's blocks
         assert rows["bob"]["cached_tokens"] == 0  # never another tenant's
         metrics = client.get("/metrics").text
-        assert 'kvwise_tenant_requests_total{tenant="alice"} 2.0' in metrics
-        assert 'kvwise_tenant_cached_prompt_tokens_total{tenant="bob"} 0.0' in metrics
+        # /metrics needs no key: no tenant's name or usage is in it (the admin's page only)
+        assert "alice" not in metrics and "kvwise_tenant" not in metrics
 
 
 def test_dashboard_without_tiers_has_no_cost_model():

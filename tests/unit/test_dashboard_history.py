@@ -238,6 +238,4 @@ def test_tenants_reach_the_metrics_and_the_dashboard_data():
         {"name": "bob", "other": False, "requests": 1, "prompt_tokens": 0, "generated_tokens": 0,
          "cached_tokens": 0},
     ]  # fmt: skip
-    assert 'kvwise_tenant_requests_total{tenant="alice"} 2.0' in text
-    assert 'kvwise_tenant_generated_tokens_total{tenant="alice"} 6.0' in text
-    assert 'kvwise_tenant_requests_total{tenant="bob"} 1.0' in text
+    assert "alice" not in text and "bob" not in text  # /metrics is open: no tenant in it
