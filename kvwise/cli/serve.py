@@ -242,6 +242,10 @@ def _serve_ray(args: argparse.Namespace, keys: dict, name: str, app_kwargs: dict
         from kvwise.machine import kvwise_cache_dir
 
         kwargs["kv_disk_path"] = os.path.join(kvwise_cache_dir(), f"kv-{args.port}")
+    if kwargs.get("chat_template"):  # its text: no Ray actor needs the file
+        from kvwise.engine.chat_template import load_chat_template
+
+        kwargs["chat_template"] = load_chat_template(kwargs["chat_template"])
     threads = kwargs.pop("num_threads") or max(1, (os.cpu_count() or 1) // args.replicas)
     return ray_serve.run(
         kwargs,

@@ -263,14 +263,19 @@ class RayTransport:
 
 @serve.ingress()
 class Ingress:
-    def __init__(self, replicas, hub_name: str, model_path: str, app_kwargs: dict) -> None:
+    def __init__(self, replicas, hub_name: str, model_path: str, app_kwargs: dict,
+                 chat_template: str | None = None) -> None:  # fmt: skip
+        from kvwise.engine.chat_template import load_chat_template
         from kvwise.engine.tokenizer import Tokenizer
 
         self.hub_name = hub_name
         self.app_kwargs = app_kwargs
+        tokenizer = Tokenizer.from_path(model_path)
+        if chat_template is not None:  # --chat-template: the ingress renders the chats
+            tokenizer.set_chat_template(load_chat_template(chat_template))
         self.engine = RemoteEngine(
             RayTransport(replicas),
-            Tokenizer.from_path(model_path),
+            tokenizer,
             self._replica_stats,
             replica_curves=self._replica_curves,
         )
@@ -368,7 +373,7 @@ def build_app(
     )
     app_kwargs = {"api_keys": api_keys, "model_name": model_name, **(app_kwargs or {})}
     return ingress.bind(replica.bind(kwargs, hub_name_for(app_name)), hub_name_for(app_name),
-                        model_path, app_kwargs)  # fmt: skip
+                        model_path, app_kwargs, kwargs.get("chat_template"))  # fmt: skip
 
 
 def start(
