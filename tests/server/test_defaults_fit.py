@@ -1,7 +1,7 @@
 """Issue 44's first hour, on the real command and the default model: a port in use and a KV pool
 that cannot fit end ``kvwise serve`` with one line naming the flag, exit status 2, before the
 model loads; two servers on two ports and a ``kvwise generate`` beside them all start and
-answer with their default disk tiers (one directory each); ``GET /version``."""
+answer with their default disk tiers (one directory each); ``GET /version``, open as /health."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvwise.machine import available_memory_bytes
 from kvwise.models.default import DEFAULT_MODEL_NAME
 from kvwise.version import torch_version
 
-from .conftest import stop_serving, wait_until_serving
+from .conftest import LiveServer, stop_serving, wait_until_serving
 
 KVWISE = [sys.executable, "-m", "kvwise.cli"]
 LOADING = ("weights:", "Loading ", "KV pool: ")  # what the log says once the model loads
@@ -123,3 +123,15 @@ def test_two_servers_and_a_generate_beside_them_all_answer_with_their_default_di
         assert "KV pool: " in log and "--max-num-seqs 4 x 1024 tokens" in log
     found = sorted(p.name for p in (tmp_path / "kvwise").iterdir())
     assert found == sorted([f"kv-{ports[0]}", f"kv-{ports[1]}", "kv-local"])
+
+
+def test_version_is_open_and_names_the_model():
+    from kvwise.server import create_app
+    from tests.fakes import fake_engine
+
+    app = create_app(fake_engine(), api_keys={"sk-a": "alice"}, model_name="tiny")
+    with LiveServer(app) as server:
+        r = httpx.get(server.base_url + "/version")  # no key: open, as /health
+        assert r.status_code == 200
+        assert r.json() == {"version": __version__, "torch": torch_version(), "model": "tiny"}
+        assert httpx.get(server.base_url + "/v1/models").status_code == 401  # keys are on
