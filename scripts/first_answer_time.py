@@ -6,6 +6,8 @@ machine's empty disk tier; torch's kernel build directory stays where it was), a
     .venv/bin/python scripts/first_answer_time.py --runs 5 --port 18431
     # another checkout, same venv:
     PYTHONPATH=/tmp/old .venv/bin/python scripts/first_answer_time.py --kvwise "-m kvwise.cli"
+    # the README's command, install check included (it serves: no "serve" is added)
+    .venv/bin/python scripts/first_answer_time.py --serving-command "bash scripts/run.sh"
 
 Prints one line per run (start → /health up, → first answer, the server's peak RSS) and the
 medians.
@@ -45,8 +47,11 @@ def _peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def one_run(command: list[str], port: int, timeout_s: float) -> tuple[float, float, float]:
-    """(seconds to /health up, seconds to the first answer, peak RSS MiB) of one start."""
+def one_run(
+    command: list[str], port: int, timeout_s: float, serve: bool = True
+) -> tuple[float, float, float]:
+    """(seconds to /health up, seconds to the first answer, peak RSS MiB) of one start;
+    ``serve``: add the ``serve`` subcommand to ``command``."""
     env = dict(os.environ)
     env.setdefault(
         "TORCH_EXTENSIONS_DIR",
@@ -57,7 +62,7 @@ def one_run(command: list[str], port: int, timeout_s: float) -> tuple[float, flo
     base = f"http://127.0.0.1:{port}"
     start = time.perf_counter()
     proc = subprocess.Popen(
-        [*command, "serve", "--port", str(port)],
+        [*command, *(["serve"] if serve else []), "--port", str(port)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -97,8 +102,15 @@ def main() -> int:
     p.add_argument("--port", type=int, default=18431)
     p.add_argument("--kvwise", default=None, help="the kvwise command (default: this venv's)")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument(
+        "--serving-command",
+        default=None,
+        help="a command that serves by itself, given --port (e.g. 'bash scripts/run.sh')",
+    )
     args = p.parse_args()
-    if args.kvwise is None:
+    if args.serving_command is not None:
+        command = shlex.split(args.serving_command)
+    elif args.kvwise is None:
         command = [os.path.join(os.path.dirname(sys.executable), "kvwise")]
     else:
         command = shlex.split(args.kvwise)
@@ -106,7 +118,9 @@ def main() -> int:
             command = [sys.executable, *command]
     ups, answers = [], []
     for i in range(args.runs):
-        up, answered, rss = one_run(command, args.port, args.timeout)
+        up, answered, rss = one_run(
+            command, args.port, args.timeout, serve=args.serving_command is None
+        )
         ups.append(up)
         answers.append(answered)
         print(f"run {i + 1}: /health up {up:.2f} s, first answer {answered:.2f} s, "
