@@ -3,12 +3,12 @@ from, priced by the cost model and in ``/metrics`` with no edit anywhere else.""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
 import pytest
 
+from kvwise.core.stat_fields import metric_fields
 from kvwise.store import registry
 from kvwise.store.costmodel import DEFAULT_TIER_PRIOR, CostModel
 from kvwise.store.stats import TierStats
@@ -104,9 +104,11 @@ def test_a_registered_tier_is_in_metrics_with_no_edit(scratch_tier):
         assert cached_tokens(again.json()) == (len(LONG) - 1) // 4 * 4
         metrics = scrape(client)
     scratch = (("tier", "scratch"),)
-    for f in dataclasses.fields(TierStats):
-        suffix = "_total" if f.metadata["kind"] == "counter" else ""
-        assert (f.metadata["metric"] + suffix, scratch) in metrics, f.name
+    for f in metric_fields(TierStats):  # each with its own labels (e.g. the errors' op)
+        suffix = "_total" if f.kind == "counter" else ""
+        labels = tuple(sorted((*scratch, *f.labels)))
+        assert (f.metric + suffix, labels) in metrics, f.attr
+    assert metrics[("kvwise_tier_errors_total", (("op", "read"), ("tier", "scratch")))] == 0
     assert metrics[("kvwise_kv_tier_hits_total", scratch)] > 0
     assert metrics[("kvwise_kv_tier_read_bytes_total", scratch)] > 0
     assert metrics[("kvwise_kv_tier_entries", scratch)] > 0
