@@ -18,7 +18,6 @@ blocks).
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +26,11 @@ from kvwise.engine.chat_template import MAX_MESSAGES
 from kvwise.engine.prompts import ChatPrompt
 from kvwise.errors import InvalidRequest, KVWiseError
 from kvwise.server.outputs import Tool, ToolCall, call_for_template
+from kvwise.server.validation import (
+    check_tools,
+    check_unicode,  # noqa: F401 (routes imports it from here)
+    logit_bias_pairs,
+)
 from kvwise.types import (
     MAX_KEY_CHARS,
     MAX_LOGPROBS,
@@ -161,12 +165,7 @@ class _SamplingRequest(BaseModel):
         """Refuse what the engine does not do, naming the field."""
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
-        pairs = []
-        for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit():
-                raise InvalidRequest("logit_bias", f"keys are token ids, got {key!r}")
-            pairs.append((int(key), bias))
-        return tuple(pairs)
+        return logit_bias_pairs(self.logit_bias)
 
     def _logprobs(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) for the engine."""
@@ -306,6 +305,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise InvalidRequest("tool_choice", "needs tools")
+        check_tools(self.tools)
         self.named_tool()  # a named function must be among the tools
 
     def named_tool(self) -> str | None:
@@ -313,9 +313,8 @@ class ChatCompletionRequest(_SamplingRequest):
         choice = self.tool_choice
         if not isinstance(choice, dict):
             return None
-        name = (
-            (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        )
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or name not in {t.function.name for t in self.tools or ()}:
             raise InvalidRequest("tool_choice", "expected {type: function, function: {name}} "
                                  "naming one of the tools")  # fmt: skip
@@ -406,45 +405,3 @@ class ParkRequest(BaseModel):
         max_length=MAX_KEY_CHARS,
         description="the conversation whose KV to move to the tiers",
     )
-
-
-def check_unicode(body: BaseModel, raw: bytes) -> None:
-    """Refuse text that is no Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can
-    escape): it could reach neither a tokenizer nor an error message. ``raw``: the body's
-    bytes; one without a surrogate's escape or UTF-8 form holds none, and is not walked (a
-    walk of a million token ids would hold the event loop for a third of a second).
-
-    Raises:
-        InvalidRequest: naming the first such field (``messages[0].content``).
-    """
-    if not _SURROGATE.search(raw):
-        return
-    param = _invalid_text(body.model_dump(exclude_none=True), "")
-    if param is not None:
-        raise InvalidRequest(param, "is not valid Unicode (it holds a lone surrogate)")
-
-
-# where a surrogate can come from: JSON's \uD800-\uDFFF escapes, or their UTF-8 bytes
-# (json.loads decodes bytes with surrogatepass)
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-
-
-def _invalid_text(value: Any, path: str) -> str | None:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
-    elif isinstance(value, (list, tuple)):
-        texts = (str, dict, list, tuple)
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(value) if isinstance(v, texts))
-    else:
-        return None
-    for child_path, child in items:
-        found = _invalid_text(child, child_path)
-        if found is not None:
-            return found
-    return None
