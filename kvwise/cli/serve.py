@@ -63,6 +63,14 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
         "address, only localhost, 127.0.0.1 and [::1]; bound to any other, any host",
     )
     p.add_argument(
+        "--max-sequences-per-request",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="most sequences (n x prompts) one request may ask for; above it a 400 naming n "
+        "or prompt (default 64: --max-num-seqs' default, one full batch)",
+    )
+    p.add_argument(
         "--header-timeout",
         type=_seconds,
         default=10.0,
@@ -104,6 +112,16 @@ def _add_ray_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -127,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         "max_request_bytes": parse_bytes(args.max_request_bytes, "max_request_bytes"),
         "admin_key": args.admin_key,
         "allowed_hosts": allowed_hosts,
+        "max_sequences_per_request": args.max_sequences_per_request,
     }
     # the default disk tier: a directory of this server's own, kv-<port>
     kwargs = {**engine_kwargs(args), "kv_disk_default_name": str(args.port)}

@@ -59,7 +59,11 @@ from kvwise.server.outputs import (
 )
 from kvwise.server.protocol import ErrorResponse
 from kvwise.server.responses import install_error_handlers
-from kvwise.server.routes import DEFAULT_COMPLETION_MAX_TOKENS, OpenAIRoutes
+from kvwise.server.routes import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    OpenAIRoutes,
+)
 from kvwise.server.transport import (
     AuthAndCount,
     BodyLimit,
@@ -99,6 +103,7 @@ def create_app(
     admin_key: str | None = None,
     allowed_hosts: Iterable[str] | None = None,
     invalid_request_budget: InvalidRequestBudget | None = None,
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
 ) -> FastAPI:
     """Build the app over one engine.
 
@@ -117,6 +122,8 @@ def create_app(
         invalid_request_budget: how many invalid requests (4xx) a caller may send before it
             gets a 429 ahead of reading its body (``transport.InvalidRequestBudget``); None:
             no limit. ``kvwise serve`` sets one.
+        max_sequences_per_request: n x prompts above it is a 400 naming ``n`` (or
+            ``prompt``); ValueError if below 1.
     """
     allowed = None if allowed_hosts is None else parse_allowed_hosts(allowed_hosts)
     keys = dict(api_keys or {})
@@ -141,7 +148,8 @@ def create_app(
     app.add_middleware(AuthAndCount, keys=keys, metrics=metrics, budget=invalid_request_budget)
     if allowed is not None:
         app.add_middleware(HostCheck, allowed=allowed)  # outermost: before anything runs
-    _add_routes(app, OpenAIRoutes(client, metrics, model_name, default_completion_max_tokens))
+    _add_routes(app, OpenAIRoutes(client, metrics, model_name, default_completion_max_tokens,
+                                  max_sequences_per_request))  # fmt: skip
     dashboard.add_routes(app)
     _add_version_route(app, model_name)
     return app

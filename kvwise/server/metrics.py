@@ -1,7 +1,8 @@
 """Prometheus metrics of one server, in a registry of its own (several apps may share a process).
 
 Per request (recorded when it ends): requests by route and status, prompt / cached / generated
-tokens, TTFT, every inter-token latency, end-to-end latency. From the engine (read at scrape time
+tokens, TTFT, every inter-token latency, end-to-end latency; requests cancelled by a hang-up,
+and their sequences aborted. From the engine (read at scrape time
 from its last stats): one series per field that ``EngineStats``, ``KVCacheStats`` and
 ``StoreStats`` name a metric for in their metadata (``core.stat_fields``: the waiting queue,
 running requests, KV blocks used / cached-free / free / kept, utilisation, prefix-cache query
@@ -163,6 +164,16 @@ class ServerMetrics:
             ["finish_reason"],
             registry=registry,
         )
+        self.cancelled = Counter(
+            "kvwise_requests_cancelled",
+            "generation requests whose client hung up before the answer was whole",
+            registry=registry,
+        )
+        self.sequences_cancelled = Counter(
+            "kvwise_sequences_cancelled",
+            "sequences (choices x prompts) of those requests not yet finished, aborted",
+            registry=registry,
+        )
         self.ttft = Histogram(
             "kvwise_time_to_first_token_seconds",
             "time to first token",
@@ -182,6 +193,12 @@ class ServerMetrics:
             registry=registry,
         )
         registry.register(_EngineCollector(engine))
+
+    def observe_cancelled(self, num_sequences: int) -> None:
+        """A request whose client hung up, with its ``num_sequences`` aborted (or never
+        admitted)."""
+        self.cancelled.inc()
+        self.sequences_cancelled.inc(num_sequences)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

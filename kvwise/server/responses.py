@@ -2,13 +2,14 @@
 an engine error by its type's status and code, pydantic's first error naming the field),
 server-sent-event responses that run their close hook however they end (``SSEResponse``: the
 route aborts its request there), and, for answers that are not streamed, the wait for the
-final output that gives up as soon as the client disconnects (``collect_or_disconnect``)."""
+final output that gives up as soon as the client disconnects (``collect_or_disconnect``);
+``run_or_disconnect`` does the same for any work (a request's admission, choice by choice)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvwise.engine.client import RequestStream
 from kvwise.errors import KVWiseError
-from kvwise.server.protocol import APIError
+from kvwise.server.protocol import APIError, ErrorResponse
 from kvwise.types import RequestOutput
 
 logger = logging.getLogger("kvwise.server")
@@ -47,6 +48,24 @@ async def collect_or_disconnect(
     if not task.done() or task.cancelled():
         return None
     return task.result()  # an engine error propagates: its type carries its status
+
+
+async def run_or_disconnect(work: Awaitable[None], request: Request) -> bool:
+    """Run ``work`` until it is done (True) or the client disconnects first (False: ``work``
+    is cancelled, and has ended when this returns). An error of ``work`` propagates."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its cleanup runs now
+    if task.cancelled():
+        return False
+    task.result()
+    return True
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -122,3 +141,44 @@ def _validation_error(errors: list[dict]) -> APIError:
         )
         return APIError(400, message, code="invalid_body")
     return APIError(400, f"{param}: {first.get('msg')}", param=param, code="invalid_value")
+
+
+async def merged_outputs(
+    streams: list[RequestStream],
+) -> AsyncIterator[tuple[int, RequestOutput | str]]:
+    """Every stream's outputs (or its error event) with its index, as they come."""
+    if len(streams) == 1:
+        async for out in _outputs_or_error(streams[0]):
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in _outputs_or_error(stream):
+                await queue.put((index, out))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, out = await queue.get()
+            if out is None:
+                remaining -= 1
+            else:
+                yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _outputs_or_error(stream: RequestStream) -> AsyncIterator[RequestOutput | str]:
+    """The stream's outputs; an engine failure becomes one SSE error event (a string)."""
+    try:
+        async for out in stream:
+            yield out
+    except KVWiseError as exc:  # the engine died or the step failed mid-stream
+        error = APIError.from_error(exc)
+        yield f"data: {ErrorResponse.model_validate(error.body()).model_dump_json()}\n\n"

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvwise.engine.client import EngineClient, RequestStream
-from kvwise.errors import InvalidRequest, KVWiseError
+from kvwise.errors import InvalidRequest
 from kvwise.server.logprobs import chat_logprobs, completion_logprobs, prompt_text
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.outputs import (
@@ -39,15 +39,22 @@ from kvwise.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorResponse,
     ParkRequest,
     check_unicode,
 )
-from kvwise.server.responses import SSEResponse, collect_or_disconnect
+from kvwise.server.responses import (
+    SSEResponse,
+    collect_or_disconnect,
+    merged_outputs,
+    run_or_disconnect,
+)
 from kvwise.server.tools import ToolCallStream, parse_tool_calls
 from kvwise.types import RequestOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# n x prompts of one request: as many as the engine runs at once by default (--max-num-seqs
+# 64), so one body can fill a batch but not queue up hundreds of sequences behind it
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 64
 
 
 class OpenAIRoutes:
@@ -59,8 +66,14 @@ class OpenAIRoutes:
         metrics: ServerMetrics,
         model_name: str,
         default_completion_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
+        max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     ) -> None:
+        if max_sequences_per_request < 1:
+            raise ValueError(
+                f"max_sequences_per_request: expected at least 1, got {max_sequences_per_request}"
+            )
         self.engine = engine
+        self.max_sequences_per_request = max_sequences_per_request
         self.metrics = metrics
         self.model_name = model_name
         self.default_completion_max_tokens = default_completion_max_tokens
@@ -98,23 +111,58 @@ class OpenAIRoutes:
             # the chat prompt is the rendered messages: name the field the client sent
             raise (exc.renamed(prompt_param) if exc.param == "prompt" else exc) from None
 
-    async def admit_all(self, body, prompts, request_id: str, tenant: str, prompt_param: str):
+    def check_sequences(self, n: int, num_prompts: int) -> None:
+        """400 naming ``prompt`` (more prompts than the cap) or ``n`` when n × prompts
+        sequences would pass ``max_sequences_per_request``."""
+        cap = self.max_sequences_per_request
+        if n * num_prompts <= cap:
+            return
+        param = "prompt" if num_prompts > cap else "n"
+        asked = f"{n} choices x {num_prompts} prompts" if num_prompts > 1 else f"{n} choices"
+        raise APIError(
+            400,
+            f"{param}: {asked} = {n * num_prompts} sequences, more than this server's limit of "
+            f"{cap} per request (--max-sequences-per-request)",
+            param=param,
+            code="too_many_sequences",
+        )
+
+    async def admit_all(self, body, prompts, request_id: str, tenant: str, prompt_param: str,
+                        request: Request) -> list[RequestStream] | None:  # fmt: skip
         """Every choice of every prompt (n each, choice i * n + j), in order: a later choice
         of a prompt finds the first one's prefill under way and shares its blocks. One
-        refused: the others are aborted and the error propagates."""
+        refused: the others are aborted and the error propagates. The client hangs up
+        before all are admitted: the admitted ones are aborted, the rest never admitted
+        (None)."""
+        self.check_sequences(body.n, len(prompts))
         streams: list[RequestStream] = []
-        try:
+        num_sequences = len(prompts) * body.n
+
+        async def admit_each() -> None:
             for prompt in prompts:
                 for j in range(body.n):
-                    rid = (
-                        request_id if len(prompts) * body.n == 1 else f"{request_id}-{len(streams)}"
-                    )
+                    rid = request_id if num_sequences == 1 else f"{request_id}-{len(streams)}"
                     streams.append(await self.admit(body, prompt, rid, tenant, prompt_param, j))
+
+        try:
+            admitted = await run_or_disconnect(admit_each(), request)
         except BaseException:
             for stream in streams:
                 self.ended(stream, tenant)
             raise
+        if not admitted:
+            self.hung_up(streams, tenant, num_sequences)
+            return None
         return streams
+
+    def hung_up(self, streams: list[RequestStream], tenant: str, num_sequences: int) -> None:
+        """The client went away before its answer was whole: every stream aborted (KV freed
+        at the engine's next step), and the request counted as cancelled with its
+        ``num_sequences`` less those that had finished."""
+        num_finished = sum(1 for s in streams if s.last is not None and s.last.finished)
+        for stream in streams:
+            self.ended(stream, tenant)
+        self.metrics.observe_cancelled(num_sequences - num_finished)
 
     def ended(self, stream: RequestStream, tenant: str) -> None:
         stream.close()
@@ -136,14 +184,18 @@ class OpenAIRoutes:
         outputs as they come (``on_output``: an event, or None for none), the usage when
         asked, then ``[DONE]``."""
 
+        done = False  # [DONE] was sent: the client did not hang up first
+
         async def events() -> AsyncIterator[str]:
+            nonlocal done
             if first is not None:
                 for index in range(len(streams)):
                     yield first(index)
-            async for index, out in _merged(streams):
+            async for index, out in merged_outputs(streams):
                 if isinstance(out, str):  # an error event: the stream ends with it (and [DONE])
                     yield out
                     yield "data: [DONE]\n\n"
+                    done = True
                     return
                 event = on_output(index, out)
                 if event is not None:
@@ -152,20 +204,31 @@ class OpenAIRoutes:
             if include_usage and all(last is not None for last in lasts):
                 yield on_usage(_usage(lasts, per_prompt))
             yield "data: [DONE]\n\n"
+            done = True
 
         def close() -> None:
-            for stream in streams:
-                self.ended(stream, tenant)
+            if done:
+                for stream in streams:
+                    self.ended(stream, tenant)
+            else:
+                self.hung_up(streams, tenant, len(streams))
 
         return SSEResponse(events(), on_close=close)
 
     async def collect(self, streams: list[RequestStream], request: Request, tenant: str):
         """Every final output, or None when the client went away first."""
         try:
-            return await collect_or_disconnect(streams, request)
-        finally:
+            outs = await collect_or_disconnect(streams, request)
+        except BaseException:  # an engine error (its status answers) or a cancel
             for stream in streams:
                 self.ended(stream, tenant)
+            raise
+        if outs is None:
+            self.hung_up(streams, tenant, len(streams))
+        else:
+            for stream in streams:
+                self.ended(stream, tenant)
+        return outs
 
     # ---- routes -------------------------------------------------------------------------
 
@@ -174,7 +237,9 @@ class OpenAIRoutes:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         check_unicode(body, await request.body())  # first: nothing may echo or tokenize it
         prompts = body.prompts_of()
-        streams = await self.admit_all(body, prompts, request_id, tenant, "prompt")
+        streams = await self.admit_all(body, prompts, request_id, tenant, "prompt", request)
+        if streams is None:
+            return Response(status_code=499)
         now, model, n = int(time.time()), self.model_name, body.n
         echo_only = body.max_tokens == 0
 
@@ -232,7 +297,11 @@ class OpenAIRoutes:
         tenant = request.state.tenant
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         check_unicode(body, await request.body())  # first: nothing may echo or tokenize it
-        streams = await self.admit_all(body, [body.prompt_of()], request_id, tenant, "messages")
+        streams = await self.admit_all(
+            body, [body.prompt_of()], request_id, tenant, "messages", request
+        )
+        if streams is None:
+            return Response(status_code=499)
         now, model = int(time.time()), self.model_name
         names = {t.function.name for t in body.tools or ()} if body.calls_tools else set()
 
@@ -363,42 +432,3 @@ def _tail(out: RequestOutput, start: int) -> RequestOutput:
 
 def _finish(out: RequestOutput) -> str | None:
     return out.finish_reason.value if out.finished and out.finish_reason else None
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput | str]]:
-    """Every stream's outputs (or its error event) with its index, as they come."""
-    if len(streams) == 1:
-        async for out in _outputs_or_error(streams[0]):
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for out in _outputs_or_error(stream):
-                await queue.put((index, out))
-        finally:
-            await queue.put((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, out = await queue.get()
-            if out is None:
-                remaining -= 1
-            else:
-                yield index, out
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _outputs_or_error(stream: RequestStream) -> AsyncIterator[RequestOutput | str]:
-    """The stream's outputs; an engine failure becomes one SSE error event (a string)."""
-    try:
-        async for out in stream:
-            yield out
-    except KVWiseError as exc:  # the engine died or the step failed mid-stream
-        error = APIError.from_error(exc)
-        yield f"data: {ErrorResponse.model_validate(error.body()).model_dump_json()}\n\n"
