@@ -2,9 +2,10 @@
 naming the field, through the real HTTP app on the tiny model, and the next request on the
 same keep-alive connection still works.
 
-Then a bounded fuzzer (Hypothesis, 60 cases, a few tokens each) over the fields schemathesis'
-generic strategy rarely reaches with a meaningful shape: tools, tool_choice, logit_bias,
-response_format: no response >= 500.
+Then a bounded fuzzer (Hypothesis: the three bodies that once answered 500, then 60 random
+cases of a few tokens each, ~5 s on two cores) over the fields that schemathesis' generic
+strategy (test_fuzz.py) rarely reaches in a meaningful shape: tools (mostly well-formed, their
+parameter schemas fuzzed), tool_choice, logit_bias, response_format. No response may be >= 500.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import http.client
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from .conftest import KEYS
@@ -133,16 +134,23 @@ _schemas = st.one_of(
                                      "anyOf", "$defs", "pattern"]), _json, max_size=3),
     _json,
 )  # fmt: skip
-_tools = st.lists(
-    st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]), "function": st.one_of(
-        st.fixed_dictionaries({"name": _names, "parameters": _schemas}), _json)}),
-    max_size=3,
-) | _json  # fmt: skip
+# mostly well-formed tools (so the checks past pydantic's are reached), their schemas fuzzed
+_tools = st.one_of(
+    st.lists(st.builds(lambda name, parameters: {"type": "function", "function": {
+        "name": name, "parameters": parameters}}, st.sampled_from(["f", "g"]), _schemas),
+        min_size=1, max_size=2),
+    st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]),
+                                    "function": st.one_of(
+        st.fixed_dictionaries({"name": _names, "parameters": _schemas}), _json)}), max_size=2),
+    _json,
+)  # fmt: skip
 _tool_choice = st.one_of(
     st.sampled_from(["none", "auto", "required", "other"]),
     st.just({"type": "function", "function": "f"}),
     st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]),
                            "function": st.one_of(st.fixed_dictionaries({"name": _names}), _json)}),
+    st.fixed_dictionaries({"type": st.just("function"),
+                           "function": st.fixed_dictionaries({"name": st.sampled_from("fgh")})}),
     _json,
 )  # fmt: skip
 _logit_bias = st.dictionaries(
@@ -166,6 +174,22 @@ def test_fuzzed_tool_and_format_fields_never_cause_a_server_error(conn, tiny_ser
     @settings(max_examples=60, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(body=_bodies)
+    @example(
+        body={
+            "messages": USER,
+            "max_tokens": 2,
+            "tools": [_tool()],
+            "tool_choice": {"type": "function", "function": "f"},
+        }
+    )  # once a 500
+    @example(body={"messages": USER, "max_tokens": 2, "logit_bias": {"\u00b2": 1}})  # once a 500
+    @example(
+        body={
+            "messages": USER,
+            "max_tokens": 2,
+            "tools": [_tool("f", {"type": "object", "properties": {"\ud800": {}}})],
+        }
+    )  # once a 500
     def fuzz(body):
         raw = json.dumps(body, ensure_ascii=True)  # surrogates as \ud800 escapes
         status, answer = _post(conn, raw)
