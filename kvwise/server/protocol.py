@@ -339,9 +339,13 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise InvalidRequest("tool_choice", "a required tool call takes no response_format")
             from kvwise.server.tools import call_grammar
 
-            lark = call_grammar([t.function for t in self.tools], self.named_tool(),
+            named = self.named_tool()
+            lark = call_grammar([t.function for t in self.tools], named,
                                 self.parallel_tool_calls is not False)  # fmt: skip
-            return StructuredOutput("grammar", lark, "tool_choice")
+            called = [i for i, t in enumerate(self.tools) if named in (None, t.function.name)]
+            # a grammar of one function's schema: its errors are that schema's
+            field = f"tools[{called[0]}].function.parameters" if len(called) == 1 else "tools"
+            return StructuredOutput("grammar", lark, field)
         fmt = self.response_format
         kind = (fmt or {}).get("type", "text")
         if kind == "text":

@@ -25,10 +25,14 @@ _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 def call_grammar(functions: list[FunctionDef], named: str | None, parallel: bool) -> str:
     """A Lark grammar of one ``<tool_call>`` block (more with ``parallel``, none named) whose
     JSON is ``{"name": <a function>, "arguments": <its parameters>}``."""
+    # NOTE: each function's parameters get a base URI of their own ($id), so that their "#"
+    # refs ("#/$defs/Item", as pydantic writes nested models) resolve within them, not
+    # against the wrapper object this grammar puts them in
     schemas = [
         {"type": "object",
          "properties": {"name": {"const": f.name},
-                        "arguments": f.parameters or {"type": "object"}},
+                        "arguments": {"$id": f"urn:kvwise:tool:{f.name}",
+                                      **(f.parameters or {"type": "object"})}},
          "required": ["name", "arguments"], "additionalProperties": False}
         for f in functions if named is None or f.name == named
     ]  # fmt: skip

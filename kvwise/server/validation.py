@@ -85,8 +85,9 @@ def logit_bias_pairs(logit_bias: dict[str, float] | None) -> tuple[tuple[int, fl
 
 
 def check_tools(tools: list[Tool] | None) -> None:
-    """Each function named once; its ``parameters`` (when given) a JSON Schema of an object,
-    as OpenAI requires (a call's arguments are an object)."""
+    """Each function named once; its ``parameters`` (when given and not ``{}``) a JSON Schema
+    with ``"type": "object"``, as OpenAI requires (a call's arguments are an object; a schema
+    such as ``{"$ref": "#"}`` is refused here, not left to admit no call)."""
     seen: set[str] = set()
     for i, tool in enumerate(tools or ()):
         name = tool.function.name
@@ -94,8 +95,8 @@ def check_tools(tools: list[Tool] | None) -> None:
             raise InvalidRequest("tools", f"function names must be unique, {name!r} is repeated")
         seen.add(name)
         schema = tool.function.parameters
-        kind = (schema or {}).get("type", "object")
-        if kind != "object" and not (isinstance(kind, list) and kind == ["object"]):
+        kind = schema.get("type") if schema else "object"  # none or {}: no arguments
+        if kind != "object":
             raise InvalidRequest(
                 f"tools[{i}].function.parameters",
                 f'must be a JSON Schema of "type": "object", got "type": {ascii(kind)[:40]}',

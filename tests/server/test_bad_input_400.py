@@ -71,6 +71,15 @@ CASES = {
         {"tools": [_tool("f", OBJ), _tool("g", {"type": "string"})], "tool_choice": "required"},
         "tools[1].function.parameters",
     ),
+    "a self-referencing tool parameters schema": (
+        {"tools": [_tool("f", {"$ref": "#"})], "tool_choice": "required"},
+        "tools[0].function.parameters",
+    ),
+    "a tool parameters schema that does not compile": (
+        {"tools": [_tool("f", {"type": "object", "properties": {"x": {"$ref": "#/$defs/no"}}})],
+         "tool_choice": "required"},
+        "tools[0].function.parameters",
+    ),
     "a self-referencing response_format schema": (
         {"response_format": {"type": "json_schema",
                              "json_schema": {"name": "s", "schema": {"$ref": "#"}}}},
@@ -114,6 +123,22 @@ def test_a_satisfiable_recursive_schema_still_works(conn):
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": tree}}
     status, answer = _post(conn, {"messages": USER, "max_tokens": 2, "response_format": fmt})
     assert status == 200, answer
+
+
+def test_a_tool_schema_with_defs_and_refs_is_called(conn):
+    """pydantic writes nested models as "#/$defs/..." refs: they resolve within the tool's own
+    schema (once they were looked up in the call grammar's wrapper: a 400)."""
+    params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
+              "$defs": {"P": {"type": "object", "properties": {"n": {"type": "integer"}},
+                              "required": ["n"]}}}  # fmt: skip
+    body = {"messages": USER, "max_tokens": 48, "temperature": 0, "tools": [_tool("f", params)],
+            "tool_choice": "required"}  # fmt: skip
+    status, answer = _post(conn, body)
+    assert status == 200, answer
+    message = answer["choices"][0]["message"]
+    if answer["choices"][0]["finish_reason"] == "tool_calls":  # the tiny model may run long
+        arguments = json.loads(message["tool_calls"][0]["function"]["arguments"])
+        assert isinstance(arguments["p"]["n"], int)
 
 
 # ---- fuzzing the tool / logit_bias / response_format fields ---------------------------------
