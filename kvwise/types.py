@@ -16,6 +16,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024  # one stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # top logprobs a token (OpenAI's bound)
+MIN_REPETITION_PENALTY = 0.01  # below it a seen token's logit / penalty may overflow
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI's 300; a bound on a step's work)
 
 
@@ -23,6 +24,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # this request's row failed (sampling, grammar, detokenizing): it alone
 
 
 STRUCTURED_KINDS = ("json", "regex", "grammar", "choice")
@@ -170,9 +172,11 @@ class SamplingParams:
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequest(name, f"must be in [-2, 2], got {getattr(self, name)}")
         _check_number("repetition_penalty", self.repetition_penalty)
-        if not 0 < self.repetition_penalty <= 10:
+        # NOTE: a logit divided by a penalty below this stays far from float32's range
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10:
             raise InvalidRequest(
-                "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}"
+                "repetition_penalty",
+                f"must be in [{MIN_REPETITION_PENALTY}, 10], got {self.repetition_penalty}",
             )
         bias = self.logit_bias
         pairs = tuple(bias.items()) if isinstance(bias, dict) else tuple(bias)
@@ -214,8 +218,8 @@ def _check_int(name: str, value: object) -> None:
 
 
 def _check_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise InvalidRequest(name, f"expected a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequest(name, f"expected a finite number, got {value!r}")
 
 
 @dataclass
@@ -265,6 +269,8 @@ class RequestOutput:
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     # with logprobs of either kind: the text of every token id they name (special tokens too)
     token_texts: dict[int, str] | None = None
+    # FinishReason.ERROR: why this request's row failed (the step's other rows went on)
+    error: str | None = None
 
 
 @dataclass(frozen=True)

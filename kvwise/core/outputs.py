@@ -98,3 +98,6 @@ class ModelOutput:
     )
     # whole hits sampled from a kept last row (``ScheduledRequest.last_row_key``), not computed
     last_rows_reused: int = 0
+    # rows whose sampling failed (request id → why): not in ``sampled``; the engine ends
+    # those requests alone (FinishReason.ERROR) and the step's other rows go on
+    failed: dict[str, str] = field(default_factory=dict)

@@ -20,7 +20,7 @@ Contract:
   aborts the request; the abort runs before the next step, so its blocks are free at once.
 - A step that raises fails the requests in flight (their streams raise `EngineStepError`), which
   are aborted; the loop goes on if the pool passes its integrity check, else the engine is dead
-  and every later call raises `EngineDeadError`.
+  and every later call raises `EngineDeadError`. A request whose own row failed ends alone.
 - Once the loop has stopped (shutdown or crash), the engine thread calls `LLMEngine.close()`,
   so KV writes still queued for the tiers (host, disk, Redis) reach them before the process
   exits; `shutdown` waits for that flush.
@@ -49,7 +49,7 @@ from kvwise.engine.prompts import Prompt
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import EngineDeadError, EngineStepError, QueueFullError
 from kvwise.store.costmodel import CostCurves
-from kvwise.types import RequestOptions, RequestOutput, SamplingParams
+from kvwise.types import FinishReason, RequestOptions, RequestOutput, SamplingParams
 from kvwise.utils import format_bytes
 
 logger = logging.getLogger("kvwise")
@@ -398,11 +398,11 @@ class AsyncEngine:
             return
         items = []
         for out in outputs:
-            sink = self._sinks.get(out.request_id)
+            sink = (self._sinks.pop if out.finished else self._sinks.get)(out.request_id, None)
             if sink is None:
                 continue
-            if out.finished:
-                del self._sinks[out.request_id]
+            if out.finish_reason is FinishReason.ERROR:  # its row failed alone: its stream raises
+                out = EngineStepError(f"this request failed: {out.error}")
             items.append((sink, out))
         self._deliver(items)
         self._refresh_stats()

@@ -10,6 +10,7 @@ runner in tests) and, optionally, the tiered store below the device pool.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from kvwise.core.kv_cache_manager import KVCacheManager
@@ -17,7 +18,7 @@ from kvwise.core.kv_events import KVEvent
 from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.core.request import Request
 from kvwise.core.runner import ModelRunner
-from kvwise.core.scheduler import Scheduler
+from kvwise.core.scheduler import RequestUpdate, Scheduler
 from kvwise.engine.kv_loader import KVLoader
 from kvwise.engine.output_processor import OutputProcessor
 from kvwise.engine.prompts import (
@@ -34,6 +35,8 @@ from kvwise.engine.tool_pauses import ToolPauses
 from kvwise.errors import InvalidRequest, SessionBusy, SessionNotFound
 from kvwise.store.tiered import TieredStore
 from kvwise.types import FinishReason, RequestOptions, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -164,15 +167,24 @@ class LLMEngine:
             self.store.engine_busy(True)  # its writer starts no job while the loop has work
         sched_out = self.scheduler.schedule()
         self._save_blocks()  # of requests preempted just now, before their blocks are reused
-        self._grammar_masks(sched_out)
+        failed: dict[str, str] = {}  # request id → why its row failed: it ends alone
+        self._grammar_masks(sched_out, failed)
         model_out, short_loads = self._execute(sched_out)
         self.num_last_rows_reused += model_out.last_rows_reused
+        failed.update(model_out.failed)
+        failed_updates = self._fail_rows(failed)
         updates = self.scheduler.update(sched_out, model_out, short_loads)
         self.num_generated_tokens += sum(len(u.new_token_ids) for u in updates)
-        completed = self._grammar_accept(updates)
-        processed = self.outputs.process(updates)
+        completed = self._grammar_accept(updates, failed)
+        processed = self.outputs.process(failed_updates + updates)
         if processed.stopped_ids or completed:
             self.scheduler.finish_requests(processed.stopped_ids + completed, FinishReason.STOP)
+        if processed.failed:
+            failed.update(processed.failed)
+            self.scheduler.finish_requests(list(processed.failed), FinishReason.ERROR)
+        for out in processed.outputs:
+            if out.request_id in failed and out.finished:
+                out.finish_reason, out.error = FinishReason.ERROR, failed[out.request_id]
         self._record_answers(processed)
         bs = self.kv_manager.block_size
         for update in updates:
@@ -204,23 +216,45 @@ class LLMEngine:
             if self.tokenizer.decode(ids) == out.text:
                 self.answers.record(request.tenant, out.text, ids)
 
-    def _grammar_masks(self, sched_out: SchedulerOutput) -> None:
-        """Each sampling request's grammar's mask of the tokens it allows next."""
+    def _grammar_masks(self, sched_out: SchedulerOutput, failed: dict[str, str]) -> None:
+        """Each sampling request's grammar's mask of the tokens it allows next (a grammar
+        that raises: its request into ``failed``)."""
         requests = self.scheduler.requests
         for item in sched_out.scheduled:
             request = requests.get(item.request_id) if item.sample else None
             if request is not None and request.grammar is not None:
-                sched_out.token_bitmasks[item.request_id] = request.grammar.bitmask()
+                try:
+                    sched_out.token_bitmasks[item.request_id] = request.grammar.bitmask()
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    failed[item.request_id] = f"the grammar failed: {exc}"
 
-    def _grammar_accept(self, updates) -> list[str]:
+    def _fail_rows(self, failed: dict[str, str]) -> list[RequestUpdate]:
+        """End the requests whose rows failed (FinishReason.ERROR, their blocks freed) before
+        the scheduler advances the others; their final updates, with no new token."""
+        requests = [self.scheduler.requests.get(request_id) for request_id in failed]
+        requests = [r for r in requests if r is not None and not r.is_finished]
+        for request in requests:
+            logger.warning("request %s failed alone: %s", request.request_id,
+                           failed[request.request_id])  # fmt: skip
+        self.scheduler.finish_requests([r.request_id for r in requests], FinishReason.ERROR)
+        return [RequestUpdate(r, [], True) for r in requests]
+
+    def _grammar_accept(self, updates, failed: dict[str, str]) -> list[str]:
         """Feed the sampled tokens to their grammars; returns the requests a grammar ended
-        (complete, or in error), their updates marked finished."""
+        (complete, or in error), their updates marked finished; a grammar that raises: its
+        request into ``failed``, ended with FinishReason.ERROR."""
         completed = []
         for update in updates:
             grammar = update.request.grammar
             if grammar is None or not update.new_token_ids:
                 continue
-            accepted = all(grammar.accept(t) for t in update.new_token_ids)
+            try:
+                accepted = all(grammar.accept(t) for t in update.new_token_ids)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failed[update.request.request_id] = f"the grammar failed: {exc}"
+                update.finished = True
+                self.scheduler.finish_requests([update.request.request_id], FinishReason.ERROR)
+                continue
             if (grammar.finished or not accepted) and not update.finished:
                 update.finished = True
                 update.request.finish_reason = FinishReason.STOP

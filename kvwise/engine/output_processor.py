@@ -36,6 +36,8 @@ class ProcessedStep:
     outputs: list[RequestOutput]
     stopped_ids: list[str]  # finished here by a stop string: finish them in the scheduler
     finished: list[Request]  # every request that finished in this step
+    # detokenizing failed (request id → why): finish them in the scheduler (FinishReason.ERROR)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -73,13 +75,40 @@ class OutputProcessor:
             state = self._states.get(update.request.request_id)
             if state is None:
                 continue
-            delta_text, finished = self._advance(state, update, now, step.stopped_ids)
+            try:  # one request's text failing ends that request alone
+                stopped: list[str] = []
+                delta_text, finished = self._advance(state, update, now, stopped)
+                out = self._output(state, delta_text, update.new_token_ids, finished)
+                step.stopped_ids += stopped
+            except Exception as exc:  # noqa: BLE001 - the other requests' text goes on
+                step.failed[state.request.request_id] = f"detokenizing failed: {exc}"
+                state.request.finish_reason = FinishReason.ERROR
+                finished = True
+                out = self._failed_output(state, step.failed[state.request.request_id])
             if finished:
                 state.metrics.finished_time = now
                 del self._states[update.request.request_id]
                 step.finished.append(state.request)
-            step.outputs.append(self._output(state, delta_text, update.new_token_ids, finished))
+            step.outputs.append(out)
         return step
+
+    def _failed_output(self, state: _RequestState, error: str) -> RequestOutput:
+        """The last output of a request whose text could not be made: what it had so far."""
+        request = state.request
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
+            text=state.text,
+            token_ids=list(state.token_ids),
+            logprobs=list(request.output_logprobs),
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_kv_rows_projected=request.num_tokens_projected * self.num_layers,
+            metrics=state.metrics,
+            error=error,
+        )
 
     def _advance(
         self, state: _RequestState, update: RequestUpdate, now: float, stopped: list[str]

@@ -107,6 +107,9 @@ class ModelRunner:
         picked = sample(logits, [r.sampling_params for r in reqs], [r.output_index for r in reqs],
                         histories, bitmask)  # fmt: skip
         for i, r in enumerate(reqs):
+            if i in picked.errors:
+                out.failed[r.request_id] = picked.errors[i]
+                continue
             out.sampled[r.request_id] = (picked.token_ids[i], picked.logprobs[i])
             if picked.top[i] is not None:
                 out.top_logprobs[r.request_id] = picked.top[i]

@@ -11,12 +11,17 @@ on batching or preemption.
 Every logprob returned is of the model's unmodified distribution (log-softmax of the raw
 logits), the chosen token's and the top ones' alike. A step of greedy rows with nothing to
 change and no top logprobs to report takes the argmax and its logprob in one C++ pass a row.
+
+A row fails alone: its processed and filtered logits are kept finite (+inf and nan become the
+largest float and -inf), and a row whose draw still fails (no finite probability, or anything
+raised while processing or drawing it) is reported in ``Sampled.errors`` with token id 0; the
+other rows' tokens are what they would be without it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +32,12 @@ from kvwise.types import SamplingParams
 _SEED_STRIDE = 1_000_003
 _SEED_RANGE = 2**63  # manual_seed takes a signed 64-bit value
 _MIN_TEMPERATURE = 1e-5  # below this, sampling is treated as greedy
+_FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+def finite_(row: torch.Tensor) -> torch.Tensor:
+    """+inf → the largest float, nan → -inf (never drawn), in place; -inf stays."""
+    return torch.nan_to_num_(row, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
 
 
 @dataclass
@@ -36,11 +47,12 @@ class Sampled:
     token_ids: list[int]
     logprobs: list[float]
     top: list[list[tuple[int, float]] | None]
+    errors: dict[int, str] = field(default_factory=dict)  # row → why its sampling failed
 
 
 def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on one row ``(V,)``; returns filtered logits."""
-    logits = logits / params.temperature
+    logits = finite_(logits / params.temperature)
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -54,7 +66,7 @@ def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
+    return finite_(logits)
 
 
 def process_row(
@@ -111,23 +123,37 @@ def sample(
     work = raw if bitmask is None else mask_logits(raw, bitmask)
     if any(p.processed for p in params):
         work = work.clone() if work is raw else work
-        for row, p in enumerate(params):
-            if p.processed:
-                process_row(work[row], p, histories[row])
-    token_ids = torch.argmax(work, dim=-1)  # (S,)
+    token_ids = torch.argmax(work, dim=-1)  # (S,); greedy rows processed below are redone
+    errors: dict[int, str] = {}
     for row, p in enumerate(params):
-        if p.temperature < _MIN_TEMPERATURE:
-            continue  # greedy; a vanishing temperature would only overflow the softmax
-        probs = apply_filters(work[row], p).softmax(-1)
-        generator = None
-        if p.seed is not None:
-            seed = (p.seed * _SEED_STRIDE + output_indices[row]) % _SEED_RANGE
-            generator = torch.Generator().manual_seed(seed)
-        token_ids[row] = torch.multinomial(probs, 1, generator=generator)[0]
+        if not p.processed and p.temperature < _MIN_TEMPERATURE:
+            continue
+        try:
+            token_ids[row] = _pick_row(work[row], p, histories[row], output_indices[row])
+        except Exception as exc:  # noqa: BLE001 - this row fails alone
+            errors[row] = f"sampling failed: {exc}"
+            token_ids[row] = 0
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (S,)
     top = [top_logprobs(logprobs[row : row + 1], p.logprobs)[0] if p.logprobs else None
            for row, p in enumerate(params)]  # fmt: skip
-    return Sampled(token_ids.tolist(), chosen.tolist(), top)
+    return Sampled(token_ids.tolist(), chosen.tolist(), top, errors)
+
+
+def _pick_row(row: torch.Tensor, p: SamplingParams, history, output_index: int) -> int:
+    """One row's token: processed (in place), then its argmax (greedy) or a draw."""
+    if p.processed:
+        process_row(row, p, history)
+        finite_(row)
+    if p.temperature < _MIN_TEMPERATURE:
+        return int(torch.argmax(row))  # a vanishing temperature would only overflow the softmax
+    probs = apply_filters(row, p).softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        raise FloatingPointError("the row's probabilities are not finite")
+    generator = None
+    if p.seed is not None:
+        seed = (p.seed * _SEED_STRIDE + output_index) % _SEED_RANGE
+        generator = torch.Generator().manual_seed(seed)
+    return int(torch.multinomial(probs, 1, generator=generator)[0])
 
 
 def top_logprobs(rows: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
