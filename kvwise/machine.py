@@ -74,8 +74,9 @@ def default_pool(
     cap = int(available * fraction)
     if need <= cap:
         return PoolSize(need, f"{why}; under {fraction:.0%} of {_gib(available)} RAM available")
-    return PoolSize(cap, f"{fraction:.0%} of {_gib(available)} RAM available (wanted {_gib(need)}"
-                         f" for {why})")  # fmt: skip
+    return PoolSize(
+        cap, f"{fraction:.0%} of {_gib(available)} RAM available (wanted {_gib(need)} for {why})"
+    )
 
 
 def pool_limit(available: int, model_bytes: int) -> int:
@@ -170,7 +171,10 @@ def default_disk_size(path: str | Path) -> PoolSize:
     if free is None:
         return PoolSize(DEFAULT_DISK_BYTES, "the default")
     if free * DISK_FREE_FRACTION >= DEFAULT_DISK_BYTES:
-        return PoolSize(DEFAULT_DISK_BYTES, f"the default, under {DISK_FREE_FRACTION:.0%} of "
-                        f"the {_gib(free)} free there")  # fmt: skip
-    return PoolSize(int(free * DISK_FREE_FRACTION),
-                    f"{DISK_FREE_FRACTION:.0%} of the {_gib(free)} free there")  # fmt: skip
+        return PoolSize(
+            DEFAULT_DISK_BYTES,
+            f"the default, under {DISK_FREE_FRACTION:.0%} of the {_gib(free)} free there",
+        )
+    return PoolSize(
+        int(free * DISK_FREE_FRACTION), f"{DISK_FREE_FRACTION:.0%} of the {_gib(free)} free there"
+    )

@@ -55,9 +55,10 @@ def one_run(
     env = dict(os.environ)
     env.setdefault(
         "TORCH_EXTENSIONS_DIR",
-        os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                     "torch_extensions"),
-    )  # fmt: skip
+        os.path.join(
+            env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions"
+        ),
+    )
     env["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvwise-first-answer-")
     base = f"http://127.0.0.1:{port}"
     start = time.perf_counter()
@@ -123,10 +124,15 @@ def main() -> int:
         )
         ups.append(up)
         answers.append(answered)
-        print(f"run {i + 1}: /health up {up:.2f} s, first answer {answered:.2f} s, "
-              f"peak RSS {rss:.0f} MiB", flush=True)  # fmt: skip
-    print(f"median of {args.runs}: /health up {statistics.median(ups):.2f} s, first answer "
-          f"{statistics.median(answers):.2f} s")  # fmt: skip
+        print(
+            f"run {i + 1}: /health up {up:.2f} s, first answer {answered:.2f} s, "
+            f"peak RSS {rss:.0f} MiB",
+            flush=True,
+        )
+    print(
+        f"median of {args.runs}: /health up {statistics.median(ups):.2f} s, first answer "
+        f"{statistics.median(answers):.2f} s"
+    )
     return 0
 
 

@@ -30,8 +30,10 @@ def main() -> None:
     in_place, into = [], []
     for _ in range(15):
         parts = [bytearray(value[:head_end])]
-        parts += [bytearray(value[head_end + i * block : head_end + (i + 1) * block])
-                  for i in range(NUM_BLOCKS)]  # fmt: skip
+        parts += [
+            bytearray(value[head_end + i * block : head_end + (i + 1) * block])
+            for i in range(NUM_BLOCKS)
+        ]
         parts.append(bytearray(value[-serde.TAG_SIZE :]))
         t0 = time.perf_counter()
         serde.open_parts(FMT, key, parts)

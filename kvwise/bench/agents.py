@@ -127,12 +127,22 @@ async def _agents_load(url: str, args: argparse.Namespace, label: str = "agents"
                 turns.append(turn)
                 progress.update()
 
-            await asyncio.gather(*(
-                _agent(http, url, model, texts[a * (args.rounds + 1)],
-                       texts[a * (args.rounds + 1) + 1 : (a + 1) * (args.rounds + 1)],
-                       sleeps[a * args.rounds : (a + 1) * args.rounds], args.max_tokens,
-                       record, keys[a])
-                for a in range(args.agents)))  # fmt: skip
+            await asyncio.gather(
+                *(
+                    _agent(
+                        http,
+                        url,
+                        model,
+                        texts[a * (args.rounds + 1)],
+                        texts[a * (args.rounds + 1) + 1 : (a + 1) * (args.rounds + 1)],
+                        sleeps[a * args.rounds : (a + 1) * args.rounds],
+                        args.max_tokens,
+                        record,
+                        keys[a],
+                    )
+                    for a in range(args.agents)
+                )
+            )
         wall = time.perf_counter() - start
         resp = await http.get(f"{url}/metrics", headers=_auth(keys[0]))
         metrics = resp.text if resp.status_code == 200 else ""

@@ -151,8 +151,15 @@ def main(args: argparse.Namespace) -> int:
                     if server.proc is not None and server.proc.poll() is not None:
                         print(f"llama-server exited with {server.proc.returncode}")
         if vllm:
-            runs["vllm"].append(vllm_peer.serve(vllm, args.vllm_model, 2 << 30, slot_ctx,
-                                                lambda u: _chat_load(u, args, "chat vllm")))  # fmt: skip
+            runs["vllm"].append(
+                vllm_peer.serve(
+                    vllm,
+                    args.vllm_model,
+                    2 << 30,
+                    slot_ctx,
+                    lambda u: _chat_load(u, args, "chat vllm"),
+                )
+            )
     result = _report(runs, args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2, default=str))

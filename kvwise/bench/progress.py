@@ -53,10 +53,12 @@ class TimedBar:
         self.duration_s = duration_s
         self.counts = counts
         self.bar = tqdm(
-            total=round(duration_s, 1), desc=desc, file=sys.stderr,
+            total=round(duration_s, 1),
+            desc=desc,
+            file=sys.stderr,
             mininterval=0.5 if _tty() else 10.0,
             bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}",
-        )  # fmt: skip
+        )
         self._start = time.perf_counter()
 
     def _update(self) -> None:

@@ -263,8 +263,7 @@ class RayTransport:
 
 @serve.ingress()
 class Ingress:
-    def __init__(self, replicas, hub_name: str, model_path: str, app_kwargs: dict,
-                 chat_template: str | None = None) -> None:  # fmt: skip
+    def __init__(self, replicas, hub_name, model_path, app_kwargs, chat_template=None) -> None:
         from kvwise.engine.chat_template import load_chat_template
         from kvwise.engine.tokenizer import Tokenizer
 
@@ -372,8 +371,8 @@ def build_app(
         num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}
     )
     app_kwargs = {"api_keys": api_keys, "model_name": model_name, **(app_kwargs or {})}
-    return ingress.bind(replica.bind(kwargs, hub_name_for(app_name)), hub_name_for(app_name),
-                        model_path, app_kwargs, kwargs.get("chat_template"))  # fmt: skip
+    hub, template = hub_name_for(app_name), kwargs.get("chat_template")
+    return ingress.bind(replica.bind(kwargs, hub), hub, model_path, app_kwargs, template)
 
 
 def start(

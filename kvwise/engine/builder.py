@@ -107,11 +107,7 @@ def build_model_parts(
             f"kv_cache_memory: {format_bytes(pool.num_bytes)} holds fewer than "
             f"two blocks of {format_bytes(spec.block_bytes)}"
         )
-    logger.info("KV pool: %s for %s (its pages are taken as blocks are first used)",
-                format_bytes(num_blocks * spec.block_bytes), pool.how)  # fmt: skip
-    if config.store.kv_disk_path is not None:
-        logger.info("KV disk tier: %s, %s: %s", config.store.kv_disk_path,
-                    format_bytes(config.store.kv_disk_size), config.store.kv_disk_how)  # fmt: skip
+    _log_sizes(config, format_bytes(num_blocks * spec.block_bytes), pool.how)
     compute_dtype = TORCH_DTYPES[config.model.dtype]
     return ModelParts(
         runner=ModelRunner(loaded.model, arch, spec, num_blocks, compute_dtype),
@@ -208,6 +204,21 @@ def build_engine_for_loop(config: EngineConfig | None = None, **kwargs) -> LLMEn
     thread, measured here)."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwise-load") as pool:
         return pool.submit(build_engine, config, **kwargs).result()
+
+
+def _log_sizes(config: EngineConfig, pool_size: str, pool_how: str) -> None:
+    """The start-up lines that say what the KV pool and the disk tier got, and why."""
+    logger.info(
+        "KV pool: %s for %s (its pages are taken as blocks are first used)", pool_size, pool_how
+    )
+    store = config.store
+    if store.kv_disk_path is not None:
+        logger.info(
+            "KV disk tier: %s, %s: %s",
+            store.kv_disk_path,
+            format_bytes(store.kv_disk_size),
+            store.kv_disk_how,
+        )
 
 
 def tokenizer_for(loaded: LoadedModel) -> Tokenizer:

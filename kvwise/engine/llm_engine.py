@@ -234,8 +234,9 @@ class LLMEngine:
         requests = [self.scheduler.requests.get(request_id) for request_id in failed]
         requests = [r for r in requests if r is not None and not r.is_finished]
         for request in requests:
-            logger.warning("request %s failed alone: %s", request.request_id,
-                           failed[request.request_id])  # fmt: skip
+            logger.warning(
+                "request %s failed alone: %s", request.request_id, failed[request.request_id]
+            )
         self.scheduler.finish_requests([r.request_id for r in requests], FinishReason.ERROR)
         return [RequestUpdate(r, [], True) for r in requests]
 

@@ -93,21 +93,26 @@ class OutputProcessor:
         return step
 
     def _failed_output(self, state: _RequestState, error: str) -> RequestOutput:
-        """The last output of a request whose text could not be made: what it had so far."""
-        request = state.request
+        """The last output of a request whose text could not be made: what it had so far
+        (no token texts: making them may be what failed)."""
         return RequestOutput(
+            **self._so_far(state), finished=True, finish_reason=FinishReason.ERROR, error=error
+        )
+
+    def _so_far(self, state: _RequestState) -> dict:
+        """What every output of a request carries: its ids, text and counts so far."""
+        request = state.request
+        return dict(
             request_id=request.request_id,
             prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
             text=state.text,
             token_ids=list(state.token_ids),
             logprobs=list(request.output_logprobs),
-            finished=True,
-            finish_reason=FinishReason.ERROR,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_loaded_tokens=request.num_loaded_tokens,
             num_kv_rows_projected=request.num_tokens_projected * self.num_layers,
             metrics=state.metrics,
-            error=error,
         )
 
     def _advance(
@@ -144,18 +149,9 @@ class OutputProcessor:
     ) -> RequestOutput:
         request = state.request
         return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
-            text=state.text,
-            token_ids=list(state.token_ids),
-            logprobs=list(request.output_logprobs),
+            **self._so_far(state),
             finished=finished,
             finish_reason=request.finish_reason if finished else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_loaded_tokens=request.num_loaded_tokens,
-            num_kv_rows_projected=request.num_tokens_projected * self.num_layers,
-            metrics=state.metrics,
             delta_text=delta_text,
             delta_token_ids=list(delta_ids),
             top_logprobs=_tops(request),

@@ -138,9 +138,7 @@ def create_app(
         description="OpenAI-compatible completions and chat over the kvwise engine.",
         lifespan=_lifespan(client, dashboard, owned),
     )
-    app.state.engine = client
-    app.state.metrics = metrics
-    app.state.dashboard = dashboard
+    app.state.engine, app.state.metrics, app.state.dashboard = client, metrics, dashboard
     app.state.model_name = model_name
     install_error_handlers(app)
     app.add_middleware(AdminGate, admin_key=admin_key, tenant_keys=list(keys))
@@ -148,8 +146,10 @@ def create_app(
     app.add_middleware(AuthAndCount, keys=keys, metrics=metrics, budget=invalid_request_budget)
     if allowed is not None:
         app.add_middleware(HostCheck, allowed=allowed)  # outermost: before anything runs
-    _add_routes(app, OpenAIRoutes(client, metrics, model_name, default_completion_max_tokens,
-                                  max_sequences_per_request))  # fmt: skip
+    routes = OpenAIRoutes(
+        client, metrics, model_name, default_completion_max_tokens, max_sequences_per_request
+    )
+    _add_routes(app, routes)
     dashboard.add_routes(app)
     _add_version_route(app, model_name)
     return app

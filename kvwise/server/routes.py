@@ -127,8 +127,9 @@ class OpenAIRoutes:
             code="too_many_sequences",
         )
 
-    async def admit_all(self, body, prompts, request_id: str, tenant: str, prompt_param: str,
-                        request: Request) -> list[RequestStream] | None:  # fmt: skip
+    async def admit_all(
+        self, body, prompts, request_id: str, tenant: str, prompt_param: str, request: Request
+    ) -> list[RequestStream] | None:
         """Every choice of every prompt (n each, choice i * n + j), in order: a later choice
         of a prompt finds the first one's prefill under way and shares its blocks. One
         refused: the others are aborted and the error propagates. The client hangs up

@@ -118,14 +118,18 @@ class TierHealth:
         if line is not None:  # the traceback with the first of its kind only
             traceback = exc if not line else None
             where = f" ({detail})" if detail != "" else ""
-            logger.error("kv tier %s: %s error: %s%s%s", tier, op, kind, where, line,
-                         exc_info=traceback)  # fmt: skip
+            logger.error(
+                "kv tier %s: %s error: %s%s%s", tier, op, kind, where, line, exc_info=traceback
+            )
         if opened:
             logger.error(
                 "kv tier %s: breaker open after %d consecutive %s errors: the tier is skipped "
                 "for %g s (its loads are recomputed, its writes dropped)",
-                tier, self.threshold, op, self.cooldown_s,
-            )  # fmt: skip
+                tier,
+                self.threshold,
+                op,
+                self.cooldown_s,
+            )
 
     def success(self, tier: str, op: str) -> None:
         """Operation ``op`` worked: its run of errors ends (closing a half-open breaker when

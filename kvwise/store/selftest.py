@@ -85,8 +85,9 @@ def _read_back(
         if isinstance(tier, ReadsInPlace):
             payload = bytearray(fmt.group_block_bytes(0))
             parts = [bytearray(fmt.head_bytes(1)), payload, bytearray(serde.TAG_SIZE)]
-            (got,) = guarded(faults, "get_into", tier.get_into, [key], [lambda n: parts],
-                             miss=[None])  # fmt: skip
+            (got,) = guarded(
+                faults, "get_into", tier.get_into, [key], [lambda n: parts], miss=[None]
+            )
             if not got:
                 return None, "the entry written was not found"
             serde.open_parts(fmt, key, got)

@@ -61,9 +61,23 @@ def test_the_base_gguf_has_no_chat_template_and_a_given_one_answers_chats(
 
 
 def test_kvwise_generate_takes_a_chat_template_file(gemma3_path, template_file):
-    cmd = [sys.executable, "-m", "kvwise.cli", "generate", "What is the capital of France?",
-           "--model", str(gemma3_path), "--chat-template", str(template_file),
-           "--max-tokens", "4", "--kv-cache-memory", "64MiB", "--kv-disk-path", "off"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvwise.cli",
+        "generate",
+        "What is the capital of France?",
+        "--model",
+        str(gemma3_path),
+        "--chat-template",
+        str(template_file),
+        "--max-tokens",
+        "4",
+        "--kv-cache-memory",
+        "64MiB",
+        "--kv-disk-path",
+        "off",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert f"chat template: from '{template_file}'" in result.stderr

@@ -42,7 +42,8 @@ CASES = {
         "tool_choice",
     ),
     "tool_choice without function": (
-        {"tools": [_tool()], "tool_choice": {"type": "function"}}, "tool_choice",
+        {"tools": [_tool()], "tool_choice": {"type": "function"}},
+        "tool_choice",
     ),
     "surrogate in a tool parameter's property name": (
         '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [{"type": '
@@ -76,22 +77,37 @@ CASES = {
         "tools[0].function.parameters",
     ),
     "a tool parameters schema that does not compile": (
-        {"tools": [_tool("f", {"type": "object", "properties": {"x": {"$ref": "#/$defs/no"}}})],
-         "tool_choice": "required"},
+        {
+            "tools": [_tool("f", {"type": "object", "properties": {"x": {"$ref": "#/$defs/no"}}})],
+            "tool_choice": "required",
+        },
         "tools[0].function.parameters",
     ),
     "a self-referencing response_format schema": (
-        {"response_format": {"type": "json_schema",
-                             "json_schema": {"name": "s", "schema": {"$ref": "#"}}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"$ref": "#"}},
+            }
+        },
         "response_format",
     ),
     "mutually recursive $refs": (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
-            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
-            "$ref": "#/$defs/a"}}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "s",
+                    "schema": {
+                        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                        "$ref": "#/$defs/a",
+                    },
+                },
+            }
+        },
         "response_format",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.fixture
@@ -111,7 +127,9 @@ def test_bad_input_is_a_400_naming_the_field(conn, case):
     assert status == 400, (case, status, answer)
     param = answer["error"]["param"]
     assert param == field or param.startswith(field + ".") or param.startswith(field + "["), (
-        case, answer["error"])  # fmt: skip
+        case,
+        answer["error"],
+    )
     # the same keep-alive connection serves the next request
     status, answer = _post(conn, {"messages": USER, "max_tokens": 2})
     assert status == 200, answer
@@ -128,11 +146,21 @@ def test_a_satisfiable_recursive_schema_still_works(conn):
 def test_a_tool_schema_with_defs_and_refs_is_called(conn):
     """pydantic writes nested models as "#/$defs/..." refs: they resolve within the tool's own
     schema (once they were looked up in the call grammar's wrapper: a 400)."""
-    params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
-              "$defs": {"P": {"type": "object", "properties": {"n": {"type": "integer"}},
-                              "required": ["n"]}}}  # fmt: skip
-    body = {"messages": USER, "max_tokens": 48, "temperature": 0, "tools": [_tool("f", params)],
-            "tool_choice": "required"}  # fmt: skip
+    params = {
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/P"}},
+        "required": ["p"],
+        "$defs": {
+            "P": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        },
+    }
+    body = {
+        "messages": USER,
+        "max_tokens": 48,
+        "temperature": 0,
+        "tools": [_tool("f", params)],
+        "tool_choice": "required",
+    }
     status, answer = _post(conn, body)
     assert status == 200, answer
     assert answer["choices"][0]["finish_reason"] == "tool_calls", answer  # greedy: 1 call
@@ -154,51 +182,101 @@ _json = st.recursive(
     max_leaves=8,
 )
 _schemas = st.one_of(
-    st.just(OBJ), st.just({"$ref": "#"}), st.just({"type": "string"}), st.just({}),
+    st.just(OBJ),
+    st.just({"$ref": "#"}),
+    st.just({"type": "string"}),
+    st.just({}),
     st.just({"type": "object", "properties": {"\ud800": {}}}),
-    st.dictionaries(st.sampled_from(["type", "properties", "required", "$ref", "enum", "items",
-                                     "anyOf", "$defs", "pattern"]), _json, max_size=3),
+    st.dictionaries(
+        st.sampled_from(
+            ["type", "properties", "required", "$ref", "enum", "items", "anyOf", "$defs", "pattern"]
+        ),
+        _json,
+        max_size=3,
+    ),
     _json,
-)  # fmt: skip
+)
 # mostly well-formed tools (so the checks past pydantic's are reached), their schemas fuzzed
 _tools = st.one_of(
-    st.lists(st.builds(lambda name, parameters: {"type": "function", "function": {
-        "name": name, "parameters": parameters}}, st.sampled_from(["f", "g"]), _schemas),
-        min_size=1, max_size=2),
-    st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]),
-                                    "function": st.one_of(
-        st.fixed_dictionaries({"name": _names, "parameters": _schemas}), _json)}), max_size=2),
+    st.lists(
+        st.builds(
+            lambda name, parameters: {
+                "type": "function",
+                "function": {"name": name, "parameters": parameters},
+            },
+            st.sampled_from(["f", "g"]),
+            _schemas,
+        ),
+        min_size=1,
+        max_size=2,
+    ),
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.sampled_from(["function", "x"]),
+                "function": st.one_of(
+                    st.fixed_dictionaries({"name": _names, "parameters": _schemas}), _json
+                ),
+            }
+        ),
+        max_size=2,
+    ),
     _json,
-)  # fmt: skip
+)
 _tool_choice = st.one_of(
     st.sampled_from(["none", "auto", "required", "other"]),
     st.just({"type": "function", "function": "f"}),
-    st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]),
-                           "function": st.one_of(st.fixed_dictionaries({"name": _names}), _json)}),
-    st.fixed_dictionaries({"type": st.just("function"),
-                           "function": st.fixed_dictionaries({"name": st.sampled_from("fgh")})}),
+    st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["function", "x"]),
+            "function": st.one_of(st.fixed_dictionaries({"name": _names}), _json),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries({"name": st.sampled_from("fgh")}),
+        }
+    ),
     _json,
-)  # fmt: skip
-_logit_bias = st.dictionaries(
-    st.sampled_from(["0", "5", "²", "٣", "-1", "1e3", "9" * 5000, "\ud800", " 1", "1_0"])
-    | st.text(max_size=3), st.integers(-150, 150) | _json, max_size=3,
-) | _json  # fmt: skip
+)
+_logit_bias = (
+    st.dictionaries(
+        st.sampled_from(["0", "5", "²", "٣", "-1", "1e3", "9" * 5000, "\ud800", " 1", "1_0"])
+        | st.text(max_size=3),
+        st.integers(-150, 150) | _json,
+        max_size=3,
+    )
+    | _json
+)
 _response_format = st.one_of(
-    st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.one_of(
-        st.fixed_dictionaries({"name": st.just("s"), "schema": _schemas}), _json)}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.one_of(
+                st.fixed_dictionaries({"name": st.just("s"), "schema": _schemas}), _json
+            ),
+        }
+    ),
     st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "y"])}),
     _json,
-)  # fmt: skip
+)
 _bodies = st.fixed_dictionaries(
     {"messages": st.just(USER), "max_tokens": st.just(2)},
-    optional={"tools": _tools, "tool_choice": _tool_choice, "logit_bias": _logit_bias,
-              "response_format": _response_format, "parallel_tool_calls": _json},
-)  # fmt: skip
+    optional={
+        "tools": _tools,
+        "tool_choice": _tool_choice,
+        "logit_bias": _logit_bias,
+        "response_format": _response_format,
+        "parallel_tool_calls": _json,
+    },
+)
 
 
 def test_fuzzed_tool_and_format_fields_never_cause_a_server_error(conn, tiny_server):
-    @settings(max_examples=60, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(body=_bodies)
     @example(
         body={

@@ -64,8 +64,11 @@ def test_two_tenants_show_with_tokens_per_second_and_ttft_percentiles():
         admin = {"Authorization": f"Bearer {ADMIN}"}
         for key, num_requests in (("key-alice", 2), ("key-bob", 1)):
             for _ in range(num_requests):
-                r = client.post("/v1/completions", json=completion(LONG, max_tokens=5),
-                                headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                r = client.post(
+                    "/v1/completions",
+                    json=completion(LONG, max_tokens=5),
+                    headers={"Authorization": f"Bearer {key}"},
+                )
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
         def shown():

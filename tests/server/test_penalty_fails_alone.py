@@ -42,8 +42,9 @@ def _stream_bob(base: str, first_chunk: threading.Event, result: dict) -> None:
     body = dict(BOB_BODY, stream=True)
     text, finish = "", None
     try:
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers,
-                          timeout=120) as response:  # fmt: skip
+        with httpx.stream(
+            "POST", f"{base}/v1/completions", json=body, headers=headers, timeout=120
+        ) as response:
             result["status"] = response.status_code
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

@@ -184,8 +184,10 @@ def test_percentiles_since_and_recent_values():
     assert percentile([3.0], 0.99) == 3.0
     values = [float(v) for v in range(100, 0, -1)]
     assert (percentile(values, 0.5), percentile(values, 0.99), percentile(values, 1.0)) == (
-        50.0, 99.0, 100.0,
-    )  # fmt: skip
+        50.0,
+        99.0,
+        100.0,
+    )
     recent = RecentValues(maxlen=3)
     for v in (1.0, 2.0, 3.0, 4.0):
         recent.add(v)
@@ -233,9 +235,21 @@ def test_tenants_reach_the_metrics_and_the_dashboard_data():
     finally:
         engine.shutdown()
     assert tenants == [
-        {"name": "alice", "other": False, "requests": 2, "prompt_tokens": 2 * out.num_prompt_tokens,
-         "generated_tokens": 6, "cached_tokens": 2 * out.num_cached_tokens},
-        {"name": "bob", "other": False, "requests": 1, "prompt_tokens": 0, "generated_tokens": 0,
-         "cached_tokens": 0},
-    ]  # fmt: skip
+        {
+            "name": "alice",
+            "other": False,
+            "requests": 2,
+            "prompt_tokens": 2 * out.num_prompt_tokens,
+            "generated_tokens": 6,
+            "cached_tokens": 2 * out.num_cached_tokens,
+        },
+        {
+            "name": "bob",
+            "other": False,
+            "requests": 1,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "cached_tokens": 0,
+        },
+    ]
     assert "alice" not in text and "bob" not in text  # /metrics is open: no tenant in it
