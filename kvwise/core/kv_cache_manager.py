@@ -70,14 +70,8 @@ class KVCacheManager:
         kwargs = {} if clock is None else {"clock": clock}
         # KV events for cache-aware routers (take_kv_events); off: nothing is recorded
         self.events = KVEventLog(block_size) if kv_events else None
-        kwargs["events"] = self.events
-        self.pool = BlockPool(
-            num_blocks,
-            enable_caching,
-            max_retained_blocks_per_tenant,
-            null_block=any(self.windows),
-            **kwargs,
-        )
+        kwargs.update(events=self.events, null_block=any(self.windows))
+        self.pool = BlockPool(num_blocks, enable_caching, max_retained_blocks_per_tenant, **kwargs)
         # a windowed group's table points here where its blocks fell out of the window: a
         # block never freed, written or read (the kernels skip the blocks before the window)
         self.null_block = self.pool.null_block
@@ -313,11 +307,16 @@ class KVCacheManager:
         computed = request.num_computed_tokens + num_hit * self.block_size
         num_required = self.blocks_needed(computed + num_new_tokens)
         bs, null = self.block_size, self.null_block
+        num_old = len(tables[0]) - num_hit  # blocks it held before this call, per group
         wanted = 0  # fresh blocks to take: new ones, and real ones where the null block is
         for table, window in zip(tables, self.windows):
             first = first_window_block(window, bs, computed + num_loaded_tokens)
             wanted += max(0, num_required - max(len(table), first))
             wanted += sum(1 for b in table[first:num_required] if b is null)
+            # NOTE: the blocks it lets go first (a windowed group's, before the window) join the
+            # free ones, unless another request holds them too (a revived one: back where it was)
+            gone = table[: first_window_block(window, bs, computed)]
+            wanted -= sum(b is not null and b.ref_cnt == (i < num_old) for i, b in enumerate(gone))
         # reviving a free cached block also takes it out of the free queue
         if new_computed_blocks:
             wanted += sum(1 for t in new_computed_blocks for b in t if b.ref_cnt == 0)
@@ -325,11 +324,12 @@ class KVCacheManager:
             return None
         if new_computed_blocks:
             self.pool.touch(b for t in new_computed_blocks for b in t if b is not null)
+        for table, window in zip(tables, self.windows):
+            self._let_go(table, first_window_block(window, bs, computed))  # before any fill
         out = []
         for g, window in enumerate(self.windows):
             table = tables[g]
             if window:
-                self._let_go(table, first_window_block(window, bs, computed))
                 first = first_window_block(window, bs, computed + num_loaded_tokens)
                 table = self._fill(table, first, num_required)
             elif num_required > len(table):

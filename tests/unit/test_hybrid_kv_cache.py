@@ -171,3 +171,22 @@ def test_routers_hear_of_group_0_only():
     assert set(first.block_hashes) <= stored
     assert removed and removed <= stored
     assert not stored & set(manager.group_hashes(first, 1))
+
+
+@pytest.mark.parametrize("prompt_tokens,chunk", [(31, 8), (60, 8), (61, 12), (40, 16)])
+def test_a_prompt_fits_a_pool_of_exactly_the_blocks_its_chunks_hold(prompt_tokens, chunk):
+    """A pool of ``blocks_for(prompt + 1, chunk)`` blocks (what admission checks) computes the
+    prompt chunk by chunk: the blocks a windowed group lets go at a chunk pay for its new
+    ones (issue 45 item 6: Gemma 3 with a 40 MiB pool and 512-token steps answered a
+    1,540-token prompt with 0 tokens, finish_reason length, its third chunk's allocation
+    refused while the blocks leaving the window were still counted as held)."""
+    probe = KVCacheManager(64, BS, windows=(0, W, W))
+    need = probe.blocks_for(prompt_tokens + 1, chunk)
+    manager = KVCacheManager(need + 1, BS, windows=(0, W, W))  # + the null block
+    assert manager.num_blocks == need
+    request = Request("a", list(range(prompt_tokens)), P)
+    _run(manager, request, chunk)  # every allocation succeeds
+    assert manager.allocate_slots(request, 1) is not None  # and its first answer token's
+    manager.check_integrity()
+    manager.free(request)
+    assert manager.pool.num_used_blocks == 0
