@@ -87,6 +87,13 @@ def _add_scheduling_args(g) -> None:
         help="most prompt tokens of one request per step",
     )
     g.add_argument(
+        "--max-admission-skips",
+        type=int,
+        default=32,
+        help="requests admitted ahead of a waiting one that does not fit the KV pool yet, "
+        "before nothing behind it may go first (0: strict FIFO; default: 32)",
+    )
+    g.add_argument(
         "--no-kv-cache",
         action="store_true",
         help="recompute the whole prefix at every step (the no-cache baseline)",
@@ -269,6 +276,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "prefill_chunk_size": args.prefill_chunk_size,
+        "max_admission_skips": args.max_admission_skips,
         "enable_kv_cache": not args.no_kv_cache,
         "enable_prefix_caching": not args.no_prefix_caching,
         "hybrid_kv_cache": not args.no_hybrid_kv_cache,

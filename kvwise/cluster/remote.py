@@ -105,7 +105,8 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats | None:
             degraded = "; ".join(dict.fromkeys(p.degraded for p in parts if p.degraded))
             tiers[name] = _sum_dataclass(parts, type(parts[0]), degraded=degraded, health=None)
         store = _sum_dataclass(stores, StoreStats, tiers=tiers)
-    return _sum_dataclass(stats, EngineStats, kv=kv, store=store)
+    oldest = max(s.oldest_waiting_s for s in stats)  # a wait, not a count: the longest
+    return _sum_dataclass(stats, EngineStats, kv=kv, store=store, oldest_waiting_s=oldest)
 
 
 def _sum_dataclass(items: list, cls: type, **given: Any):

@@ -50,6 +50,7 @@ class Request:
         self.num_cached_tokens = -1  # set when first scheduled: prefix tokens found cached
         self.num_tokens_projected = 0  # token positions whose K/V were computed (any layer)
         self.num_preemptions = 0
+        self.num_admission_skips = 0  # requests admitted ahead of it while it could not fit
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []  # SamplingParams.logprobs
         # SamplingParams.prompt_logprobs: position -> (logprob, top k), positions 1..

@@ -3,10 +3,12 @@
 Each step: running requests first (decodes and unfinished prefill chunks, in admission order),
 then waiting ones in FIFO order while the budget, the ``max_num_seqs`` cap and the pool
 allow; while others run, each only once the free blocks hold its whole prompt beside the
-rest of theirs (and a block of each answer). A long prompt is cut into chunks of at most
-``prefill_chunk_size`` tokens, so it never stalls the others' decoding. When blocks run out
-(answers outgrowing the pool), the newest running request is preempted: its blocks are freed
-and it goes back to the head of the queue to be recomputed.
+rest of theirs (and a block of each answer). One that does not fit yet does not block those
+behind it until it has been skipped ``max_admission_skips`` times (``core/admission.py``). A
+long prompt is cut into chunks of at most ``prefill_chunk_size`` tokens, so it never stalls the
+others' decoding. When blocks run out (answers outgrowing the pool), the newest running
+request is preempted: its blocks are freed and it goes back to the head of the queue to be
+recomputed.
 
 With tiers below the pool (a ``KVTierPlanner``, see ``core/kv_tiers.py``), admission continues
 a device prefix hit from the slower tiers when the tiers' plan says loading beats recomputing
@@ -25,16 +27,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvwise.core.admission import WaitingScan
 from kvwise.core.kv_cache_manager import KVCacheManager
-from kvwise.core.kv_spec import first_window_block
-from kvwise.core.kv_tiers import KVTierPlanner, LoadPlan
+from kvwise.core.kv_tiers import KVTierPlanner
+from kvwise.core.load_plans import GroupLoad, plan_group_loads
 from kvwise.core.outputs import KVLoad, KVSave, ModelOutput, ScheduledRequest, SchedulerOutput
 from kvwise.core.request import Request, RequestStatus
 from kvwise.core.scheduler_config import SchedulerConfig
 from kvwise.errors import ContextLengthExceeded, InvalidRequest, QueueFullError
 from kvwise.types import FinishReason
-
-GroupLoad = tuple[int, LoadPlan, int]  # (KV group, its plan, the first block it loads)
 
 
 @dataclass
@@ -56,7 +57,8 @@ class Scheduler:
         tiers: KVTierPlanner | None = None,
     ) -> None:
         self.config = config
-        self._chunk = config.prefill_chunk_size or config.max_num_batched_tokens
+        step = config.max_num_batched_tokens  # (the most prompt tokens of one step: a chunk)
+        self._chunk = min(config.prefill_chunk_size or step, step)
         self.tiers = tiers if kv_manager.enable_caching else None
         self._pending_saves: list[KVSave] = []
         # request id -> (device blocks it was planned for, loads): kept while it waits
@@ -72,6 +74,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prefill_waits = 0  # admissions put off a step: their prompt was being computed
+        self.num_admission_skips = 0  # admissions past a waiting request that did not fit
+        self.num_admission_aged = 0  # requests skipped max_admission_skips times (then FIFO)
         self.num_load_rollbacks = 0
         self._finished_while_scheduling: list[Request] = []  # reported by the next update()
 
@@ -92,8 +96,7 @@ class Scheduler:
                 f"{request.num_tokens} tokens do not fit the model's context of "
                 f"{self.max_model_len} tokens (at least one must be left to generate)",
             )
-        step = self.config.max_num_batched_tokens
-        need = self.kv.blocks_for(request.num_tokens + 1, step)
+        need = self.kv.blocks_for(request.num_tokens + 1, self._chunk)  # computed in chunks
         if need > self.kv.num_blocks:
             raise ContextLengthExceeded(
                 "prompt",
@@ -156,23 +159,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[list[int]], int]] = []
         budget = self._schedule_running(out, scheduled, budget)
-        committed = None  # blocks the running requests will still take (summed once)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if out.preempted_ids:
-                break  # the pool is full: do not admit while evicting
-            if self.kv.shared_prefill(self.waiting[0], self.running) is not None:
-                self.num_prefill_waits += 1
-                break  # its prompt is being computed now: one prefill, then a prefix hit
-            if committed is None and self.running and self.config.admit_whole_prompts:
-                committed = sum(self.kv.blocks_to_come(r, self._chunk) for r in self.running)
-            admitted = self._admit(self.waiting[0], out, budget, committed)
-            if admitted is None:
-                break
-            if admitted:
-                scheduled.append(admitted)
-                budget -= admitted[1]
-                if committed is not None:
-                    committed += self.kv.blocks_to_come(admitted[0], self._chunk)
+        if not out.preempted_ids:  # (the pool is full: do not admit while evicting)
+            self._schedule_waiting(out, scheduled, budget)
         for request, num_new, tables, in_pool in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
@@ -193,6 +181,37 @@ class Scheduler:
                 )
             )
         return out
+
+    def _schedule_waiting(self, out: SchedulerOutput, scheduled: list, budget: int) -> None:
+        """Admit waiting requests in FIFO order while the budget, ``max_num_seqs`` and the
+        pool allow, looking past one that does not fit yet until it has aged
+        (``core/admission.py``; only with whole-prompt admission: on its first chunk, what
+        does not fit is the pool's last blocks)."""
+        skips = self.config.max_admission_skips if self.config.admit_whole_prompts else 0
+        scan = WaitingScan(self.waiting, skips)
+        committed = None  # blocks the running requests will still take (summed once)
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = scan.next()
+            if request is None:
+                break
+            if self.kv.shared_prefill(request, self.running) is not None:
+                self.num_prefill_waits += 1
+                break  # its prompt is being computed now: one prefill, then a prefix hit
+            if committed is None and self.running and self.config.admit_whole_prompts:
+                committed = sum(self.kv.blocks_to_come(r, self._chunk) for r in self.running)
+            admitted = self._admit(request, out, budget, committed)
+            if admitted is None:
+                if scan.blocked(request):
+                    continue
+                break
+            if admitted:
+                scan.admitted()
+                scheduled.append(admitted)
+                budget -= admitted[1]
+                if committed is not None:
+                    committed += self.kv.blocks_to_come(admitted[0], self._chunk)
+        self.num_admission_skips += scan.num_skips
+        self.num_admission_aged += scan.num_aged
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: list, budget: int) -> int:
         """Give every running request its next tokens, preempting the newest on a block
@@ -224,7 +243,7 @@ class Scheduler:
         return budget
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int, committed: int | None):
-        """Admit the head of the waiting queue: its cached prefix, any load from the tiers,
+        """Admit a waiting request: its cached prefix, any load from the tiers,
         and blocks for its first chunk. Returns ``(request, num_new, tables, kv_in_pool)``,
         ``()`` when it finished instead (it can never fit), or None when it must wait for
         blocks.
@@ -258,11 +277,11 @@ class Scheduler:
             if self.running:
                 return None
             # alone and still too big: it grew past the pool while generating
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self._finish(request, FinishReason.LENGTH)
             self._finished_while_scheduling.append(request)
             return ()
-        self.waiting.popleft()
+        self.waiting.remove(request)
         self._waiting_loads.pop(request.request_id, None)
         if loads:
             self._step_loads[request.request_id] = (num_device, loads)
@@ -296,30 +315,8 @@ class Scheduler:
         kept = self._waiting_loads.get(request.request_id)
         if kept is not None and kept[0] == num_device_blocks:
             return kept[1]
-        loads = self._plan_groups(request, num_device_blocks)
+        loads = plan_group_loads(self.tiers, self.kv, request, num_device_blocks)
         self._waiting_loads[request.request_id] = (num_device_blocks, loads)
-        return loads
-
-    def _plan_groups(self, request: Request, num_device: int) -> list[GroupLoad]:
-        kv, bs = self.kv, self.kv.block_size
-        max_blocks = (request.num_tokens - 1) // bs
-        window = kv.windows[0]
-        first = max(num_device, first_window_block(window, bs, max_blocks * bs))
-        plan = self.tiers.plan_load(
-            request.request_id, request.block_hashes, first, max_blocks, request.num_tokens
-        )
-        if plan is None:
-            return []
-        end = first + plan.num_blocks
-        if first > num_device and first_window_block(window, bs, end * bs) < first:
-            return []  # it stopped short of where its window needs the loaded blocks
-        loads = [(0, plan, first)]
-        for g in range(1, kv.num_groups):
-            lo = max(num_device, first_window_block(kv.windows[g], bs, end * bs))
-            span = self.tiers.plan_span(kv.group_hashes(request, g), lo, end)
-            if span is None:
-                return []  # a group lacks its part: recompute rather than load half
-            loads.append((g, span, lo))
         return loads
 
     def _plan_saves(self, request: Request, windowed_only: bool = False) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvwise.core.admission import oldest_wait_s
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.kv_events import KVEvent
 from kvwise.core.outputs import ModelOutput, SchedulerOutput
@@ -304,6 +305,9 @@ class LLMEngine:
             num_waiting=len(scheduler.waiting),
             num_preemptions=scheduler.num_preemptions,
             num_load_rollbacks=scheduler.num_load_rollbacks,
+            num_admission_skips=scheduler.num_admission_skips,
+            num_admission_aged=scheduler.num_admission_aged,
+            oldest_waiting_s=oldest_wait_s(scheduler.waiting, time.perf_counter()),
             num_last_rows_reused=self.num_last_rows_reused,
             num_generated_tokens=self.num_generated_tokens,
             kv=self.kv_manager.stats(scheduler.running),

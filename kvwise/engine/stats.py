@@ -40,6 +40,23 @@ class EngineStats:
     )
     kv: KVCacheStats  # the device pool and the prefix cache
     store: StoreStats | None = None  # the tiers below the pool; None without tiers
+    num_admission_skips: int = metric(  # total
+        "kvwise_admission_skips",
+        "requests admitted ahead of an older waiting request that did not fit the KV pool yet",
+        default=0,
+    )
+    num_admission_aged: int = metric(  # total
+        "kvwise_admission_aged",
+        "waiting requests skipped max_admission_skips times: nothing behind them was admitted "
+        "before them",
+        default=0,
+    )
+    oldest_waiting_s: float = metric(
+        "kvwise_oldest_waiting_seconds",
+        "how long the longest-waiting request in the queue has waited (0 with none waiting)",
+        GAUGE,
+        default=0.0,
+    )
     num_last_rows_reused: int = metric(  # total
         "kvwise_last_rows_reused",
         "prompts cached whole whose first token came from their kept last row (no model run)",
