@@ -28,6 +28,7 @@ from kvwise.utils import check_positive_int, check_positive_or_none, parse_bytes
 __all__ = [
     "CacheConfig",
     "EngineConfig",
+    "GrammarConfig",
     "ModelConfig",
     "SchedulerConfig",  # defined in the core, beside the scheduler that reads it
     "StoreConfig",
@@ -304,11 +305,35 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class GrammarConfig:
+    """How structured outputs' constraints are compiled (``engine/grammar_compiler.py``)."""
+
+    # a constraint not compiled within this many seconds is a 400 naming its field
+    grammar_compile_timeout_s: float = 5.0
+    # worker processes for first compiles (a deadline kills one); 0: compile in the calling
+    # thread with no deadline (trusted offline use)
+    grammar_workers: int = 2
+    grammar_compiles_per_tenant: int = 1  # compiles of one tenant at once
+    grammar_cache_entries: int = 256  # compiled constraints kept, by tenant and text
+
+    def __post_init__(self) -> None:
+        timeout_s = self.grammar_compile_timeout_s
+        if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
+            raise ValueError(f"grammar_compile_timeout_s: expected (0, 3600], got {timeout_s!r}")
+        for name in ("grammar_workers", "grammar_compiles_per_tenant", "grammar_cache_entries"):
+            value = getattr(self, name)
+            low = 0 if name in ("grammar_workers", "grammar_cache_entries") else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -318,6 +343,7 @@ class EngineConfig:
             "cache": {},
             "scheduler": {},
             "store": {},
+            "grammar": {},
         }
         owners = {
             f.name: part
@@ -326,6 +352,7 @@ class EngineConfig:
                 ("cache", CacheConfig),
                 ("scheduler", SchedulerConfig),
                 ("store", StoreConfig),
+                ("grammar", GrammarConfig),
             )
             for f in dataclasses.fields(klass)
             if f.init
@@ -339,4 +366,5 @@ class EngineConfig:
             cache=CacheConfig(**parts["cache"]),  # type: ignore[arg-type]
             scheduler=SchedulerConfig(**parts["scheduler"]),  # type: ignore[arg-type]
             store=StoreConfig(**parts["store"]),  # type: ignore[arg-type]
+            grammar=GrammarConfig(**parts["grammar"]),  # type: ignore[arg-type]
         )

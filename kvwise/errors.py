@@ -59,6 +59,22 @@ class QueueFullError(KVWiseError, OverflowError):
         self.retry_after_s = retry_after_s
 
 
+class GrammarBusy(KVWiseError, OverflowError):
+    """Every grammar compile slot open to this caller stayed taken until its deadline (one
+    tenant's compiles are capped, ``--grammar-compiles-per-tenant``): retry later."""
+
+    status = 429
+    code = "grammar_busy"
+
+    def __init__(self, param: str, retry_after_s: int = 1) -> None:
+        super().__init__(
+            f"{param}: the server is compiling other constraints (of yours, or every worker "
+            f"is busy); retry after {retry_after_s} s"
+        )
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+
 class EngineDeadError(KVWiseError, RuntimeError):
     """The engine loop is not running (shut down, or broken by a failed step)."""
 

@@ -120,6 +120,31 @@ def _add_scheduling_args(g) -> None:
         help="public prefixes are shared only in chunks of this many tokens",
     )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    _add_grammar_args(g)
+
+
+def _add_grammar_args(g) -> None:
+    g.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="a structured output's schema, regex or grammar not compiled within this time is "
+        "a 400 naming its field (its worker process is killed; default: 5)",
+    )
+    g.add_argument(
+        "--grammar-workers",
+        type=int,
+        default=2,
+        help="worker processes that compile constraints, and compiles at once (0: compile in "
+        "the server process without a deadline; default: 2)",
+    )
+    g.add_argument(
+        "--grammar-compiles-per-tenant",
+        type=int,
+        default=1,
+        help="compiles of one tenant at once; more wait for a slot, then 429 (default: 1)",
+    )
 
 
 # --flag dest -> StoreConfig field: passed to the engine only when given, so that StoreConfig's
@@ -284,6 +309,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "public_prefix_min_tokens": args.public_prefix_min_tokens,
         "num_threads": args.threads,
         "chat_template": args.chat_template,
+        "grammar_compile_timeout_s": args.grammar_compile_timeout,
+        "grammar_workers": args.grammar_workers,
+        "grammar_compiles_per_tenant": args.grammar_compiles_per_tenant,
         **{name: value for name, value in tiers.items() if value is not None},
     }
 

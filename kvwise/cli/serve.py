@@ -160,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine_for_loop(config)  # stepped by the AsyncEngine's thread
     if engine.store is not None:  # each tier seals, writes, reads back and opens one entry
         log_self_test(engine.store)
+    engine.grammars.warm()
     app_kwargs["invalid_request_budget"] = InvalidRequestBudget()
     app = create_app(engine, api_keys=keys, model_name=name, **app_kwargs)
     logging.getLogger("kvwise").info(

@@ -111,6 +111,7 @@ class EngineReplica:
         self.llm_engine = build_engine_for_loop(EngineConfig.from_kwargs(**kwargs), progress=False)
         if self.llm_engine.store is not None:  # as `kvwise serve` does
             log_self_test(self.llm_engine.store)
+        self.llm_engine.grammars.warm()
         self.engine = AsyncEngine(self.llm_engine)
         self.engine.start()
         self.publisher = EventPublisher(

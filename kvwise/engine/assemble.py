@@ -92,4 +92,5 @@ def assemble_engine(
         outputs=OutputProcessor(tokenizer, runner.num_layers),
         store=store,
         max_model_len=max_model_len,
+        grammar=config.grammar,
     )

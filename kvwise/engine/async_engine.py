@@ -11,7 +11,8 @@ Contract:
   template is rendered and the prompt tokenized on a small pool of tokenizer threads
   (``LLMEngine.tokenize`` only reads the tokenizer), with its cost bounded before any work
   (``engine/prompts.py``: the message count, the characters, the rendering), so one caller's
-  huge prompt never holds up the steps of the others.
+  huge prompt never holds up the steps of the others. A structured output's constraint is
+  compiled on compile threads of its own (``GrammarCompiler``: a deadline, slots per tenant).
 - `add_request` returns a `RequestStream` only once the request is admitted, so admission errors
   surface before any output: `InvalidRequest` (a `ValueError`) naming the field (bad prompt,
   prompt over the context) and `QueueFullError` when the scheduler's bounded waiting queue is
@@ -43,7 +44,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvwise.engine.client import RequestStream
+from kvwise.engine.client import QueueStream, RequestStream
+from kvwise.engine.grammar_workers import nice_this_thread
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.engine.prompts import Prompt
 from kvwise.engine.stats import EngineStats
@@ -66,21 +68,6 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "QueueFullError"
 class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # RequestOutput | BaseException items
-
-
-class _QueueStream(RequestStream):
-    """A request's outputs as the engine thread delivers them to its asyncio queue."""
-
-    def __init__(self, owner: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
-        super().__init__(request_id)
-        self._owner = owner
-        self._queue = queue
-
-    async def _next_item(self) -> RequestOutput | BaseException:
-        return await self._queue.get()
-
-    def _abort(self) -> None:
-        self._owner.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -112,6 +99,12 @@ class AsyncEngine:
         self.idle_audit_delay_s = idle_audit_delay_s
         self._tokenizers = concurrent.futures.ThreadPoolExecutor(
             tokenizer_threads, thread_name_prefix="kvwise-tokenize"
+        )
+        # a compile slot's thread each (``GrammarCompiler``), at a lower CPU priority
+        self._compilers = concurrent.futures.ThreadPoolExecutor(
+            max(1, engine.grammars.config.grammar_workers),
+            thread_name_prefix="kvwise-grammar",
+            initializer=nice_this_thread,
         )
         self.idle_refresh_s = idle_refresh_s
         self.retry_after_s = retry_after_s
@@ -249,12 +242,16 @@ class AsyncEngine:
 
         # NOTE: off the engine thread and off the event loop: bad input is refused here, and
         # a large prompt costs a tokenizer thread, never a step
-        def prepare():  # the prompt's ids and the request's grammar, off the step loop
-            tenant = options.tenant if options is not None else "default"
-            return self.engine.tokenized(prompt, tenant), self.engine.compile_grammar(params)
-
+        tenant = options.tenant if options is not None else "default"
         try:
-            tokenized, grammar = await loop.run_in_executor(self._tokenizers, prepare)
+            tokenized = await loop.run_in_executor(
+                self._tokenizers, self.engine.tokenized, prompt, tenant
+            )
+            grammar = None
+            if params.structured is not None:  # its own threads: a slow one stalls no prompt
+                grammar = await self.engine.grammars.compile_async(
+                    params.structured, tenant, self._compilers
+                )
         except RuntimeError as exc:  # the pool is shut down: the loop has stopped
             if self._dead or self._stopping:
                 raise EngineDeadError(self._dead or "the engine is shutting down") from None
@@ -276,7 +273,7 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may have run already; abort after it is a no-op
             raise
-        return _QueueStream(self, request_id, queue)
+        return QueueStream(request_id, queue, self.abort)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, **kwargs: Any
@@ -347,6 +344,7 @@ class AsyncEngine:
         with self._lock:
             self._dead = reason
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
+        self._compilers.shutdown(wait=False, cancel_futures=True)
         self._close_all(EngineDeadError(reason))
         self._loop_done.set()
         self._close_engine()

@@ -23,6 +23,8 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     from kvwise.store.costmodel import CostCurves
     from kvwise.types import RequestOptions, RequestOutput, SamplingParams
 
-__all__ = ["EngineClient", "RequestStream"]
+__all__ = ["EngineClient", "QueueStream", "RequestStream"]
 
 
 class RequestStream:
@@ -77,6 +79,22 @@ class RequestStream:
     def _abort(self) -> None:
         """Abort the request (fire and forget)."""
         raise NotImplementedError
+
+
+class QueueStream(RequestStream):
+    """A request's outputs as an engine thread delivers them to an asyncio queue (the
+    in-process `AsyncEngine`'s streams); ``abort(request_id)`` aborts it."""
+
+    def __init__(self, request_id: str, queue: asyncio.Queue, abort: Callable[[str], None]):
+        super().__init__(request_id)
+        self._queue = queue
+        self._abort_request = abort
+
+    async def _next_item(self) -> RequestOutput | BaseException:
+        return await self._queue.get()
+
+    def _abort(self) -> None:
+        self._abort_request(self.request_id)
 
 
 @runtime_checkable

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvwise.config import GrammarConfig
 from kvwise.core.admission import oldest_wait_s
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.kv_events import KVEvent
@@ -20,6 +21,7 @@ from kvwise.core.outputs import ModelOutput, SchedulerOutput
 from kvwise.core.request import Request
 from kvwise.core.runner import ModelRunner
 from kvwise.core.scheduler import RequestUpdate, Scheduler
+from kvwise.engine.grammar_compiler import GrammarCompiler
 from kvwise.engine.kv_loader import KVLoader
 from kvwise.engine.output_processor import OutputProcessor
 from kvwise.engine.prompts import (
@@ -30,8 +32,8 @@ from kvwise.engine.prompts import (
     tokenize_prompt,
 )
 from kvwise.engine.sessions import SessionMap
-from kvwise.engine.stats import EngineStats, tool_pause_stats
-from kvwise.engine.structured import Grammar, GrammarCompiler
+from kvwise.engine.stats import EngineStats, grammar_stats, tool_pause_stats
+from kvwise.engine.structured import Grammar
 from kvwise.engine.tool_pauses import ToolPauses
 from kvwise.errors import InvalidRequest, SessionBusy, SessionNotFound
 from kvwise.store.tiered import TieredStore
@@ -51,9 +53,11 @@ class LLMEngine:
         outputs: OutputProcessor,
         store: TieredStore | None = None,
         max_model_len: int,
+        grammar: GrammarConfig | None = None,
     ) -> None:
         """Join the parts. ``runner`` follows the contract in ``core/runner.py``; ``outputs``
-        turns the scheduler's token ids into text and ``RequestOutput``s."""
+        turns the scheduler's token ids into text and ``RequestOutput``s; ``grammar``: how
+        structured outputs' constraints are compiled."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.kv_manager = kv_manager
@@ -63,7 +67,7 @@ class LLMEngine:
         self._vocab_size = runner.vocab_size
         self.outputs = outputs
         self.sessions = SessionMap()
-        self.grammars = GrammarCompiler(tokenizer, runner.vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, grammar)
         self.answers = RecentAnswers()
         self.tool_pauses = ToolPauses()
         self.num_last_rows_reused = 0  # whole hits sampled from a kept last row
@@ -85,12 +89,13 @@ class LLMEngine:
         """``tokenize`` as a prompt ``add_request`` takes without further work."""
         return TokenizedPrompt(tuple(self.tokenize(prompt, tenant)))
 
-    def compile_grammar(self, params: SamplingParams) -> Grammar | None:
-        """The request's grammar (``params.structured``), compiled; None without one. Safe
-        from any thread: ``AsyncEngine`` compiles where it tokenizes, off the step loop."""
+    def compile_grammar(self, params: SamplingParams, tenant: str = "default") -> Grammar | None:
+        """The request's grammar (``params.structured``), compiled (``GrammarCompiler``: a
+        deadline, a per-tenant cache); None without one. Safe from any thread: ``AsyncEngine``
+        compiles on threads of its own, off the step loop."""
         if params.structured is None:
             return None
-        return self.grammars.compile(params.structured)
+        return self.grammars.compile(params.structured, tenant)
 
     def add_request(
         self,
@@ -121,7 +126,7 @@ class LLMEngine:
             )
         token_ids = self.tokenize(prompt, options.tenant)
         if grammar is None:
-            grammar = self.compile_grammar(params)
+            grammar = self.compile_grammar(params, options.tenant)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -313,6 +318,7 @@ class LLMEngine:
             kv=self.kv_manager.stats(scheduler.running),
             store=self.store.stats() if self.store is not None else None,
             **tool_pause_stats(self.tool_pauses.counts),
+            **grammar_stats(self.grammars.counts),
         )
 
     def add_public_prefix(self, prompt: Prompt) -> int:
@@ -377,5 +383,6 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        self.grammars.close()
         if self.store is not None:
             self.store.close()

@@ -9,12 +9,24 @@ from dataclasses import dataclass
 
 from kvwise.core.kv_stats import KVCacheStats
 from kvwise.core.stat_fields import GAUGE, metric
+from kvwise.engine.grammar_compiler import OUTCOMES as GRAMMAR_OUTCOMES
 from kvwise.store.stats import StoreStats
 
 _RESUMED = "kvwise_tool_resumed_tokens"
 _RESUMED_HELP = (
     "paused tokens of resumed turns: found in the pool, loaded from a tier, or recomputed"
 )
+_GRAMMAR = "kvwise_grammar_compiles"
+_GRAMMAR_HELP = (
+    "structured outputs' constraints by outcome: compiled, cached (a copy of the tenant's "
+    "earlier compile or refusal), invalid, timeout (--grammar-compile-timeout), cancelled "
+    "(the client went away), busy (no compile slot in time)"
+)
+
+
+def grammar_stats(counts) -> dict[str, int]:
+    """``EngineStats``' grammar fields from ``GrammarCompiler.counts``."""
+    return {f"grammar_{outcome}": counts[outcome] for outcome in GRAMMAR_OUTCOMES}
 
 
 def tool_pause_stats(counts) -> dict[str, int]:
@@ -92,3 +104,13 @@ class EngineStats:
         "KV pool integrity checks passed while idle (a failure stops the engine)",
         default=0,
     )
+    grammar_compiled: int = metric(
+        _GRAMMAR, _GRAMMAR_HELP, default=0, labels={"outcome": "compiled"}
+    )
+    grammar_cached: int = metric(_GRAMMAR, _GRAMMAR_HELP, default=0, labels={"outcome": "cached"})
+    grammar_invalid: int = metric(_GRAMMAR, _GRAMMAR_HELP, default=0, labels={"outcome": "invalid"})
+    grammar_timeout: int = metric(_GRAMMAR, _GRAMMAR_HELP, default=0, labels={"outcome": "timeout"})
+    grammar_cancelled: int = metric(
+        _GRAMMAR, _GRAMMAR_HELP, default=0, labels={"outcome": "cancelled"}
+    )
+    grammar_busy: int = metric(_GRAMMAR, _GRAMMAR_HELP, default=0, labels={"outcome": "busy"})

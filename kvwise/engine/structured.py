@@ -1,12 +1,11 @@
 """Structured outputs: llguidance grammars per request, their token masks each step. No torch.
 
-``GrammarCompiler(tokenizer, vocab_size)`` compiles a ``StructuredOutput`` (JSON schema, regex,
-Lark grammar, choice) into a ``Grammar``: an ``llguidance.LLMatcher`` over the model's own
-vocabulary (its ``tokenizers`` JSON, built once, lazily: ~1 s at a 262k vocabulary). Compiling
-is bounded: the constraint's text by ``MAX_GRAMMAR_CHARS`` (``types.py``), the work by
-llguidance's parser limits (lexer fuel, Earley items, grammar size), and it runs where the
-prompt is tokenized (``AsyncEngine``'s tokenizer threads), never in the step loop. A schema or
-grammar llguidance refuses is an ``InvalidRequest`` naming the request's field.
+A ``StructuredOutput`` (JSON schema, regex, Lark grammar, choice) becomes llguidance's grammar
+text here (``grammar_text``) and a ``Grammar``, an ``llguidance.LLMatcher`` over the model's own
+vocabulary, in ``grammar_compiler.py`` (a deadline, a cache, slots per tenant), never in the
+step loop. The constraint's text is bounded by ``MAX_GRAMMAR_CHARS`` (``types.py``), its
+parsing work by ``PARSER_LIMITS``. A schema or grammar llguidance refuses is an
+``InvalidRequest`` naming the request's field.
 
 Each step the engine asks every sampling request's grammar for its mask (``bitmask``: 32-bit
 words, bit i of word w allowing token 32 w + i; ~50 µs at a 128k vocabulary), the worker
@@ -18,15 +17,19 @@ may end, so a model that stops there stops as usual.
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
 from kvwise.errors import InvalidRequest
 from kvwise.types import StructuredOutput
 
-# bounds on one grammar's work (llguidance's own defaults are 1M / 200k / 50k / 500k)
-_LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
-               max_grammar_size=200_000)  # fmt: skip
+# bounds on one grammar's parsing work (llguidance's own defaults are 1M / 200k / 50k / 500k);
+# its lexer's construction has no such bound: ``grammar_workers.py`` bounds that by a deadline
+PARSER_LIMITS = {
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "step_max_items": 50_000,
+    "max_grammar_size": 200_000,
+}
 
 
 def grammar_text(spec: StructuredOutput) -> str:
@@ -75,46 +78,21 @@ class Grammar:
         return self._matcher.is_stopped()
 
 
-class GrammarCompiler:
-    """Compiles requests' constraints over one model's vocabulary (thread-safe)."""
+def first_mask_error(matcher: Any, kind: str) -> str | None:
+    """None if the compiled ``matcher`` admits a first token, else the error to answer.
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        self._backend = tokenizer  # a kvwise Tokenizer: its tokenizers backend and EOS ids
-        self.vocab_size = vocab_size
-        self._ll_tokenizer = None
-        self._lock = threading.Lock()
+    A constraint that admits no first token (``{"$ref": "#"}``, $refs that only refer to each
+    other) compiles, then puts the matcher in error at its first mask; asked once here (one
+    mask's work, ~50 µs at a 128k vocabulary), it is a 400, not an empty 200. The mask leaves
+    the matcher where it was."""
+    matcher.compute_bitmask()
+    if matcher.is_error():
+        return f"the {kind} admits no value"
+    return None
 
-    def _tokenizer(self):
-        with self._lock:
-            if self._ll_tokenizer is None:
-                import llguidance
 
-                eos = sorted(self._backend.eos_token_ids)
-                if not eos:
-                    raise InvalidRequest("response_format", "the model has no EOS token")
-                self._ll_tokenizer = llguidance.LLTokenizer(
-                    self._backend.backend_json(), n_vocab=self.vocab_size, eos_token=eos
-                )
-            return self._ll_tokenizer
+def parser_limits() -> Any:
+    """The bounds on one grammar's parsing work, as llguidance takes them."""
+    import llguidance
 
-    def compile(self, spec: StructuredOutput) -> Grammar:
-        """A fresh matcher for one request (InvalidRequest naming ``spec.field``)."""
-        import llguidance
-
-        text = grammar_text(spec)
-        tokenizer = self._tokenizer()
-        limits = llguidance.LLParserLimits(**_LIMITS)
-        error = llguidance.LLMatcher.validate_grammar(text, tokenizer, limits=limits)
-        if error:
-            raise InvalidRequest(spec.field, f"invalid {spec.kind}: {error[:500]}")
-        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits)
-        if matcher.is_error():
-            raise InvalidRequest(spec.field, f"invalid {spec.kind}: {matcher.get_error()[:500]}")
-        # NOTE: a constraint that admits no first token (``{"$ref": "#"}``, $refs that only
-        # refer to each other) compiles, then puts the matcher in error at its first mask;
-        # asked here once (one mask's work, ~50 µs at a 128k vocabulary), it is a 400, not an
-        # empty 200
-        matcher.compute_bitmask()
-        if matcher.is_error():
-            raise InvalidRequest(spec.field, f"the {spec.kind} admits no value")
-        return Grammar(matcher)
+    return llguidance.LLParserLimits(**PARSER_LIMITS)
