@@ -4,7 +4,9 @@ The engine's loader thread calls ``read_group`` once per layer group while the s
 
 Contract:
 - ``read_group`` reads the group's entry of every planned chunk (the entry that ends with
-  the chunk's last block) from the tier the plan names for it, in a few parallel parts, and
+  the chunk's last block) from the tier the plan names for it (where that tier no longer
+  holds it, e.g. the host tier evicted it for a write since the plan: from the tiers below,
+  in order, which the write-through writer filled too), in a few parallel parts, and
   opens each entry (checks its header and tag and decrypts it: ``serde.open_parts`` in place
   where a ``ReadsInPlace`` tier read it straight into the caller's buffers, else
   ``serde.open_into`` those buffers, or ``serde.unpack`` without them). ``usable`` is how
@@ -136,8 +138,12 @@ class Reader:
         """
         keys = [self.fmt.entry_key(ch.key, group) for ch in chunks]
         out = [_MISS] * len(chunks)
+        names = [t.name for t in self.tiers]
+        # the tier each chunk is read from: the plan's, then, where that one no longer holds
+        # its entry (evicted by a write since the plan), each tier below it in turn
+        at = [names.index(ch.tiers[group]) if ch.tiers[group] in names else -1 for ch in chunks]
         for tier_index, tier in enumerate(self.tiers):
-            idx = [i for i, ch in enumerate(chunks) if ch.tiers[group] == tier.name]
+            idx = [i for i, t in enumerate(at) if t == tier_index]
             if not idx:
                 continue
             t0 = time.perf_counter()
@@ -156,6 +162,8 @@ class Reader:
                 for i, read in zip(part, future.result()):
                     num_bytes += read.num_bytes
                     out[i] = self._check(tier_index, keys[i], read, chunks[i])
+                    if read.entry is None and tier_index + 1 < len(names):
+                        at[i] = tier_index + 1  # a miss here: try the tier below
             self.cost.observe_load(tier.name, len(idx), num_bytes, time.perf_counter() - t0)
         return out
 

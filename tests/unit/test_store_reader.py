@@ -140,6 +140,32 @@ def test_a_miss_is_not_a_fault():
     assert s.reader.tiers[0].stats.faults == 0
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_entry_gone_from_the_planned_tier_is_read_from_the_one_below(tmp_path, in_place):
+    """The plan found the entry in the host tier; a write evicted it from there before the
+    read (issue 45 item 6: 11 load rollbacks in a fault-free load run). The write-through
+    disk tier still holds it: read from there, no miss, no fault."""
+    host, disk = HostStore(1 << 20), DiskStore(tmp_path, 1 << 20)
+    h = chain(8)
+    for tier in (host, disk):
+        put_entry(tier, h[0:4])
+        put_entry(tier, h[4:8], first_block=4)
+    s = Setup(host, disk)
+    chunks = [planned(h[0:4]), planned(h[4:8], 4)]
+    host.delete([FMT.entry_key(h[7], g) for g in (0, 1)])  # evicted since the plan
+
+    def dest(i: int, entry_blocks: int) -> list[bytearray]:
+        return [bytearray(entry_blocks * 32) for _ in range(2)]  # K, V of one layer
+
+    for group in (0, 1):
+        reads = s.reader.read_group(chunks, group, dest if in_place else None)
+        assert [(r.usable, r.skip) for r in reads] == [(4, 0), (4, 0)]
+    assert (host.stats.hits, host.stats.misses, disk.stats.hits) == (2, 2, 2)
+    assert host.stats.faults == disk.stats.faults == 0
+    s.reader.close()
+    disk.close()
+
+
 def test_lower_tier_hits_are_promoted_now_or_by_the_next_write(tmp_path):
     host, disk = HostStore(1 << 20), DiskStore(tmp_path, 1 << 20)
     h = chain(8)
