@@ -199,8 +199,10 @@ class Scheduler:
                 break  # its prompt is being computed now: one prefill, then a prefix hit
             if committed is None and self.running and self.config.admit_whole_prompts:
                 committed = sum(self.kv.blocks_to_come(r, self._chunk) for r in self.running)
+            looked_up = self.kv.num_prefix_query_tokens, self.kv.num_prefix_hit_tokens
             admitted = self._admit(request, out, budget, committed)
-            if admitted is None:
+            if admitted is None:  # its lookup is counted when it is admitted, not every try
+                self.kv.num_prefix_query_tokens, self.kv.num_prefix_hit_tokens = looked_up
                 if scan.blocked(request):
                     continue
                 break

@@ -87,6 +87,8 @@ def test_an_aged_request_stops_the_bypass_and_runs():
         step(scheduler, runner, order=order)
     assert order == ["small0", "small1", "big"] + [f"small{i}" for i in range(2, 6)]
     assert scheduler.kv.pool.num_free_blocks == NUM_BLOCKS
+    # each prompt looked up in the prefix cache once, however many steps it waited
+    assert scheduler.kv.num_prefix_query_tokens == 4 + 40 + 6 * 3
 
 
 def test_one_step_may_skip_a_request_only_up_to_its_bound():
