@@ -68,6 +68,32 @@ def test_tiers_are_isolated_by_tenant_and_salt(tiered, tmp_path, reference):
     assert run(other, tenant="alice").num_loaded_tokens > 0
 
 
+def test_an_entry_evicted_from_host_after_the_plan_loads_from_disk(tiered, tmp_path, reference):
+    """The host tier evicts the planned entries (LRU, for the writer's puts) between the plan
+    and the read: the disk tier, written through, still holds them, so the load lands and
+    nothing is rolled back (issue 45 item 6: 11 rollbacks in a fault-free load run)."""
+    engine = tiered(kv_host_memory="256MiB", kv_disk_path=str(tmp_path))
+    run(engine)
+    evict_device(engine)
+    host, schedule = engine.store.tiers[0], engine.scheduler.schedule
+
+    def schedule_then_host_evicts():
+        out = schedule()
+        if out.kv_loads:
+            assert {t for load in out.kv_loads for t in load.chunk.tiers} == {"host"}
+            host.delete(host.eviction_order())
+        return out
+
+    engine.scheduler.schedule = schedule_then_host_evicts
+    out = run(engine)
+    assert out.token_ids == reference
+    assert out.num_loaded_tokens == (out.num_prompt_tokens - 1) // 16 * 16
+    assert engine.scheduler.num_load_rollbacks == 0
+    tiers = engine.stats().store.tiers
+    assert tiers["host"].misses > 0 and tiers["disk"].hits > 0
+    assert tiers["host"].faults == tiers["disk"].faults == 0
+
+
 def test_prefix_continues_from_device_hit_into_tiers(tiered, tmp_path, reference):
     """The device holds the head of the prompt; the tiers supply the rest (mid-chunk)."""
     engine = tiered(kv_host_memory="256MiB")
