@@ -106,18 +106,21 @@ def test_a_tier_that_raises_is_a_miss_for_lookups_loads_and_writes(caplog):
         plan = store.plan_load("r", h, 0, 8, 33)
         assert [ch.tiers for ch in plan.chunks] == [("host", "host")] * 2
         assert faulty.stats.faults == 2  # group 0's ends asked first, then the others
-        # loads: planned from the faulty tier, they are misses
+        # loads: planned from the faulty tier, they miss there (faults) and are read from
+        # the tier below, which holds them too
         faulty.failing = {"get", "put", "delete"}
         plan = store.plan_load("r2", h, 0, 8, 33)
         assert plan.chunks[0].tiers == ("faulty", "faulty")
         reads = store.read_group(plan.chunks, 0)
-        assert [r.usable for r in reads] == [0, 0] and faulty.stats.faults == 4  # 2 parts
+        assert [r.usable for r in reads] == [4, 4] and host.stats.hits == 2
+        # 2 parts' gets fail, and so do the 2 promotions of the host's hits back up to it
+        assert faulty.stats.faults == 6 and faulty.stats.read_errors == 2
         # writes: the faulty tier stores nothing, the chunk is handed back to be rewritten
         h2 = chain(8, "b")
         write_all(store, h2)
         assert host.contains([FMT.entry_key(h2[-1], 0)]) == [True]
         assert store.plan_writes(h2, 8) != []  # not known as stored: written again
-        assert faulty.stats.faults == 6  # one put per chunk
+        assert faulty.stats.faults == 8  # one put per chunk
     # each kind logged once, with its traceback: a bug in a tier shows
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert [r.getMessage().split(": ValueError")[0] for r in errors] == [
