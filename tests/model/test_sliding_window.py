@@ -111,12 +111,13 @@ def test_cold_from_the_pool_after_preemption_and_from_disk(model, kv, tmp_path):
     again = run_outputs(engine, prompts, GREEDY)  # the prompts' blocks, cached
     assert [out.token_ids for out in again] == cold
     assert again[0].num_cached_tokens >= 176
-    # a pool of 20 blocks of every layer, requests admitted on their first chunks: the four
-    # won't fit, and one is preempted mid-prompt
-    spec = engine.runner.spec
-    block_bytes = spec.block_bytes * spec.num_model_layers // spec.num_layers
+    # a pool just over the longest request's own need, computed 16 tokens a step: the four
+    # are admitted on their first chunks, won't fit together, and one is preempted mid-prompt
+    manager, chunk = engine.scheduler.kv, 16
+    num_pages = max(manager.blocks_for(len(p) + NUM_NEW, chunk) for p in prompts) + 1
     small = _engine(model, kv_cache_dtype=kv, enable_prefix_caching=False,
-                    kv_cache_memory=f"{20 * block_bytes}B", admit_whole_prompts=False)  # fmt: skip
+                    kv_cache_memory=f"{num_pages * engine.runner.spec.block_bytes}B",
+                    admit_whole_prompts=False, prefill_chunk_size=chunk)  # fmt: skip
     assert run(small, prompts, GREEDY) == cold
     assert small.scheduler.num_preemptions > 0
     disk = _engine(model, kv_cache_dtype=kv, kv_disk_path=str(tmp_path), kv_store_min_tokens=16,
