@@ -66,6 +66,7 @@ class KVSave:
     chunk: ChunkWrite
     ttl_s: float | None
     tenant: str | None = None  # whose retention ``ttl_s`` is (tiers cap it per tenant)
+    soon: bool = False  # its request was preempted and will be back: written without delay
 
 
 @dataclass

@@ -321,12 +321,14 @@ class Scheduler:
         self._waiting_loads[request.request_id] = (num_device_blocks, loads)
         return loads
 
-    def _plan_saves(self, request: Request, windowed_only: bool = False) -> None:
+    def _plan_saves(
+        self, request: Request, windowed_only: bool = False, soon: bool = False
+    ) -> None:
         """Queue the full computed blocks of a request leaving the pool for the tiers: each
         KV group's under its own hashes (a windowed group's from its window on: it holds no
         blocks before). ``windowed_only``: the windowed groups' blocks now, as its prompt
         is done (they leave the window before it finishes; a repeat of the prompt needs
-        those of its end)."""
+        those of its end). ``soon``: it was preempted and will load them back."""
         if self.tiers is None:
             return
         # cut the stored entries where another request is likely to stop sharing this one:
@@ -350,7 +352,8 @@ class Scheduler:
             writes = self.tiers.plan_writes(hashes, num_full, cuts, first_block=first)
             for chunk in writes:
                 ids = block_ids[chunk.first_block : chunk.first_block + len(chunk.block_hashes)]
-                self._pending_saves.append(KVSave(ids, chunk, request.retention_s, request.tenant))
+                save = KVSave(ids, chunk, request.retention_s, request.tenant, soon)
+                self._pending_saves.append(save)
 
     def take_saves(self) -> list[KVSave]:
         """Blocks to copy out for the tiers; copy them before the next step runs."""
@@ -359,7 +362,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self._plan_saves(request)
+        self._plan_saves(request, soon=True)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

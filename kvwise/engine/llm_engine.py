@@ -299,7 +299,7 @@ class LLMEngine:
         here; packing and I/O run on the store's writer thread)."""
         for save in self.scheduler.take_saves():
             payload = self.runner.save_kv(save.block_ids)
-            self.store.write(save.chunk, payload, save.ttl_s, owner=save.tenant)
+            self.store.write(save.chunk, payload, save.ttl_s, owner=save.tenant, soon=save.soon)
 
     # ---- introspection ------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvwise.core.kv_events import KVEvent
-from kvwise.core.kv_tiers import ChunkWrite, PlannedChunk
+from kvwise.core.kv_tiers import ChunkWrite, LoadPlan, PlannedChunk
 from kvwise.store import serde
 from kvwise.store.base import KVStore
 from kvwise.store.costmodel import CostCurves, CostModel, LoadDecision, cost_curves
@@ -79,7 +79,6 @@ class TieredStore:
         # NOTE: KVTierPlanner (engine thread) is the planner's: its methods are bound here,
         # so their signatures and contract are written once (core/kv_tiers.py) and a plan
         # costs no extra call
-        self.plan_load = self._planner.plan_load
         self.plan_span = self._planner.plan_span
         self.roll_back = self._planner.roll_back
         self.plan_writes = self._planner.plan_writes
@@ -112,6 +111,23 @@ class TieredStore:
     def decisions(self) -> deque[LoadDecision]:
         """The last 1000 load decisions, oldest first."""
         return self._planner.decisions
+
+    def plan_load(
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        num_device_blocks: int,
+        max_blocks: int,
+        num_prompt_tokens: int,
+    ) -> LoadPlan | None:
+        """``KVTierPlanner.plan_load``. A preempted request's blocks are written without
+        delay (``write(soon=True)``); a plan waits for such writes still queued (bounded by
+        the writer's stall limit), so the victim coming back loads them rather than missing
+        entries that are a few milliseconds from the tiers."""
+        self._writer.wait_soon()
+        return self._planner.plan_load(
+            request_id, block_hashes, num_device_blocks, max_blocks, num_prompt_tokens
+        )
 
     # ---- loads (the engine's loader thread, while the step runs) ------------------------
 
@@ -146,12 +162,18 @@ class TieredStore:
     # ---- writes, sessions, lifecycle, stats ---------------------------------------------
 
     def write(
-        self, chunk: ChunkWrite, payload, ttl_s: float | None = None, owner: str | None = None
+        self,
+        chunk: ChunkWrite,
+        payload,
+        ttl_s: float | None = None,
+        owner: str | None = None,
+        soon: bool = False,
     ) -> None:
         """Queue one chunk's payload, all layers ``(num_layers, 2, num_blocks, ...)``, a buffer
         the caller no longer changes, for every tier (split into its layer groups); ``ttl_s``
-        keeps it on ``owner``'s (the tenant's) account."""
-        if not self._writer.submit(WriteChunk(chunk, payload, ttl_s, owner)):
+        keeps it on ``owner``'s (the tenant's) account. ``soon``: it will be loaded back
+        shortly (a preempted request's): written at once, not when the engine is idle."""
+        if not self._writer.submit(WriteChunk(chunk, payload, ttl_s, owner, soon)):
             self._forget_chunk(chunk)  # dropped: a later sequence may write it
 
     # ---- what each tier holds, as events (for cache-aware routers) ---------------------------

@@ -25,7 +25,9 @@ Contract:
   starts no job, nor until it has been idle ``quiet_s`` (a request sent right after another
   finished does not share the CPU with that one's writes), unless the job has waited
   ``max_defer_s`` (under steady load writes still land) or a ``flush`` waits for it. A job
-  that has started runs to its end.
+  that has started runs to its end. A ``soon`` job (a preempted request's blocks, which it
+  loads back when it returns) is never held, nor are the jobs queued before it;
+  ``wait_soon()`` returns once no such job is queued (or after ``stall_s``).
 - ``background=False`` runs each job inside ``submit`` (tests, deterministic); an error of
   the writer's own (packing) then reaches the caller. On the thread it is logged and the
   job skipped: one bad job never stops the writer.
@@ -60,6 +62,7 @@ class WriteChunk:
     payload: object  # buffer: (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
     ttl_s: float | None = None
     owner: str | None = None  # the tenant whose retention ``ttl_s`` is
+    soon: bool = False  # to be loaded back shortly: not held for an idle engine
 
     @property
     def num_bytes(self) -> int:
@@ -127,6 +130,7 @@ class Writer:
         self._busy = False  # the engine's step loop has work (set_busy)
         self._idle_since = time.monotonic()
         self._flushing = 0  # flushes waiting: jobs start at once
+        self._soon = 0  # ``soon`` jobs queued and not finished: jobs start at once
         self._quiet = threading.Condition(self._lock)  # busy, idle or a flush changed
         self._queue: queue.Queue[tuple[WriteJob, float] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -152,7 +156,7 @@ class Writer:
     def _wait_for_quiet(self, submitted: float) -> None:
         """Hold the next job while the step loop needs the CPU (see the contract)."""
         with self._lock:
-            while not (self._closed or self._flushing):
+            while not (self._closed or self._flushing or self._soon):
                 now = time.monotonic()
                 waited = now - submitted
                 if waited >= self.max_defer_s:
@@ -172,6 +176,9 @@ class Writer:
                 return False
             self._pending_bytes += num_bytes
             if self._thread is not None:
+                if isinstance(job, WriteChunk) and job.soon:
+                    self._soon += 1
+                    self._quiet.notify_all()
                 self._num_queued += 1
                 # under the lock: queued in the order counted
                 self._queue.put((job, time.monotonic()))
@@ -201,6 +208,17 @@ class Writer:
                         return False
             finally:
                 self._flushing -= 1
+        return True
+
+    def wait_soon(self) -> bool:
+        """Wait until no ``soon`` job is queued. False: none finished for ``stall_s``."""
+        with self._lock:
+            while self._soon and self._thread is not None and self._thread.is_alive():
+                seen = self._num_finished
+                if not self._done.wait_for(
+                    lambda s=seen: not self._soon or self._num_finished > s, self.stall_s
+                ):
+                    return False
         return True
 
     def close(self) -> None:
@@ -245,6 +263,9 @@ class Writer:
         finally:
             with self._lock:
                 self._pending_bytes -= job.num_bytes
+                if self._thread is not None and isinstance(job, WriteChunk) and job.soon:
+                    self._soon -= 1
+                    self._done.notify_all()
 
     def _write_chunk(self, job: WriteChunk) -> None:
         chunk = job.chunk

@@ -181,3 +181,36 @@ def test_the_writer_yields_to_a_busy_step_loop():
     assert _wait(lambda: _written(host, c))  # still busy: it goes once it has waited 0.3 s
     assert time.monotonic() - started >= 0.29
     writer.close()
+
+
+def test_a_soon_job_is_not_held_for_a_busy_step_loop_nor_are_those_before_it():
+    """A preempted request's blocks (``soon``) are written while the engine is busy, and so
+    is a job queued before them; ``wait_soon`` returns once they are in the tier."""
+    host = HostStore(1 << 20)
+    writer = Writer([host], FMT, quiet_s=0.2, max_defer_s=30.0)
+    writer.set_busy(True)
+    a, b, c = chain(4, "a"), chain(4, "b"), chain(4, "c")
+    writer.submit(chunk_job(a))
+    time.sleep(0.2)
+    assert not _written(host, a)  # busy: held
+    writer.submit(WriteChunk(ChunkWrite(0, tuple(b)), payload(b), soon=True))
+    assert writer.wait_soon() and _written(host, b) and _written(host, a)
+    writer.submit(chunk_job(c))  # no soon job queued: held again
+    time.sleep(0.2)
+    assert not _written(host, c) and writer.wait_soon()
+    writer.close()
+    assert _written(host, c)
+
+
+def test_wait_soon_gives_up_on_a_stuck_tier():
+    host = GatedHost()
+    writer = Writer([host], FMT)
+    writer.stall_s = 0.3
+    h = chain(4)
+    writer.submit(WriteChunk(ChunkWrite(0, tuple(h)), payload(h), soon=True))
+    started = time.monotonic()
+    assert not writer.wait_soon()
+    assert 0.25 <= time.monotonic() - started < 2
+    host.gate.set()
+    assert writer.wait_soon() and _written(host, h)
+    writer.close()
