@@ -9,10 +9,18 @@
   bad and huge requests the whole time (230,000 tiny messages, a 5M-character prompt, a
   million token ids, 2,048 messages that render past the context, a 4 MB prompt_cache_key,
   broken JSON), ``--flooders`` at a time.
+- grammar: the real Redis, and mallory sends structured-output requests whose schema is new
+  each time and would take llguidance minutes to compile (``patternProperties`` of 450
+  patterns), hanging up after 1 s on every other one.
+- huge-n: the real Redis, and mallory sends bodies over the server's cap of 64 sequences a
+  request: 64 prompts x n = 16, n = 128, 65 prompts.
+- hangup: the real Redis, and mallory sends 4 prompts x n = 16 of 1,024 tokens each (64
+  sequences, within the cap) and hangs up on each after 1 s: not an attack but a tenant
+  using the batch a second at a time (no per-tenant share of the batch is enforced).
 
 Reported per run: alice's requests ok / errors, TTFT p50 / p99, tokens/s; mallory's answers by
-status (every one must be a 4xx); the pool afterwards (no leaked blocks); and the medians'
-ratio hostile / clean. A benchmark, not a test: run it by hand, e.g.
+status (every one must be a 4xx, or her own hang-up); the pool afterwards (no leaked blocks);
+and the medians' ratio of each attack to clean. A benchmark, not a test: run it by hand, e.g.
 
     .venv/bin/python scripts/bench_isolation.py --rounds 5 --duration 30 --clients 32
 
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -48,6 +57,7 @@ from kvwise.bench.load import _kvwise_after, _load
 SECRET = secrets.token_hex(32)  # a store secret for the benchmark's servers only
 KEYS = {"key-alice": "alice", "key-mallory": "mallory"}
 MODEL = "SmolLM2-135M-Instruct"
+KINDS = ("clean", "hostile", "grammar", "huge-n", "hangup")
 
 
 def free_port() -> int:
@@ -109,6 +119,7 @@ class BadRedis(threading.Thread):
         self.sock.close()
 
 
+@functools.cache
 def flood_bodies() -> list[tuple[str, bytes]]:
     """(path, body) of each kind of bad or huge request mallory sends."""
     tiny = [{"role": "user", "content": ""}]
@@ -129,20 +140,61 @@ def flood_bodies() -> list[tuple[str, bytes]]:
     ]
 
 
-async def flood(url: str, deadline: float, num_flooders: int) -> dict:
+def slow_schema(tag: str, n: int = 450) -> dict:
+    """A schema llguidance takes minutes to compile (cubic in ``n``); ``tag`` makes it new."""
+    patterns = {f"^{tag}[a-z]{{{i}}}$": {"type": "integer"} for i in range(1, n + 1)}
+    return {"type": "object", "patternProperties": patterns}
+
+
+def attack_request(mode: str, n: int) -> tuple[str, bytes, float]:
+    """Mallory's ``n``-th request of an attack: (path, body, seconds she waits for it)."""
+    if mode == "hostile":
+        bodies = flood_bodies()
+        path, body = bodies[n % len(bodies)]
+        return path, body, 60.0
+    if mode == "grammar":  # a new slow schema each time; every other one hung up after 1 s
+        fields = {
+            "messages": [{"role": "user", "content": "Fill it in."}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": slow_schema(f"m{n}x")},
+            },
+        }
+        body = json.dumps({"model": MODEL, "max_tokens": 8, **fields}).encode()
+        return "/v1/chat/completions", body, 1.0 if n % 2 == 0 else 60.0
+    if mode == "huge-n":  # bodies over the server's 64 sequences a request: each a 400
+        shapes = ({"prompt": [f"Story {n}-{i}." for i in range(64)], "n": 16},
+                  {"prompt": "Tell me a story.", "n": 128},
+                  {"prompt": [f"Story {n}-{i}." for i in range(65)], "n": 1})  # fmt: skip
+        body = {"model": MODEL, "max_tokens": 1024, "ignore_eos": True, **shapes[n % 3]}
+        return "/v1/completions", json.dumps(body).encode(), 60.0
+    # hangup: 4 prompts x n = 16 (64 sequences, within the cap) of 1,024 tokens each, hung up
+    # after 1 s: a tenant using its share of the batch for a second at a time, not an attack
+    prompts = [f"Tell me story number {n}-{i}." for i in range(4)]
+    body = {"model": MODEL, "prompt": prompts, "n": 16, "max_tokens": 1024, "ignore_eos": True}
+    return "/v1/completions", json.dumps(body).encode(), 1.0
+
+
+async def flood(url: str, deadline: float, num_flooders: int, mode: str) -> dict:
     """Mallory's requests until ``deadline``: the count of answers by status."""
-    bodies = flood_bodies()
     counts: dict[str, int] = {}
     headers = {"Authorization": "Bearer key-mallory", "Content-Type": "application/json"}
 
     async def one(i: int, http: httpx.AsyncClient) -> None:
         n = i
         while time.perf_counter() < deadline and n < 100_000:
-            path, body = bodies[n % len(bodies)]
+            path, body, wait_s = attack_request(mode, n)
             n += num_flooders
             try:
-                r = await http.post(url + path, content=body, headers=headers)
+                r = await http.post(
+                    url + path,
+                    content=body,
+                    headers=headers,
+                    timeout=httpx.Timeout(60, read=wait_s),
+                )
                 key = str(r.status_code)
+            except httpx.ReadTimeout:
+                key = "hung up"
             except httpx.HTTPError as exc:
                 key = type(exc).__name__
             counts[key] = counts.get(key, 0) + 1
@@ -152,9 +204,16 @@ async def flood(url: str, deadline: float, num_flooders: int) -> dict:
     return counts
 
 
-def _flood_process(url: str, duration: float, num_flooders: int, nice: int) -> dict:
+def _ready(nice: int, mode: str) -> None:
+    """Load mallory's process (imports, her request bodies) before the runs start."""
     os.nice(nice)
-    return asyncio.run(flood(url, time.perf_counter() + duration, num_flooders))
+    attack_request(mode, 0)
+    if mode == "hostile":
+        flood_bodies()
+
+
+def _flood_process(url: str, duration: float, num_flooders: int, nice: int, mode: str) -> dict:
+    return asyncio.run(flood(url, time.perf_counter() + duration, num_flooders, mode))
 
 
 def run_once(kind: str, args, redis_url: str, tmp: Path) -> dict:
@@ -182,10 +241,14 @@ def run_once(kind: str, args, redis_url: str, tmp: Path) -> dict:
         )
 
         flooder = None
-        if kind == "hostile":  # her own process: not alice's clients' event loop
+        if kind != "clean":  # her own process: not alice's clients' event loop
             flooder = multiprocessing.get_context("spawn").Pool(1)
+            # NOTE: her process imports what it needs (~1 s of CPU) before alice's first wave:
+            # started together, the import ran beside that wave and doubled its p99 in every
+            # attack, a cost of sharing one machine with the attacker, not of her requests
+            flooder.apply(_ready, (args.flooder_nice, kind))
             flooded_async = flooder.apply_async(
-                _flood_process, (url, args.duration, args.flooders, args.flooder_nice)
+                _flood_process, (url, args.duration, args.flooders, args.flooder_nice, kind)
             )
         result = asyncio.run(_load(url, MODEL, load_args))
         flooded = {}
@@ -243,19 +306,23 @@ def main() -> int:
     )
     p.add_argument("--redis-mode", choices=("slow", "silent", "garbage"), default="slow")
     p.add_argument("--out", default=None, help="write every run as JSON here")
-    p.add_argument("--kinds", default="clean,hostile", help="which runs, e.g. hostile")
+    p.add_argument(
+        "--kinds",
+        default="clean,hostile",
+        help=f"which runs, of {','.join(KINDS)} (e.g. clean,grammar,huge-n)",
+    )
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvwise-isolation-"))
     redis_proc, good_url = start_redis(tmp)
     bad = BadRedis(args.redis_mode)
     bad.start()
-    runs: dict[str, list[dict]] = {"clean": [], "hostile": []}
+    kinds = [k for k in KINDS if k in args.kinds.split(",")]
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
     try:
         for i in range(args.rounds):
-            kinds = [k for k in ("clean", "hostile") if k in args.kinds.split(",")]
             for kind in kinds if i % 2 == 0 else kinds[::-1]:
-                url = good_url if kind == "clean" else f"redis://127.0.0.1:{bad.port}/0"
-                if kind == "clean":  # NOTE: cold, as the broken one is: no run starts warm
+                url = f"redis://127.0.0.1:{bad.port}/0" if kind == "hostile" else good_url
+                if url == good_url:  # NOTE: cold, as the broken one is: no run starts warm
                     redis.Redis.from_url(good_url).flushall()
                 r = run_once(kind, args, url, tmp)
                 runs[kind].append(r)
@@ -265,29 +332,33 @@ def main() -> int:
                     f"429 {r['429']:3d} | TTFT p50 {r['ttft_p50_s']:.3f} s p99 "
                     f"{r['ttft_p99_s']:.3f} s | {r['tokens_per_s']:6.1f} tok/s | blocks used "
                     f"after {after.get('kvwise_kv_blocks_used', float('nan')):.0f} | "
-                    f"flood {r['flood']}",
+                    f"flood {r['flood']}\n    slowest TTFTs (s, sent at s): "
+                    f"{r.get('slowest_ttft_s')}",
                     flush=True,
                 )
     finally:
         bad.stop()
         redis_proc.terminate()
         redis_proc.wait(10)
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("ttft_p50_s", "ttft_p99_s",
-           "tokens_per_s")} for k, v in runs.items()}  # fmt: skip
+    metrics = ("ttft_p50_s", "ttft_p99_s", "tokens_per_s")
+    med = {k: {m: statistics.median(r[m] for r in v) for m in metrics} for k, v in runs.items()}
     print("\nmedians over", args.rounds, "rounds:")
     for kind, m in med.items():
-        print(f"  {kind:7s}: TTFT p50 {m['ttft_p50_s']:.3f} s, p99 {m['ttft_p99_s']:.3f} s, "
-              f"{m['tokens_per_s']:.1f} tok/s")  # fmt: skip
-    print(
-        f"  hostile / clean: TTFT p99 {med['hostile']['ttft_p99_s'] / med['clean']['ttft_p99_s']:.2f}x, "
-        f"p50 {med['hostile']['ttft_p50_s'] / med['clean']['ttft_p50_s']:.2f}x, "
-        f"tokens/s {med['hostile']['tokens_per_s'] / med['clean']['tokens_per_s']:.2f}x"
-    )
+        print(
+            f"  {kind:7s}: TTFT p50 {m['ttft_p50_s']:.3f} s, p99 {m['ttft_p99_s']:.3f} s, "
+            f"{m['tokens_per_s']:.1f} tok/s"
+        )
+    for kind in [k for k in med if k != "clean" and "clean" in med]:
+        ratio = {m: med[kind][m] / med["clean"][m] for m in metrics}
+        print(
+            f"  {kind} / clean: TTFT p99 {ratio['ttft_p99_s']:.2f}x, "
+            f"p50 {ratio['ttft_p50_s']:.2f}x, tokens/s {ratio['tokens_per_s']:.2f}x"
+        )
     alice_errors = sum(sum(r["errors"].values()) for v in runs.values() for r in v)
     # NOTE: a connection the server closes on a 429 mid-upload is a ReadError for mallory:
     # what counts as a failure is a 5xx
     mallory_5xx = sum(
-        n for r in runs["hostile"] for s, n in r["flood"].items() if s.startswith("5")
+        n for v in runs.values() for r in v for s, n in r["flood"].items() if s.startswith("5")
     )
     leaked = max(r["after"].get("kvwise_kv_blocks_used", 0) for v in runs.values() for r in v)
     print(f"  alice's errors: {alice_errors}; mallory's 5xx answers: {mallory_5xx}; "

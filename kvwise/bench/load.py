@@ -104,6 +104,7 @@ async def _client(
             continue
         if first is not None:
             stats["ttft"].append(first - start)
+            stats["started"].append(start)
         stats["tokens"] += tokens
         stats["ok"] += 1
 
@@ -111,7 +112,7 @@ async def _client(
 async def _load(url: str, model: str, args: argparse.Namespace, label: str = "load") -> dict:
     import httpx
 
-    stats = {"ok": 0, "429": 0, "errors": {}, "ttft": [], "tokens": 0}
+    stats = {"ok": 0, "429": 0, "errors": {}, "ttft": [], "started": [], "tokens": 0}
     budget = [args.max_requests]
     # a fresh connection per request: llama-server closes idle keep-alive connections after a
     # few seconds, and a request sent on one that is closing fails before it is read
@@ -136,9 +137,12 @@ async def _load(url: str, model: str, args: argparse.Namespace, label: str = "lo
     finally:
         ticker.cancel()
         progress.close()
+    # the slowest first tokens, with when their requests were sent (seconds into the run)
+    worst = sorted(zip(stats["ttft"], stats.pop("started")), reverse=True)[:5]
     ttft = sorted(stats.pop("ttft"))
     return {
         **stats,
+        "slowest_ttft_s": [(round(t, 3), round(at - start, 2)) for t, at in worst],
         "wall_s": wall,
         "tokens_per_s": stats["tokens"] / wall,
         "ttft_p50_s": percentile(ttft, 0.50),

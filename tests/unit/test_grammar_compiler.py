@@ -168,3 +168,35 @@ def test_without_workers_compiles_in_this_thread(compiler, tok):
 def test_config_names_the_bad_option(kwargs):
     with pytest.raises(ValueError, match=f"^{next(iter(kwargs))}:"):
         EngineConfig.from_kwargs(**kwargs)
+
+
+def test_a_long_compile_runs_in_the_idle_scheduling_class(compiler):
+    """A worker waits in SCHED_IDLE, compiles at nice 10 for its first DEMOTE_AFTER_S, then
+    goes back to SCHED_IDLE for the rest: a slow schema takes no CPU the engine wants."""
+    import os
+
+    from kvwise.engine import grammar_workers
+
+    c = compiler(grammar_compile_timeout_s=60)
+    c.compile(small(), "warm")
+    workers = c.workers()
+    pids = [w.proc.pid for w in workers._idle]
+    assert pids and all(os.sched_getscheduler(p) == os.SCHED_IDLE for p in pids)
+    assert all(os.getpriority(os.PRIO_PROCESS, p) == grammar_workers.WORKER_NICE for p in pids)
+    policies = []
+
+    def watch() -> None:  # the compiling worker's class, sampled while it runs
+        time.sleep(0.02)
+        busy = [p for p in pids if all(w.proc.pid != p for w in workers._idle)]
+        policies.append(os.sched_getscheduler(busy[0]) if busy else None)
+        time.sleep(grammar_workers.DEMOTE_AFTER_S + 0.3)
+        policies.append(os.sched_getscheduler(busy[0]) if busy else None)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    cancelled = threading.Event()
+    threading.Timer(grammar_workers.DEMOTE_AFTER_S + 0.6, cancelled.set).start()
+    with pytest.raises(InvalidRequest, match="cancelled"):
+        c.compile(slow(), "mallory", cancelled)
+    watcher.join()
+    assert policies == [os.SCHED_OTHER, os.SCHED_IDLE]
