@@ -223,6 +223,7 @@ def _load(cpp_extension) -> None:
     flags = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *cpu, *_vnni_flags(cpu)]
     # one build directory per checkout: two checkouts sharing one would rebuild alternately
     where = hashlib.sha256(str(_SOURCES[0].parent).encode()).hexdigest()[:8]
+    _clear_stale_lock(cpp_extension, f"kvwise_ops_{where}")
     cpp_extension.load(
         name=f"kvwise_ops_{where}",
         sources=[str(s) for s in _SOURCES],
@@ -232,3 +233,42 @@ def _load(cpp_extension) -> None:
         is_python_module=False,
         verbose=False,
     )
+
+
+_LOCK_GRACE_S = 30.0  # a build's lock younger than this may not have started its compiler yet
+_LOCK_MAX_S = 1800.0  # no build of these kernels takes this long
+
+
+def _clear_stale_lock(cpp_extension, name: str) -> None:
+    """Remove the lock file a killed build left in torch's build directory (torch waits on it
+    for ever: a Ctrl-C during the first build hung every later start). Stale: older than
+    ``_LOCK_GRACE_S`` with no process working in that directory, or older than
+    ``_LOCK_MAX_S``."""
+    try:
+        build_dir = cpp_extension._get_build_directory(name, False)
+    except Exception:  # noqa: BLE001 - a private torch helper: without it, torch's own wait
+        return
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age_s = time.time() - os.stat(lock).st_mtime
+    except OSError:
+        return  # no lock: nothing to clear
+    if age_s < _LOCK_GRACE_S or (age_s < _LOCK_MAX_S and _building_in(build_dir)):
+        return
+    log.warning("kvwise kernels: removing a stale build lock (%.0f s old): %s", age_s, lock)
+    with contextlib.suppress(OSError):
+        os.unlink(lock)
+
+
+def _building_in(build_dir: str) -> bool:
+    """Whether a process runs in ``build_dir`` (torch runs ninja, and ninja the compiler,
+    there). Linux; True elsewhere, so that only the age decides."""
+    if not os.path.isdir("/proc"):
+        return True
+    target = os.path.realpath(build_dir)
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/cwd") == target:
+                    return True
+    return False
