@@ -10,8 +10,14 @@ Sessions: a request's ``prompt_cache_key`` is its engine session id (within its 
 pool down to the tiers (host RAM, disk, Redis) until its next turn, which loads it back; it runs
 on the engine thread between two steps and waits for the tier writes.
 
-Tenants: with API keys configured, every /v1 route needs ``Authorization: Bearer KEY`` (401
-otherwise) and the key alone names the tenant, so one tenant's prompts never hit another's
+APIs: OpenAI's routes here (``routes.py``), each further API a module of its own registered
+by ``add_routes(app, context)`` (``messages.py``: Anthropic's Messages; ``openai_responses.py``:
+OpenAI's Responses; ``tokenize.py``; ``usage.py``), all on the API-neutral
+``generation.Generation``; errors and stream framing follow the dialect of the path
+(``dialects.py``).
+
+Tenants: with API keys configured, every /v1 route needs ``Authorization: Bearer KEY`` or
+``x-api-key: KEY`` (401 otherwise) and the key alone names the tenant, so one tenant's prompts never hit another's
 cache. Without keys every request is tenant ``default``. /health and /metrics are open.
 
 Hosts: with ``allowed_hosts`` set, a request whose Host header names another host gets 421
@@ -22,8 +28,9 @@ loopback address allows only loopback names by default.
 Dashboard: GET /dashboard, a live page over the server's own stats (``dashboard.py``); with
 API keys (or an admin key) set it needs the admin key, never a tenant's.
 
-Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
-(naming the field; text that is no Unicode included), 401, 404 unknown model, route or
+Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's
+under /v1/messages: ``dialects.py``): 400 bad input
+(naming the field; text that is no Unicode included), 401, 404 unknown model, route (naming the routes served) or
 session, 408 a request line and headers or a body not received in time (answered by the
 server: see ``serving.py``), 409 park of a session with a request in flight, 413 a body over
 the limit (refused before it is parsed), 421 a Host header not allowed, 429 (with
@@ -47,7 +54,9 @@ from fastapi.responses import Response
 from kvwise.engine.async_engine import AsyncEngine
 from kvwise.engine.client import EngineClient
 from kvwise.engine.llm_engine import LLMEngine
+from kvwise.server import messages, openai_responses, tokenize, usage
 from kvwise.server.dashboard import AdminGate, Dashboard, check_admin_key
+from kvwise.server.generation import ServerContext
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.outputs import (
     ChatCompletionResponse,
@@ -150,6 +159,9 @@ def create_app(
         client, metrics, model_name, default_completion_max_tokens, max_sequences_per_request
     )
     _add_routes(app, routes)
+    context = ServerContext(routes.gen, admin_key, list(keys))
+    for dialect_routes in (messages, openai_responses, tokenize, usage):  # each its own module
+        dialect_routes.add_routes(app, context)
     dashboard.add_routes(app)
     _add_version_route(app, model_name)
     return app
