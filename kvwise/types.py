@@ -271,6 +271,8 @@ class RequestOutput:
     token_texts: dict[int, str] | None = None
     # FinishReason.ERROR: why this request's row failed (the step's other rows went on)
     error: str | None = None
+    # FinishReason.STOP by a stop string: that string (None: EOS or a stop token id)
+    stop_string: str | None = None
 
 
 @dataclass(frozen=True)

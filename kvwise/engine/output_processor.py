@@ -152,6 +152,7 @@ class OutputProcessor:
             **self._so_far(state),
             finished=finished,
             finish_reason=request.finish_reason if finished else None,
+            stop_string=state.stop_matcher.matched if finished and state.stop_matcher else None,
             delta_text=delta_text,
             delta_token_ids=list(delta_ids),
             top_logprobs=_tops(request),

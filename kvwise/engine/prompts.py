@@ -27,10 +27,12 @@ class ChatPrompt:
     """Chat messages with the tools the model may call (OpenAI's function ``tools``, passed to
     the chat template as its ``tools`` variable; a template without one gets them described in
     a system message, ``chat_template.with_tools``). Messages may hold assistant ``tool_calls``
-    and ``tool`` results."""
+    and ``tool`` results. ``add_generation_prompt``: end with the header that opens the
+    assistant's turn (False: the chat as it stands, e.g. to count or cache a prefix of it)."""
 
     messages: list[dict]
     tools: list[dict] | None = None
+    add_generation_prompt: bool = True
 
 
 Prompt = str | list[dict] | list[int] | TokenizedPrompt | ChatPrompt
@@ -112,9 +114,9 @@ def tokenize_prompt(
     checked one by one."""
     if isinstance(prompt, TokenizedPrompt):
         return list(prompt.token_ids)
-    tools = None
+    tools, generation = None, True
     if isinstance(prompt, ChatPrompt):
-        prompt, tools = prompt.messages, prompt.tools
+        prompt, tools, generation = prompt.messages, prompt.tools, prompt.add_generation_prompt
         if not prompt:
             raise InvalidRequest("messages", "expected a non-empty list of messages")
     if isinstance(prompt, str):
@@ -131,6 +133,8 @@ def tokenize_prompt(
         _check_length(tokenizer, "messages", num_chars, max_tokens)
         max_chars = None if max_tokens is None else max_tokens * tokenizer.max_token_chars
         extra = {k: v for k, v in (("tools", tools), ("answers", answers)) if v}
+        if not generation:
+            extra["add_generation_prompt"] = False
         return tokenizer.encode_chat(prompt, max_chars=max_chars, **extra)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         if max_tokens is not None and len(prompt) > max_tokens:  # before a look at each id
@@ -148,6 +152,20 @@ def tokenize_prompt(
     raise InvalidRequest(
         "prompt", "expected a non-empty string, a list of chat messages or a list of token ids"
     )
+
+
+def detokenize_ids(tokenizer: Tokenizer, token_ids: Sequence[int], vocab_size: int) -> str:
+    """The text of ``token_ids``, special tokens included (``/detokenize``); an id that is
+    no int in ``[0, vocab_size)`` is an ``InvalidRequest`` naming ``token_ids``. Thread-safe
+    (it only reads the tokenizer)."""
+    bad = [t for t in token_ids if not _is_token_id(t, vocab_size)]
+    if bad:
+        raise InvalidRequest("token_ids", f"must be in [0, {vocab_size}), got {bad[:5]}")
+    return tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+
+def _is_token_id(value: object, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 def _encode_text(tokenizer: Tokenizer, text: str, max_tokens: int | None) -> list[int]:

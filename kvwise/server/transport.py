@@ -264,7 +264,7 @@ class AuthAndCount:
             await send(message)
 
         try:
-            if not path.startswith("/v1/"):
+            if not (path.startswith("/v1/") or path in TOKENIZER_PATHS):
                 await self.app(scope, receive, send_counted)
                 return
             tenant = self.tenant_of(scope)
@@ -351,6 +351,8 @@ class BodyLimit:
         return f"request body: larger than the server's limit of {self.max_bytes} bytes"
 
 
+# not under /v1, yet a tenant's: they need the API key as the /v1 routes do
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 _ROUTES = frozenset(
     (
         "/v1/completions",
