@@ -55,6 +55,7 @@ from kvwise.engine.async_engine import AsyncEngine
 from kvwise.engine.client import EngineClient
 from kvwise.engine.llm_engine import LLMEngine
 from kvwise.server import messages, openai_responses, tokenize, usage
+from kvwise.server.conversations import StoreLimits
 from kvwise.server.dashboard import AdminGate, Dashboard, check_admin_key
 from kvwise.server.generation import ServerContext
 from kvwise.server.metrics import ServerMetrics
@@ -113,6 +114,7 @@ def create_app(
     allowed_hosts: Iterable[str] | None = None,
     invalid_request_budget: InvalidRequestBudget | None = None,
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    responses_store: StoreLimits | None = None,
 ) -> FastAPI:
     """Build the app over one engine.
 
@@ -133,6 +135,7 @@ def create_app(
             no limit. ``kvwise serve`` sets one.
         max_sequences_per_request: n x prompts above it is a 400 naming ``n`` (or
             ``prompt``); ValueError if below 1.
+        responses_store: each tenant's bounds on stored Responses (None: the defaults).
     """
     allowed = None if allowed_hosts is None else parse_allowed_hosts(allowed_hosts)
     keys = dict(api_keys or {})
@@ -148,7 +151,7 @@ def create_app(
         lifespan=_lifespan(client, dashboard, owned),
     )
     app.state.engine, app.state.metrics, app.state.dashboard = client, metrics, dashboard
-    app.state.model_name = model_name
+    app.state.model_name, app.state.responses_store_limits = model_name, responses_store
     install_error_handlers(app)
     app.add_middleware(AdminGate, admin_key=admin_key, tenant_keys=list(keys))
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
