@@ -242,6 +242,27 @@ def test_text_format_json_schema(alice):
     assert set(json.loads(r.output_text)) == {"city"}
 
 
+def test_prompt_cache_key_and_retention_as_on_chat(server, alice):
+    def kept() -> int:
+        return server.engine.call_sync(lambda e: e.stats().kv.blocks_kept)
+
+    before = kept()
+    r = alice.responses.create(
+        model=MODEL,
+        input="Keep this conversation a day. " * 8,
+        max_output_tokens=2,
+        prompt_cache_retention="24h",
+        prompt_cache_key="resp-conv-1",
+    )
+    assert r.prompt_cache_retention == "24h" and r.prompt_cache_key == "resp-conv-1"
+    assert kept() > before  # its prefix is kept, as chat's 24h
+    park = server.base_url + "/v1/kvwise/park"
+    body = {"prompt_cache_key": "resp-conv-1"}  # the key names the engine session, per tenant
+    as_alice = httpx.post(park, json=body, headers={"Authorization": "Bearer key-alice"})
+    as_bob = httpx.post(park, json=body, headers={"Authorization": "Bearer key-bob"})
+    assert as_alice.status_code == 200 and as_bob.status_code == 404
+
+
 def test_get_and_delete(server, alice):
     r = alice.responses.create(model=MODEL, input="Say hi.", max_output_tokens=4, temperature=0)
     got = alice.responses.retrieve(r.id)
@@ -305,6 +326,18 @@ def test_another_tenants_response_is_a_404_like_none(server, alice, bob):
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"truncation": "auto"}, "truncation"),
         ({"model": "gpt-5"}, "model"),
+        ({"input": []}, "input"),
+        ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
+        ({"input": "word " * 3000}, "input"),
+        ({"metadata": {"k": 1}}, "metadata.k"),
+        ({"include": ["file_search_call.results"]}, "include[0]"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        (
+            {"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
+            "tools[0].parameters",
+        ),
+        ({"previous_response_id": ""}, "previous_response_id"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(server, extra, param):
