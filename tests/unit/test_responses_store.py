@@ -142,3 +142,17 @@ def test_an_output_without_its_call_names_input():
     with pytest.raises(InvalidRequest) as info:
         chat_prompt(body.input_items(), None, None)
     assert info.value.param == "input"
+
+
+def test_serve_flags_set_the_store_and_refuse_bad_values(capsys):
+    from kvwise.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.responses_store_ttl, args.responses_store_memory) == (3600.0, "64MiB")
+    assert args.responses_store_max == 10_000
+    for flag, bad in (("--responses-store-ttl", "0"), ("--responses-store-max", "0")):
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args(["serve", flag, bad])
+        assert info.value.code == 2
+    assert main(["serve", "--port", "18461", "--responses-store-memory", "lots"]) == 2
+    assert "--responses-store-memory" in capsys.readouterr().err
