@@ -349,3 +349,32 @@ def test_a_streamed_call_is_a_tool_use_block_with_its_input_in_pieces():
     whole = message_of(_out("", answer, 4, FinishReason.STOP), "msg_1", "m", {"get_weather"})
     assert whole.stop_reason == "tool_use"
     assert [(c.type, c.input) for c in whole.content] == [("tool_use", {"city": "Paris"})]
+
+
+def test_an_engine_error_mid_stream_ends_with_an_error_event():
+    from fastapi.testclient import TestClient
+
+    from kvwise.engine.async_engine import AsyncEngine
+    from kvwise.server.app import create_app
+    from tests.fakes import ControlledRunner, fake_engine
+
+    engine = AsyncEngine(fake_engine(wrap_runner=ControlledRunner))
+    runner = engine.engine.runner
+    body = {"max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        with TestClient(create_app(engine, api_keys={"k": "alice"})) as client:
+            runner.fail_step(after=2)
+            reply = client.post("/v1/messages", json=body, headers={"x-api-key": "k"})
+            events = _events(reply.text)
+            assert [e["type"] for e in events[:2]] == ["message_start", "ping"]
+            assert events[-1] == {
+                "type": "error",
+                "error": {"type": "api_error", "message": events[-1]["error"]["message"]},
+            }
+            assert "step failed on purpose" in events[-1]["error"]["message"]
+            assert "[DONE]" not in reply.text
+            no_key = client.post("/v1/messages", json=body)
+            assert no_key.status_code == 401
+            assert no_key.json()["error"]["type"] == "authentication_error"
+    finally:
+        engine.shutdown()
