@@ -13,8 +13,9 @@ import json
 
 import httpx
 import openai
+import pydantic
 import pytest
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseStreamEvent
 
 from tests.hits import whole_hit
 from tests.server.test_openai_client import BLOCK, MODEL, client_for
@@ -222,6 +223,44 @@ def test_a_streamed_call_is_the_same_call(alice):
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         (c.name, json.loads(c.arguments)) for c in whole.output if c.type == "function_call"
     ]
+
+
+def _raw_events(server, body: dict) -> list[dict]:
+    """A stream's events as sent (each ``event:`` line naming its data's type)."""
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/responses",
+        json={**body, "stream": True},
+        headers={"Authorization": "Bearer key-alice"},
+        timeout=120,
+    ) as r:
+        lines = list(r.iter_lines())
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert [line[7:] for line in lines if line.startswith("event: ")] == [e["type"] for e in events]
+    return events
+
+
+def test_every_event_is_the_sdks_type_and_a_cut_call_is_incomplete(server):
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    cut = {
+        "model": MODEL,
+        "input": "Weather in Lima?",
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_output_tokens": 12,
+    }
+    for body in ({"model": MODEL, "input": QUESTION, "max_output_tokens": 3}, cut):
+        events = _raw_events(server, body)
+        for event in events:
+            adapter.validate_python(event)  # strictly: every required field, typed
+        assert events[-1]["type"] == "response.incomplete"
+        response = events[-1]["response"]
+        assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert response["output"][-1]["status"] == "incomplete"
+    call = response["output"][-1]  # cut inside its arguments: a truncated call, not prose
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert [item["type"] for item in response["output"]] == ["function_call"]
 
 
 def test_text_format_json_schema(alice):
