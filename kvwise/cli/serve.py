@@ -37,6 +37,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="the key GET /dashboard needs (also $KVWISE_ADMIN_KEY); without it the dashboard "
         "is open when no --api-key is set, off when one is",
     )
+    p.add_argument(
+        "--price-sheet",
+        default=None,
+        metavar="FILE",
+        help="prices per million tokens (JSON, or TOML by its .toml name: input, output, "
+        "cache_read, cache_write_5m, cache_write_1h, optional currency) that GET /v1/usage "
+        "and the dashboard turn each tenant's tokens into cost with (docs/SERVER.md)",
+    )
     _add_limit_args(p)
     _add_responses_args(p)
     _add_ray_args(p)
@@ -166,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     from kvwise.server import create_app, parse_api_keys  # no torch: the checks answer at once
     from kvwise.server.conversations import StoreLimits
     from kvwise.server.dashboard import check_admin_key
+    from kvwise.server.price_sheet import PriceSheet
     from kvwise.server.transport import InvalidRequestBudget, allowed_hosts_for
     from kvwise.utils import parse_bytes
 
@@ -182,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
             max_bytes=parse_bytes(args.responses_store_memory, "responses_store_memory"),
             max_responses=args.responses_store_max,
         ),
+        "price_sheet": PriceSheet.load(args.price_sheet) if args.price_sheet else None,
     }
     # the default disk tier: a directory of this server's own, kv-<port>
     kwargs = {**engine_kwargs(args), "kv_disk_default_name": str(args.port)}

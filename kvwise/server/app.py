@@ -2,8 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream``: server-sent events ending
 with ``data: [DONE]``), GET /v1/models, GET /health, GET /version (kvwise's, torch's, the
-model), GET /metrics (Prometheus text), the extension POST /v1/kvwise/park, and GET /dashboard
-(with /dashboard/data, its JSON).
+model), GET /metrics (Prometheus text), the extension POST /v1/kvwise/park, GET /dashboard
+(with /dashboard/data, its JSON) and the admin's GET /v1/usage (the bill per tenant:
+``usage.py``).
 
 Sessions: a request's ``prompt_cache_key`` is its engine session id (within its tenant).
 ``POST /v1/kvwise/park {"prompt_cache_key": ...}`` moves that conversation's KV from the device
@@ -47,6 +48,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -67,6 +69,7 @@ from kvwise.server.outputs import (
     ModelList,
     ParkResponse,
 )
+from kvwise.server.price_sheet import PriceSheet
 from kvwise.server.protocol import ErrorResponse
 from kvwise.server.responses import install_error_handlers
 from kvwise.server.routes import (
@@ -114,6 +117,7 @@ def create_app(
     allowed_hosts: Iterable[str] | None = None,
     invalid_request_budget: InvalidRequestBudget | None = None,
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    price_sheet: PriceSheet | str | Path | None = None,
     responses_store: StoreLimits | None = None,
 ) -> FastAPI:
     """Build the app over one engine.
@@ -135,15 +139,18 @@ def create_app(
             no limit. ``kvwise serve`` sets one.
         max_sequences_per_request: n x prompts above it is a 400 naming ``n`` (or
             ``prompt``); ValueError if below 1.
+        price_sheet: prices the bill per tenant (``GET /v1/usage``): a ``PriceSheet`` or a
+            sheet's path (``PriceSheet.load``'s ValueError); None: tokens only.
         responses_store: each tenant's bounds on stored Responses (None: the defaults).
     """
+    price_sheet = PriceSheet.of(price_sheet)
     allowed = None if allowed_hosts is None else parse_allowed_hosts(allowed_hosts)
     keys = dict(api_keys or {})
     admin_key = check_admin_key(admin_key, keys)
     owned = AsyncEngine(engine) if isinstance(engine, LLMEngine) else None
     client: EngineClient = owned if owned is not None else engine
     metrics = ServerMetrics(client)
-    dashboard = Dashboard(client, metrics, model_name)
+    dashboard = Dashboard(client, metrics, model_name, price_sheet=price_sheet)
     app = FastAPI(
         title="kvwise",
         version="0.1.0",
@@ -162,7 +169,7 @@ def create_app(
         client, metrics, model_name, default_completion_max_tokens, max_sequences_per_request
     )
     _add_routes(app, routes)
-    context = ServerContext(routes.gen, admin_key, list(keys))
+    context = ServerContext(routes.gen, admin_key, list(keys), price_sheet)
     for dialect_routes in (messages, openai_responses, tokenize, usage):  # each its own module
         dialect_routes.add_routes(app, context)
     dashboard.add_routes(app)

@@ -2,7 +2,8 @@
 supported fields, the n x prompts cap, a hang-up during admission), following them to the
 end (a JSON answer, or server-sent events framed in the route's dialect), and what happens
 when they end or the client goes away (streams closed, KV freed at the engine's next step,
-the request counted per tenant, cancellations counted). Each API's routes (``routes.py``:
+the request counted per tenant and each sequence billed to it once: ``ledger.py``,
+cancellations counted). Each API's routes (``routes.py``:
 OpenAI's Chat Completions and Completions; the Messages and Responses routes) translate their
 body into the engine's prompt, ``SamplingParams`` and ``RequestOptions`` and the engine's
 outputs into their own JSON and events; nothing here knows any API's JSON."""
@@ -18,7 +19,9 @@ from fastapi import Request
 from kvwise.engine.client import EngineClient, RequestStream
 from kvwise.errors import InvalidRequest
 from kvwise.server.dialects import OPENAI, Dialect
+from kvwise.server.ledger import bill_of
 from kvwise.server.metrics import ServerMetrics
+from kvwise.server.price_sheet import PriceSheet
 from kvwise.server.protocol import APIError
 from kvwise.server.responses import (
     SSEResponse,
@@ -53,6 +56,7 @@ class ServerContext:
     gen: Generation
     admin_key: str | None  # the dashboard's and admin routes' key (None: open)
     tenant_keys: list[str]  # the API keys (an admin route never accepts one of these)
+    price_sheet: PriceSheet | None = None  # prices the ledger's tokens (GET /v1/usage)
 
 
 class Generation:
@@ -73,6 +77,9 @@ class Generation:
         self.metrics = metrics
         self.model_name = model_name
         self.max_sequences_per_request = max_sequences_per_request
+        # sequences billed less than their all (ledger.bill_of): request id -> (bill the
+        # prompt, bill the output); a later choice's prompt is billed with its first choice's
+        self._partial_bills: dict[str, tuple[bool, bool]] = {}
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -134,6 +141,7 @@ class Generation:
         tenant = request.state.tenant
         streams: list[RequestStream] = []
         num_sequences = len(prompts) * n
+        drops_output = getattr(body, "max_tokens", None) == 0  # completions' echo only
 
         async def admit_each() -> None:
             for prompt in prompts:
@@ -141,6 +149,8 @@ class Generation:
                     rid = request_id if num_sequences == 1 else f"{request_id}-{len(streams)}"
                     streams.append(await self.admit(body, prompt, rid, tenant, prompt_param,
                                                     default_max_tokens, j))  # fmt: skip
+                    if j or drops_output:
+                        self._partial_bills[rid] = (j == 0, not drops_output)
 
         try:
             admitted = await run_or_disconnect(admit_each(), request)
@@ -167,6 +177,8 @@ class Generation:
         last = stream.last
         reason = last.finish_reason.value if last and last.finished else "abort"
         self.metrics.observe_request(stream.request_id, tenant, last, reason)
+        bill_prompt, bill_output = self._partial_bills.pop(stream.request_id, (True, True))
+        self.metrics.ledger.record(tenant, bill_of(last, bill_prompt, bill_output))
 
     def sse(
         self,

@@ -238,8 +238,10 @@ class OpenAIRoutes:
         reason = self.engine.dead_reason or "the engine is not started"
         return JSONResponse(Health(status=reason).model_dump(), status_code=503)
 
-    async def prometheus_metrics(self) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus_metrics(self, request: Request) -> Response:
+        # the bill per tenant too for a scrape that may see the dashboard (dashboard.AdminGate)
+        tenants = request.scope.get("state", {}).get("admin", False)
+        return Response(self.metrics.render(tenants), media_type=CONTENT_TYPE_LATEST)
 
 
 # ---- helpers ---------------------------------------------------------------------------------

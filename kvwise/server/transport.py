@@ -216,6 +216,10 @@ class InvalidRequestBudget:
                 del self._buckets[other]
 
 
+# under /v1 but the admin's, not a tenant's: dashboard.AdminGate guards them, not the API keys
+ADMIN_PATHS = frozenset({"/v1/usage"})
+
+
 class AuthAndCount:
     """ASGI middleware: the tenant from the API key (``Authorization: Bearer`` or, as
     Anthropic's clients send it, ``x-api-key``; 401 before the body is read), the
@@ -264,7 +268,8 @@ class AuthAndCount:
             await send(message)
 
         try:
-            if not (path.startswith("/v1/") or path in TOKENIZER_PATHS):
+            keyed = path.startswith("/v1/") or path in TOKENIZER_PATHS
+            if not keyed or path in ADMIN_PATHS:  # (AdminGate's)
                 await self.app(scope, receive, send_counted)
                 return
             tenant = self.tenant_of(scope)
@@ -362,6 +367,7 @@ _ROUTES = frozenset(
         "/v1/messages",
         "/v1/messages/count_tokens",
         "/v1/responses",
+        "/v1/usage",
         "/tokenize",
         "/detokenize",
         "/health",
