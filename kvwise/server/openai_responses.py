@@ -87,7 +87,13 @@ class ResponsesRoutes:
                 return writer.closing(done(outs[0]))
 
             return self.gen.sse(
-                streams, tenant, on_output, dialect=RESPONSES, first=writer.opening, last=last
+                streams,
+                tenant,
+                on_output,
+                dialect=RESPONSES,
+                first=writer.opening,
+                last=last,
+                on_error=writer.error,
             )
         outs = await self.gen.collect(streams, request)
         if outs is None:

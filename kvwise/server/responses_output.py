@@ -121,6 +121,10 @@ class ResponseWriter:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
+    def error(self, error) -> str:
+        """The ``error`` event a failed stream ends with (an ``APIError``), numbered."""
+        return self._event("error", code=error.code, message=error.message, param=error.param)
+
     def opening(self) -> str:
         """``response.created`` and ``response.in_progress``."""
         return self._event("response.created", response=self.head) + self._event(
