@@ -1,5 +1,6 @@
 """The bill per tenant over a real (tiny-model) server (issue 46, item 5): chat and
-completions requests, streamed and not, n=2, echo-only, for two tenants; each tenant's ledger
+completions requests, streamed and not, n=2, echo-only, and a Messages and a Responses
+request, for two tenants; each tenant's ledger
 (``GET /v1/usage``) equals the sum of its responses' ``usage`` exactly, /metrics carries
 ``kvwise_tenant_tokens_total`` for the admin's scrape only, ``/v1/usage`` needs the admin
 key, and the priced bill matches a hand computation."""
@@ -57,14 +58,15 @@ def _streamed_usage(client: httpx.Client, path: str, body: dict, key: str) -> di
 
 
 def _requests(client: httpx.Client, key: str) -> list[dict]:
-    """A tenant's mix of requests; the ``usage`` of each answer."""
+    """A tenant's mix of requests in every dialect; each answer's usage as ``prompt``,
+    ``cache_read``, ``cache_write_5m``, ``cache_write_1h`` and ``output`` tokens."""
     chat = {
         "model": TINY_NAME,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}],
         "max_tokens": 5,
     }
     cmpl = {"model": TINY_NAME, "prompt": SYSTEM + "Go on:", "max_tokens": 4}
-    usages = []
+    openai = []
     for body in (
         {**chat, "n": 2},
         chat,
@@ -74,13 +76,58 @@ def _requests(client: httpx.Client, key: str) -> list[dict]:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         r = client.post(path, json=body, headers=_auth(key))
         assert r.status_code == 200, r.text
-        usages.append(r.json()["usage"])
-    usages.append(_streamed_usage(client, "/v1/chat/completions", {**chat, "n": 2}, key))
-    usages.append(_streamed_usage(client, "/v1/completions", {**cmpl, "n": 2}, key))
+        openai.append(r.json()["usage"])
+    openai.append(_streamed_usage(client, "/v1/chat/completions", {**chat, "n": 2}, key))
+    openai.append(_streamed_usage(client, "/v1/completions", {**cmpl, "n": 2}, key))
+    usages = [_openai(u) for u in openai]
+    message = {
+        "model": TINY_NAME,
+        "max_tokens": 5,
+        "system": SYSTEM,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
+    r = client.post("/v1/messages", json=message, headers={"x-api-key": key})
+    assert r.status_code == 200, r.text
+    usages.append(_anthropic(r.json()["usage"]))
+    response = {"model": TINY_NAME, "instructions": SYSTEM, "input": "Hi", "max_output_tokens": 5}
+    r = client.post("/v1/responses", json=response, headers=_auth(key))
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    usages.append(
+        {
+            "prompt": u["input_tokens"],
+            "cache_read": u["input_tokens_details"]["cached_tokens"],
+            "cache_write_5m": 0,
+            "cache_write_1h": 0,
+            "output": u["output_tokens"],
+        }
+    )
     return usages
 
 
-SEQUENCES = 2 + 1 + 4 + 1 + 2 + 2  # the sequences (choices x prompts) of ``_requests``
+def _openai(u: dict) -> dict:
+    return {
+        "prompt": u["prompt_tokens"],
+        "cache_read": u["prompt_tokens_details"]["cached_tokens"],
+        "cache_write_5m": 0,
+        "cache_write_1h": 0,
+        "output": u["completion_tokens"],
+    }
+
+
+def _anthropic(u: dict) -> dict:
+    """Anthropic's usage: the three input counts add up to the prompt."""
+    read, created = u["cache_read_input_tokens"], u["cache_creation_input_tokens"]
+    return {
+        "prompt": u["input_tokens"] + read + created,
+        "cache_read": read,
+        "cache_write_5m": u["cache_creation"]["ephemeral_5m_input_tokens"],
+        "cache_write_1h": u["cache_creation"]["ephemeral_1h_input_tokens"],
+        "output": u["output_tokens"],
+    }
+
+
+SEQUENCES = 2 + 1 + 4 + 1 + 2 + 2 + 1 + 1  # the sequences (choices x prompts) of _requests
 
 
 def test_each_tenants_bill_is_the_sum_of_its_usage(billed_server):
@@ -88,11 +135,7 @@ def test_each_tenants_bill_is_the_sum_of_its_usage(billed_server):
         sums = {}
         for key, tenant in KEYS.items():
             usages = _requests(client, key)
-            sums[tenant] = {
-                "prompt": sum(u["prompt_tokens"] for u in usages),
-                "cache_read": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages),
-                "output": sum(u["completion_tokens"] for u in usages),
-            }
+            sums[tenant] = {kind: sum(u[kind] for u in usages) for kind in usages[0]}
         assert sums["alice"]["cache_read"] > 0  # the repeated context hit the cache
 
         def usage(**query) -> dict:
@@ -110,9 +153,8 @@ def test_each_tenants_bill_is_the_sum_of_its_usage(billed_server):
         assert [row["tenant"] for row in bill["tenants"]] == ["alice", "bob"]
         for row in bill["tenants"]:
             tokens, expected = row["tokens"], sums[row["tenant"]]
-            assert tokens["prompt"] == expected["prompt"]
-            assert tokens["cache_read"] == expected["cache_read"]
-            assert tokens["output"] == expected["output"]
+            for kind in ("prompt", "cache_read", "cache_write_5m", "cache_write_1h", "output"):
+                assert tokens[kind] == expected[kind], kind
             assert tokens["cache_write_5m"] == tokens["cache_write_1h"] == 0  # no breakpoints
             assert tokens["input"] == expected["prompt"] - expected["cache_read"]
             # priced by hand: $ per million tokens
