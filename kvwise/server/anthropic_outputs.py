@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from kvwise.server.cache_usage import anthropic_usage
 from kvwise.server.outputs import DeltaToolCall
 from kvwise.server.tools import ToolCallStream, parse_tool_calls
 from kvwise.types import FinishReason, RequestOutput
@@ -79,20 +80,9 @@ class TokenCount(BaseModel):
 
 
 def usage_of(out: RequestOutput, output_tokens: int | None = None) -> MessageUsage:
-    """Anthropic's usage of ``out`` (``output_tokens``: its tokens so far unless given)."""
-    created = getattr(out, "cache_created_tokens", None) or {}  # by TTL asked, in seconds
-    one_hour = sum(n for ttl_s, n in created.items() if ttl_s >= 3600)
-    five_min = sum(created.values()) - one_hour
-    read = out.num_cached_tokens
-    return MessageUsage(
-        input_tokens=max(0, out.num_prompt_tokens - read - five_min - one_hour),
-        output_tokens=len(out.token_ids) if output_tokens is None else output_tokens,
-        cache_creation_input_tokens=five_min + one_hour,
-        cache_read_input_tokens=read,
-        cache_creation=CacheCreation(
-            ephemeral_5m_input_tokens=five_min, ephemeral_1h_input_tokens=one_hour
-        ),
-    )
+    """Anthropic's usage of ``out`` (``cache_usage.anthropic_usage``; ``output_tokens``: its
+    tokens so far unless given)."""
+    return MessageUsage.model_validate(anthropic_usage(out, output_tokens))
 
 
 def stop_of(out: RequestOutput, called: bool) -> tuple[str, str | None]:
