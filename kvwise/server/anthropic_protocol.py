@@ -178,6 +178,7 @@ class _Conversation(_Wire):
 
     _blocks: list[list[Block]] | None = PrivateAttr(None)
     _system: list[TextBlock] | None = PrivateAttr(None)
+    _cache_breakpoints: tuple = PrivateAttr(())  # set by the route (cache_usage), in tokens
 
     # ---- parsing and checks -------------------------------------------------------------
 
@@ -441,5 +442,5 @@ class MessagesRequest(_Conversation):
 
     def request_options(self, tenant: str) -> RequestOptions:
         """The tenant comes from the API key, never the body (``metadata.user_id`` names no
-        cache)."""
-        return RequestOptions(tenant=tenant)
+        cache); its cache_control breakpoints as the route counted them in tokens."""
+        return RequestOptions(tenant=tenant, cache_breakpoints=self._cache_breakpoints)

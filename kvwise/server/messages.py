@@ -6,6 +6,8 @@
   does, so it equals the three input counts of the message's usage).
 
 The request's translation is ``anthropic_protocol.py``, the answer's ``anthropic_outputs.py``.
+``cache_control`` breakpoints (``cache_breakpoint_prefixes``) are counted in tokens by
+``cache_usage.cache_breakpoints`` and kept by the engine (``core/breakpoints.py``).
 Auth (``x-api-key`` or ``Authorization: Bearer``), tenants, admission, disconnects and errors
 are the server's, in Anthropic's error shape under ``/v1/messages`` (``dialects.py``); the
 ``anthropic-version`` header is accepted, whatever it says.
@@ -22,6 +24,7 @@ from fastapi.responses import Response
 from kvwise.errors import InvalidRequest
 from kvwise.server.anthropic_outputs import MessageEvents, MessageResponse, TokenCount, message_of
 from kvwise.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from kvwise.server.cache_usage import cache_breakpoints
 from kvwise.server.dialects import ANTHROPIC
 from kvwise.server.generation import Generation, ServerContext
 from kvwise.server.validation import check_unicode
@@ -40,8 +43,10 @@ class MessagesRoutes:
         self.gen.check_model(body.model)
         body.check_supported()
         message_id = f"msg_{uuid.uuid4().hex}"
+        prompt = body.prompt_of()
+        body._cache_breakpoints = await self._breakpoints(body, prompt, request.state.tenant)
         streams = await self.gen.admit_all(
-            body, [body.prompt_of()], message_id, request, "messages", body.max_tokens
+            body, [prompt], message_id, request, "messages", body.max_tokens
         )
         if streams is None:
             return Response(status_code=499)
@@ -61,6 +66,17 @@ class MessagesRoutes:
         if message.stop_reason == "tool_use":
             await self.gen.tool_pause(message_id)
         return message
+
+    async def _breakpoints(self, body: MessagesRequest, prompt, tenant: str) -> tuple:
+        """The request's cache_control breakpoints in tokens (``cache_usage``): what each
+        marked prefix shares with the prompt, both tokenized by the engine."""
+        prefixes = body.cache_breakpoint_prefixes()
+        if not prefixes:
+            return ()
+        try:
+            return await cache_breakpoints(self.gen.engine, prompt, prefixes, tenant)
+        except InvalidRequest as exc:
+            raise (exc.renamed("messages") if exc.param == "prompt" else exc) from None
 
     async def count_tokens(self, body: CountTokensRequest, request: Request) -> TokenCount:
         check_unicode(body, await request.body())
