@@ -280,3 +280,18 @@ def test_save_ttl_is_the_longest_of_retention_and_the_run():
     req = request("b", range(40), [(16, 3600)])
     req.keep_runs = BreakpointPolicy(MIN).runs(req, BS)
     assert [save_ttl(req, end) for end in (2, 4, 5)] == [3600.0, 3600.0, None]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--cache-ttl-scale", "0", "must be a finite number > 0"),
+        ("--cache-min-tokens", "-5", ">= 0"),
+    ],
+)
+def test_bad_flags_stop_the_server_naming_them(capsys, flag, value, says):
+    from kvwise.cli import main
+
+    assert main(["serve", flag, value, "--port", "18461"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kvwise: error: {flag}: ") and says in err[0]
