@@ -150,6 +150,8 @@ def test_each_tenants_bill_is_the_sum_of_its_usage(billed_server):
         assert wait_for(all_ended, timeout=10), usage()
         bill = usage()
         assert bill["price_sheet"] == {"currency": "USD", **PRICES}
+        board = client.get("/dashboard/data", headers=_auth(ADMIN)).json()["bill"]
+        assert board == {"currency": "USD", "tenants": bill["tenants"]}  # the dashboard's table
         assert [row["tenant"] for row in bill["tenants"]] == ["alice", "bob"]
         for row in bill["tenants"]:
             tokens, expected = row["tokens"], sums[row["tenant"]]
@@ -200,3 +202,42 @@ def test_usage_needs_the_admin_key(billed_server):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
         # the admin key is still no tenant's key
         assert client.get("/v1/models", headers=_auth(ADMIN)).status_code == 401
+
+
+@pytest.fixture(scope="module")
+def slow_server(make_tiny_engine):
+    """An open server (no keys: tenant ``default``, /v1/usage open) at 50 ms a step."""
+    from kvwise.engine.async_engine import AsyncEngine
+    from tests.fakes import ControlledRunner
+
+    engine = make_tiny_engine(wrap_runner=ControlledRunner)
+    engine.runner.delay_s = 0.05
+    async_engine = AsyncEngine(engine)
+    with LiveServer(create_app(async_engine, model_name=TINY_NAME)) as server:
+        yield server
+    async_engine.shutdown()
+
+
+def test_a_hung_up_request_bills_what_it_computed_and_its_prompt_once(slow_server):
+    chat = {
+        "model": TINY_NAME,
+        "messages": [{"role": "user", "content": "tell me a long story " * 4}],
+        "ignore_eos": True,
+    }
+    with httpx.Client(base_url=slow_server.base_url, timeout=30) as client:
+        r = client.post("/v1/chat/completions", json={**chat, "max_tokens": 1})
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        body = {**chat, "n": 2, "max_tokens": 200, "stream": True}
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: {"))
+            for _ in range(6):  # two role chunks, then tokens
+                next(lines)
+        # the client went away: both choices aborted, and billed once they end
+
+        def tokens() -> dict:
+            return client.get("/v1/usage").json()["tenants"][0]["tokens"]
+
+        assert wait_for(lambda: tokens()["sequences"] == 3, timeout=10), tokens()
+        bill = tokens()
+    assert bill["prompt"] == 2 * prompt_tokens  # the first request's and, once, the hung-up one's
+    assert 1 + 2 <= bill["output"] < 1 + 2 * 200  # some of the 400 tokens asked, not all
