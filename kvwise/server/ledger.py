@@ -10,9 +10,9 @@ Kinds (``KINDS``), each prompt token in exactly one of the first four:
   ``cached_tokens``, Anthropic's ``cache_read_input_tokens``);
 - ``cache_write_5m`` / ``cache_write_1h``: prompt tokens computed and kept for a 5-minute /
   1-hour ``cache_control`` breakpoint (Anthropic's ``cache_creation``), from the engine's
-  per-request counts by TTL (``RequestOutput.cache_created_tokens``: a TTL of an hour or
-  more bills as a 1-hour write, a shorter one as a 5-minute write; none from an engine that
-  reports none);
+  per-request counts by TTL (``RequestOutput.cache_created_tokens``, split by
+  ``cache_usage.cache_creation`` as Anthropic's usage is: a TTL of an hour or more is a
+  1-hour write, a shorter one a 5-minute write);
 - ``output``: tokens generated (a completion's echo-only token, which its usage reports as
   none, is not billed).
 
@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, fields
 
 from prometheus_client.core import CounterMetricFamily
 
+from kvwise.server.cache_usage import cache_creation
 from kvwise.server.request_stats import OTHER_TENANTS
 from kvwise.types import RequestOutput
 
@@ -46,7 +47,6 @@ KINDS = ("input", "cache_read", "cache_write_5m", "cache_write_1h", "output")
 DEFAULT_BUCKET_S = 60
 DEFAULT_RETENTION_S = 24 * 3600
 DEFAULT_MAX_TENANTS = 256
-ONE_HOUR_S = 3600.0  # a cache write with a TTL this long or longer bills as a 1-hour one
 
 
 @dataclass
@@ -83,22 +83,11 @@ def bill_of(out: RequestOutput | None, bill_prompt: bool = True, bill_output: bo
         return TokenBill(sequences=1)
     bill = TokenBill(output=len(out.token_ids) if bill_output else 0, sequences=1)
     if bill_prompt:
-        write_5m, write_1h = cache_writes(out)
+        write_5m, write_1h = cache_creation(out)  # as the Messages route's usage counts them
         read = int(out.num_cached_tokens)
         bill.cache_read, bill.cache_write_5m, bill.cache_write_1h = read, write_5m, write_1h
         bill.input = max(0, out.num_prompt_tokens - read - write_5m - write_1h)
     return bill
-
-
-def cache_writes(out: RequestOutput) -> tuple[int, int]:
-    """The prompt tokens ``out``'s request wrote under a 5-minute and a 1-hour TTL
-    (``RequestOutput.cache_created_tokens``, by the breakpoint's TTL as asked: an hour or
-    more is a 1-hour write, a shorter TTL a 5-minute one, as the Messages route's usage
-    counts them; (0, 0) from an engine that reports none)."""
-    created = getattr(out, "cache_created_tokens", None) or {}
-    write_1h = sum(n for ttl_s, n in created.items() if ttl_s >= ONE_HOUR_S)
-    write_5m = sum(n for ttl_s, n in created.items() if ttl_s < ONE_HOUR_S)
-    return int(write_5m), int(write_1h)
 
 
 class UsageLedger:
