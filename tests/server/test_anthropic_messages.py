@@ -9,12 +9,15 @@ count_tokens; tenants; the 400s and the 401 in Anthropic's error shape; /tokeniz
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import anthropic
 import httpx
 import pytest
 
 from tests.server.test_openai_client import BLOCK, MODEL, client_for
+from tests.server.test_openai_tools import PROMPTS, TOOLS, _valid
 
 pytestmark = pytest.mark.slow
 
@@ -206,6 +209,40 @@ def test_a_forced_tool_call_and_its_result(server, alice):
     previous = prompt_tokens(first.usage) + first.usage.output_tokens
     assert prompt_tokens(second.usage) > previous
     assert second.usage.cache_read_input_tokens >= previous - BLOCK  # the call turn's blocks
+
+
+def test_any_tool_choice_makes_a_valid_call_on_twenty_prompts(alice):
+    """tool_choice any (and one call: disable_parallel_tool_use) on the twenty prompts of the
+    OpenAI tools test: each answer is one tool_use block whose input validates."""
+    tools = [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in TOOLS
+    ]
+    choice = {"type": "any", "disable_parallel_tool_use": True}
+
+    def ask(prompt):
+        return alice.messages.create(
+            model=MODEL,
+            max_tokens=96,
+            tools=tools,
+            tool_choice=choice,
+            extra_body=GREEDY,
+            messages=[{"role": "user", "content": prompt}],
+        )
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # one batch in the engine
+        answers = list(pool.map(ask, PROMPTS))
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        assert answer.stop_reason == "tool_use", (prompt, answer.content)
+        [call] = answer.content
+        as_openai = SimpleNamespace(
+            function=SimpleNamespace(name=call.name, arguments=json.dumps(call.input))
+        )
+        assert any(_valid(as_openai, t) for t in TOOLS), (prompt, call)
 
 
 def test_tenants_never_read_each_others_cache(server, alice):
