@@ -43,8 +43,8 @@ from kvwise.server.protocol import (
     check_unicode,
 )
 from kvwise.server.responses import SSEResponse
-from kvwise.server.tools import ToolCallStream, parse_tool_calls
-from kvwise.types import RequestOutput
+from kvwise.server.tools import ToolCallStream, parse_cut_answer, parse_tool_calls
+from kvwise.types import FinishReason, RequestOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -161,12 +161,12 @@ class OpenAIRoutes:
             return Response(status_code=499)
         choices = []
         for index, out in enumerate(outs):
-            content, calls = parse_tool_calls(out.text, names) if names else (out.text, [])
-            if calls:
+            content, calls = _answer(out, names)
+            finish = "tool_calls" if calls and not _cut(out) else _finish(out)
+            if finish == "tool_calls":
                 await self.gen.tool_pause(streams[index].request_id)
             message = AssistantMessage(content=content, tool_calls=calls or None)
             logprobs = chat_logprobs(out, 0, len(out.token_ids)) if body.logprobs else None
-            finish = "tool_calls" if calls else _finish(out)
             choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
                                       finish_reason=finish))  # fmt: skip
         return ChatCompletionResponse(id=request_id, created=now, model=model, choices=choices,
@@ -176,7 +176,8 @@ class OpenAIRoutes:
         """A chat answer as events. With tools, each answer is read by a ``ToolCallStream``:
         its content goes out as it comes (less what may begin a call), each call as soon as
         its name is complete, then its arguments piece by piece; an answer that made calls
-        ends with ``finish_reason: tool_calls``."""
+        ends with ``finish_reason: tool_calls``, one cut inside a call with ``length`` (the
+        call's arguments: their text so far)."""
         sent = [0] * len(streams)  # output tokens already streamed, per choice
         parsers = [ToolCallStream(names) if names else None for _ in streams]
 
@@ -188,9 +189,9 @@ class OpenAIRoutes:
             if parser is not None:
                 text, deltas = parser.feed(text)
                 if out.finished:
-                    more, last = parser.finish()
+                    more, last = parser.finish(cut=_cut(out))
                     text, deltas = text + more, deltas + last
-                    if parser.calls:
+                    if parser.calls and not _cut(out):
                         finish = "tool_calls"
                         asyncio.ensure_future(self.gen.tool_pause(streams[index].request_id))
                 elif not (text or deltas):
@@ -274,6 +275,19 @@ def _tail(out: RequestOutput, start: int) -> RequestOutput:
     tops = out.top_logprobs[start:] if out.top_logprobs is not None else None
     return dataclasses.replace(out, token_ids=out.token_ids[start:], logprobs=out.logprobs[start:],
                                top_logprobs=tops)  # fmt: skip
+
+
+def _cut(out: RequestOutput) -> bool:
+    """The answer was cut by ``max_tokens`` (or the context): a call in it is truncated, and
+    the answer ends with ``length``, not ``tool_calls``, as OpenAI's does."""
+    return out.finish_reason == FinishReason.LENGTH
+
+
+def _answer(out: RequestOutput, names: set[str]) -> tuple[str | None, list]:
+    """A whole answer's content and tool calls (a truncated call's arguments: their text)."""
+    if not names:
+        return out.text, []
+    return (parse_cut_answer if _cut(out) else parse_tool_calls)(out.text, names)
 
 
 def _finish(out: RequestOutput) -> str | None:
