@@ -3,7 +3,7 @@
 
 A message's ``content`` is its text block (when the answer has text) and a ``tool_use`` block
 per call (``tools.parse_tool_calls``: id ``toolu_...``, the name, the arguments parsed as
-``input``). ``stop_reason``: ``tool_use`` (it made calls), ``max_tokens`` (cut by max_tokens or
+``input``; a call cut by max_tokens is still a ``tool_use`` block, ``tools.parse_cut_answer``). ``stop_reason``: ``tool_use`` (it made calls), ``max_tokens`` (cut by max_tokens or
 the context), ``stop_sequence`` (with the matched ``stop_sequence``), else ``end_turn``.
 ``usage``: ``input_tokens`` is the prompt's uncached rest, ``cache_read_input_tokens`` what the
 engine read from its cache (the device pool or the tiers, automatic prefix caching included),
@@ -35,7 +35,7 @@ from pydantic import BaseModel
 
 from kvwise.server.cache_usage import anthropic_usage
 from kvwise.server.outputs import DeltaToolCall
-from kvwise.server.tools import ToolCallStream, parse_tool_calls
+from kvwise.server.tools import ToolCallStream, parse_cut_answer, parse_tool_calls
 from kvwise.types import FinishReason, RequestOutput
 
 
@@ -97,6 +97,12 @@ def stop_of(out: RequestOutput, called: bool) -> tuple[str, str | None]:
     return "end_turn", None
 
 
+def _cut(out: RequestOutput) -> bool:
+    """Cut by max_tokens (or the context): a call it was writing is a truncated tool_use
+    block (its input's text so far; ``{}`` in a whole message), not text."""
+    return out.finish_reason is FinishReason.LENGTH
+
+
 def tool_use_id(call_id: str) -> str:
     """A call's id as Anthropic spells it (``toolu_...``)."""
     return "toolu_" + call_id.removeprefix("call_")
@@ -112,7 +118,8 @@ def _input(arguments: str) -> dict[str, Any]:
 
 def message_of(out: RequestOutput, message_id: str, model: str, names: set[str]):
     """The whole answer as a message (``names``: the tools whose calls are read)."""
-    text, calls = parse_tool_calls(out.text, names) if names else (out.text, [])
+    parse = parse_cut_answer if _cut(out) else parse_tool_calls
+    text, calls = parse(out.text, names) if names else (out.text, [])
     content: list[TextContent | ToolUseContent] = [TextContent(text=text)] if text else []
     for call in calls:
         content.append(
@@ -172,7 +179,7 @@ class MessageEvents:
         if self.parser is not None:
             text, deltas = self.parser.feed(text)
             if out.finished:
-                more, last = self.parser.finish()
+                more, last = self.parser.finish(cut=_cut(out))
                 text, deltas = text + more, deltas + last
         if text:
             events += self._text(text)

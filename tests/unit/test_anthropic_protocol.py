@@ -351,6 +351,22 @@ def test_a_streamed_call_is_a_tool_use_block_with_its_input_in_pieces():
     assert [(c.type, c.input) for c in whole.content] == [("tool_use", {"city": "Paris"})]
 
 
+def test_a_call_cut_by_max_tokens_is_a_truncated_tool_use_block():
+    answer = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    out = _out(answer, answer, 9, FinishReason.LENGTH)
+    whole = message_of(out, "msg_1", "m", {"get_weather"})
+    assert whole.stop_reason == "max_tokens"
+    assert [(c.type, c.name, c.input) for c in whole.content] == [("tool_use", "get_weather", {})]
+    stream = MessageEvents("msg_1", "m", {"get_weather"}, on_tool_use=lambda: None)
+    events = _events(stream.on_output(0, out))
+    assert [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"] == [
+        "tool_use"
+    ]
+    pieces = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"]
+    assert "".join(pieces) == '{"city": "Pa'  # the input's text so far
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens"
+
+
 def test_an_engine_error_mid_stream_ends_with_an_error_event():
     from fastapi.testclient import TestClient
 
