@@ -32,8 +32,9 @@ SYSTEM = "You answer briefly. The shared context every turn repeats: " + "alpha 
 def billed_server(make_tiny_engine, tmp_path_factory):
     sheet = tmp_path_factory.mktemp("prices") / "prices.json"
     sheet.write_text(json.dumps(PRICES))
+    engine = make_tiny_engine(cache_min_tokens=16)  # a breakpoint caches from 16 tokens up
     app = create_app(
-        make_tiny_engine(), api_keys=KEYS, model_name=TINY_NAME, admin_key=ADMIN, price_sheet=sheet
+        engine, api_keys=KEYS, model_name=TINY_NAME, admin_key=ADMIN, price_sheet=sheet
     )
     with LiveServer(app) as server:
         yield server
@@ -89,6 +90,20 @@ def _requests(client: httpx.Client, key: str) -> list[dict]:
     r = client.post("/v1/messages", json=message, headers={"x-api-key": key})
     assert r.status_code == 200, r.text
     usages.append(_anthropic(r.json()["usage"]))
+    for ttl, words in (("1h", "epsilon zeta "), ("5m", "gamma delta ")):  # cache writes
+        system = [
+            {
+                "type": "text",
+                "text": f"Kept {ttl}: " + words * 12,
+                "cache_control": {"type": "ephemeral", "ttl": ttl},
+            }
+        ]
+        r = client.post(
+            "/v1/messages", json={**message, "system": system}, headers={"x-api-key": key}
+        )
+        assert r.status_code == 200, r.text
+        usages.append(_anthropic(r.json()["usage"]))
+        assert usages[-1][f"cache_write_{ttl}"] > 0, usages[-1]
     response = {"model": TINY_NAME, "instructions": SYSTEM, "input": "Hi", "max_output_tokens": 5}
     r = client.post("/v1/responses", json=response, headers=_auth(key))
     assert r.status_code == 200, r.text
@@ -127,7 +142,7 @@ def _anthropic(u: dict) -> dict:
     }
 
 
-SEQUENCES = 2 + 1 + 4 + 1 + 2 + 2 + 1 + 1  # the sequences (choices x prompts) of _requests
+SEQUENCES = 2 + 1 + 4 + 1 + 2 + 2 + 1 + 2 + 1  # the sequences (choices x prompts) of _requests
 
 
 def test_each_tenants_bill_is_the_sum_of_its_usage(billed_server):
@@ -157,14 +172,15 @@ def test_each_tenants_bill_is_the_sum_of_its_usage(billed_server):
             tokens, expected = row["tokens"], sums[row["tenant"]]
             for kind in ("prompt", "cache_read", "cache_write_5m", "cache_write_1h", "output"):
                 assert tokens[kind] == expected[kind], kind
-            assert tokens["cache_write_5m"] == tokens["cache_write_1h"] == 0  # no breakpoints
-            assert tokens["input"] == expected["prompt"] - expected["cache_read"]
-            # priced by hand: $ per million tokens
             uncached, read, out = tokens["input"], tokens["cache_read"], tokens["output"]
-            cost = (uncached * 3.0 + read * 0.3 + out * 15.0) / 1e6
+            w5, w1 = tokens["cache_write_5m"], tokens["cache_write_1h"]
+            assert uncached == expected["prompt"] - read - w5 - w1 and w5 > 0 and w1 > 0
+            # priced by hand: $ per million tokens
+            cost = (uncached * 3.0 + read * 0.3 + w5 * 3.75 + w1 * 6.0 + out * 15.0) / 1e6
             assert row["cost"]["total"] == pytest.approx(cost, rel=1e-12)
             assert row["cost"]["cache_read"] == pytest.approx(read * 0.3 / 1e6, rel=1e-12)
-            assert row["saved"] == pytest.approx(read * (3.0 - 0.3) / 1e6, rel=1e-12)
+            saved = (read * (3.0 - 0.3) - w5 * (3.75 - 3.0) - w1 * (6.0 - 3.0)) / 1e6
+            assert row["saved"] == pytest.approx(saved, rel=1e-12)
 
         one = usage(tenant="bob", since="2020-01-01T00:00:00Z")["tenants"]
         assert one == [row for row in bill["tenants"] if row["tenant"] == "bob"]
