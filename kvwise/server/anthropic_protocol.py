@@ -23,19 +23,12 @@ block types, server tools (web search, ...) and bad fields are 400s naming the f
 Anthropic's error shape (``dialects.py``). ``metadata.user_id`` and ``thinking`` are accepted
 and ignored (the tenant comes from the API key; the model does not think aloud).
 
-``cache_control`` (``{"type": "ephemeral", "ttl": "5m" | "1h"}``) marks a breakpoint on a
-tool, a system block or a message's block; the top-level one marks the last block of the last
-message. At most 4 breakpoints (tools, then system, then messages: the order a prompt is
-read), and a 1h one never after a 5m one: a 400 otherwise, as Anthropic answers.
-``cache_breakpoint_prefixes`` gives each breakpoint's prefix of the conversation, for the
-engine's side (``cache_usage.cache_breakpoints``) to count in tokens. NOTE: kvwise renders the
-system prompt before the tools (both in the system message), so a breakpoint on a tool covers
-the system prompt too.
+``cache_control`` breakpoints are parsed here and placed and checked by
+``anthropic_cache.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
@@ -43,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from kvwise.engine.chat_template import MAX_MESSAGES
 from kvwise.engine.prompts import ChatPrompt
 from kvwise.errors import InvalidRequest
+from kvwise.server.anthropic_cache import CacheControl, Mark, breakpoint_prefixes, find_marks
 from kvwise.server.outputs import FunctionDef
 from kvwise.types import (
     MAX_KEY_CHARS,
@@ -52,8 +46,6 @@ from kvwise.types import (
     StructuredOutput,
 )
 
-CACHE_TTL_S = {"5m": 300.0, "1h": 3600.0}  # cache_control's ttl, in seconds
-MAX_CACHE_BREAKPOINTS = 4  # blocks with cache_control in one request (Anthropic's limit)
 MAX_TOOLS = 128
 _GREEDY_TEMPERATURE = 1e-5  # below it: greedy (as the OpenAI routes)
 _JOIN = "\n\n"  # between the text blocks of one message (or of the system prompt)
@@ -61,11 +53,6 @@ _JOIN = "\n\n"  # between the text blocks of one message (or of the system promp
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class CacheControl(_Wire):
-    type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] = "5m"
 
 
 class TextBlock(_Wire):
@@ -151,20 +138,6 @@ class Metadata(_Wire):
     user_id: str | None = Field(None, max_length=MAX_KEY_CHARS)
 
 
-@dataclass(frozen=True)
-class _Mark:
-    """A breakpoint: where (``("tools", k)``, ``("system", k)``, ``("messages", i, j)``)."""
-
-    where: tuple
-    ttl: str
-
-    @property
-    def field(self) -> str:
-        if self.where[0] == "messages":
-            return f"messages[{self.where[1]}].content[{self.where[2]}]"
-        return f"{self.where[0]}[{self.where[1]}]"
-
-
 class _Conversation(_Wire):
     """What ``/v1/messages`` and its ``count_tokens`` share: the conversation and tools."""
 
@@ -230,44 +203,6 @@ class _Conversation(_Wire):
             blocks.append(block)
         return blocks
 
-    def _marks(self) -> list[_Mark]:
-        """The breakpoints in prompt order (a 400 for a 5th, or a 1h after a 5m)."""
-        system, messages = self._parsed()
-        marks = [
-            _Mark(("tools", k), t.cache_control.ttl)
-            for k, t in enumerate(self.tools or ())
-            if t.cache_control
-        ]
-        marks += [
-            _Mark(("system", k), b.cache_control.ttl)
-            for k, b in enumerate(system)
-            if b.cache_control
-        ]
-        for i, blocks in enumerate(messages):
-            for j, block in enumerate(blocks):
-                control = block.cache_control or _inner_control(block)
-                if control is not None:
-                    marks.append(_Mark(("messages", i, j), control.ttl))
-        if self.cache_control is not None and messages[-1]:
-            last = ("messages", len(messages) - 1, len(messages[-1]) - 1)
-            if not marks or marks[-1].where != last:  # an explicit mark there wins
-                marks.append(_Mark(last, self.cache_control.ttl))
-        if len(marks) > MAX_CACHE_BREAKPOINTS:
-            raise InvalidRequest(
-                "cache_control",
-                f"a maximum of {MAX_CACHE_BREAKPOINTS} blocks "
-                f"with cache_control may be provided, found {len(marks)}",
-            )
-        for before, after in zip(marks, marks[1:]):
-            if CACHE_TTL_S[after.ttl] > CACHE_TTL_S[before.ttl]:
-                raise InvalidRequest(
-                    "cache_control",
-                    f"a ttl='{after.ttl}' breakpoint "
-                    f"({after.field}) may not come after a ttl='{before.ttl}' "
-                    f"one ({before.field}): longer TTLs first",
-                )
-        return marks
-
     # ---- the engine's prompt ------------------------------------------------------------
 
     def prompt_of(self) -> list[dict[str, Any]] | ChatPrompt:
@@ -290,7 +225,7 @@ class _Conversation(_Wire):
         """The conversation as chat messages; ``upto`` (i, j): only as far as block j of
         message i, that block included."""
         _, messages = self._parsed()
-        out = self._system_messages()
+        out = self.system_messages()
         names = {b.id: b.name for blocks in messages for b in blocks if b.type == "tool_use"}
         last = len(messages) if upto is None else upto[0] + 1
         for i, blocks in enumerate(messages[:last]):
@@ -302,31 +237,19 @@ class _Conversation(_Wire):
                 out += _user_messages(blocks, names, f"messages[{i}].content")
         return out
 
-    def _system_messages(self, num_blocks: int | None = None) -> list[dict[str, Any]]:
+    def system_messages(self, num_blocks: int | None = None) -> list[dict[str, Any]]:
         """The system message (its first ``num_blocks`` blocks), or none."""
         system = self._parsed()[0][:num_blocks]
         return [{"role": "system", "content": _JOIN.join(b.text for b in system)}] if system else []
 
     def cache_breakpoint_prefixes(self) -> list[tuple[ChatPrompt, float]]:
-        """Each breakpoint, in prompt order: the conversation up to and including the marked
-        block (chat messages with the system prompt, and the tools; without the generation
-        prompt) and its TTL in seconds (300.0: 5m, 3600.0: 1h). A tool's prefix is the system
-        prompt and the tools up to that one (an empty user turn after them where there is no
-        system prompt, so that it renders: only what it shares with the prompt counts)."""
-        prefixes = []
-        tools = self.engine_tools()
-        for mark in self._marks():
-            kind, k = mark.where[0], mark.where[1]
-            if kind == "tools":
-                messages = self._system_messages() or [{"role": "user", "content": ""}]
-                tools_then = tools[: k + 1] if tools else None
-            elif kind == "system":
-                messages, tools_then = self._system_messages(k + 1), tools
-            else:
-                messages, tools_then = self.engine_messages(upto=mark.where[1:]), tools
-            prompt = ChatPrompt(messages, tools_then, add_generation_prompt=False)
-            prefixes.append((prompt, CACHE_TTL_S[mark.ttl]))
-        return prefixes
+        """Each breakpoint's conversation prefix and TTL in seconds, in prompt order
+        (``anthropic_cache.breakpoint_prefixes``)."""
+        return breakpoint_prefixes(self, self._marks())
+
+    def _marks(self) -> list[Mark]:
+        system, messages = self._parsed()
+        return find_marks(self.tools or (), system, messages, self.cache_control)
 
     # ---- tools --------------------------------------------------------------------------
 
@@ -350,17 +273,6 @@ class _Conversation(_Wire):
         called = [k for k, t in enumerate(self.tools) if named in (None, t.name)]
         field = f"tools[{called[0]}].input_schema" if len(called) == 1 else "tools"
         return StructuredOutput("grammar", lark, field)
-
-
-def _inner_control(block: Block) -> CacheControl | None:
-    """A tool_result's breakpoint set on a text block of its content (checked already): the
-    result's own."""
-    if not isinstance(block, ToolResultBlock) or isinstance(block.content, str):
-        return None
-    for inner in block.content:
-        if inner.get("cache_control") is not None:
-            return CacheControl.model_validate(inner["cache_control"])
-    return None
 
 
 def _function(tool: ToolParam) -> FunctionDef:
