@@ -101,6 +101,10 @@ _PARK_ERRORS = {
     404: {"model": ErrorResponse, "description": "no finished turn of this prompt_cache_key"},
     409: {"model": ErrorResponse, "description": "a request of this session is in flight"},
 }
+_DESCRIPTION = (
+    "OpenAI's Chat Completions, Completions and Responses and Anthropic's Messages over the "
+    "kvwise engine."
+)
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 # far above any prompt the model's context holds (a 131,072-token context is ~0.5 MB of text)
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
@@ -151,30 +155,29 @@ def create_app(
     client: EngineClient = owned if owned is not None else engine
     metrics = ServerMetrics(client)
     dashboard = Dashboard(client, metrics, model_name, price_sheet=price_sheet)
-    app = FastAPI(
-        title="kvwise",
-        version="0.1.0",
-        description="OpenAI-compatible completions and chat over the kvwise engine.",
-        lifespan=_lifespan(client, dashboard, owned),
-    )
+    lifespan = _lifespan(client, dashboard, owned)
+    app = FastAPI(title="kvwise", version="0.1.0", description=_DESCRIPTION, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.dashboard = client, metrics, dashboard
     app.state.model_name, app.state.responses_store_limits = model_name, responses_store
     install_error_handlers(app)
-    app.add_middleware(AdminGate, admin_key=admin_key, tenant_keys=list(keys))
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    app.add_middleware(AuthAndCount, keys=keys, metrics=metrics, budget=invalid_request_budget)
-    if allowed is not None:
-        app.add_middleware(HostCheck, allowed=allowed)  # outermost: before anything runs
+    budget = invalid_request_budget
+    _add_middleware(app, keys, admin_key, metrics, max_request_bytes, budget, allowed)
     routes = OpenAIRoutes(
         client, metrics, model_name, default_completion_max_tokens, max_sequences_per_request
     )
-    _add_routes(app, routes)
-    context = ServerContext(routes.gen, admin_key, list(keys), price_sheet)
-    for dialect_routes in (messages, openai_responses, tokenize, usage):  # each its own module
-        dialect_routes.add_routes(app, context)
+    _add_routes(app, routes, ServerContext(routes.gen, admin_key, list(keys), price_sheet))
     dashboard.add_routes(app)
-    _add_version_route(app, model_name)
     return app
+
+
+def _add_middleware(app, keys, admin_key, metrics, max_request_bytes, budget, allowed) -> None:
+    """The middleware, innermost first: the admin gate, the body limit, auth and the
+    request counter, then (outermost: before anything runs) the Host check."""
+    app.add_middleware(AdminGate, admin_key=admin_key, tenant_keys=list(keys))
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(AuthAndCount, keys=keys, metrics=metrics, budget=budget)
+    if allowed is not None:
+        app.add_middleware(HostCheck, allowed=allowed)
 
 
 def _add_version_route(app: FastAPI, model_name: str) -> None:
@@ -204,7 +207,15 @@ def _lifespan(engine: EngineClient, dashboard: Dashboard, owned: AsyncEngine | N
     return lifespan
 
 
-def _add_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
+def _add_routes(app: FastAPI, routes: OpenAIRoutes, context: ServerContext) -> None:
+    """OpenAI's routes and the app's own, then each further API's module, then /version."""
+    _add_openai_routes(app, routes)
+    for dialect_routes in (messages, openai_responses, tokenize, usage):  # each its own module
+        dialect_routes.add_routes(app, context)
+    _add_version_route(app, routes.model_name)
+
+
+def _add_openai_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
     generation = {**_ERRORS, 200: {"content": _SSE}}
     app.post("/v1/completions", response_model=CompletionResponse, responses=generation)(
         routes.completions
