@@ -28,11 +28,14 @@ class ChatPrompt:
     the chat template as its ``tools`` variable; a template without one gets them described in
     a system message, ``chat_template.with_tools``). Messages may hold assistant ``tool_calls``
     and ``tool`` results. ``add_generation_prompt``: end with the header that opens the
-    assistant's turn (False: the chat as it stands, e.g. to count or cache a prefix of it)."""
+    assistant's turn (False: the chat as it stands, e.g. to count or cache a prefix of it);
+    ``continue_final_message``: leave the last message open, for the model to continue it
+    (an assistant's prefill)."""
 
     messages: list[dict]
     tools: list[dict] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 Prompt = str | list[dict] | list[int] | TokenizedPrompt | ChatPrompt
@@ -59,9 +62,11 @@ class Tokenizer(Decoder, Protocol):
         max_chars: int | None = None,
         tools: list[dict] | None = None,
         answers: Callable[[str], Sequence[int] | None] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The rendered chat's ids; a rendering over ``max_chars`` characters is refused
-        before it is tokenized (``ContextLengthExceeded``)."""
+        before it is tokenized (``ContextLengthExceeded``); ``continue_final_message``: the
+        last message left open (cut after its content)."""
         ...
 
 
@@ -114,9 +119,13 @@ def tokenize_prompt(
     checked one by one."""
     if isinstance(prompt, TokenizedPrompt):
         return list(prompt.token_ids)
-    tools, generation = None, True
+    tools, extra = None, {}
     if isinstance(prompt, ChatPrompt):
-        prompt, tools, generation = prompt.messages, prompt.tools, prompt.add_generation_prompt
+        if not prompt.add_generation_prompt:
+            extra["add_generation_prompt"] = False
+        if prompt.continue_final_message:
+            extra["continue_final_message"] = True
+        prompt, tools = prompt.messages, prompt.tools
         if not prompt:
             raise InvalidRequest("messages", "expected a non-empty list of messages")
     if isinstance(prompt, str):
@@ -132,9 +141,7 @@ def tokenize_prompt(
         num_chars = sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))
         _check_length(tokenizer, "messages", num_chars, max_tokens)
         max_chars = None if max_tokens is None else max_tokens * tokenizer.max_token_chars
-        extra = {k: v for k, v in (("tools", tools), ("answers", answers)) if v}
-        if not generation:
-            extra["add_generation_prompt"] = False
+        extra.update((k, v) for k, v in (("tools", tools), ("answers", answers)) if v)
         return tokenizer.encode_chat(prompt, max_chars=max_chars, **extra)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         if max_tokens is not None and len(prompt) > max_tokens:  # before a look at each id

@@ -24,7 +24,8 @@ Anthropic's error shape (``dialects.py``). ``metadata.user_id`` and ``thinking``
 and ignored (the tenant comes from the API key; the model does not think aloud).
 
 ``cache_control`` breakpoints are parsed here and placed and checked by
-``anthropic_cache.py``.
+``anthropic_cache.py``. A last assistant message is continued, not answered by a new turn
+(Anthropic's prefill: ``ChatPrompt.continue_final_message``).
 """
 
 from __future__ import annotations
@@ -178,6 +179,22 @@ class _Conversation(_Wire):
                 "tool_choice.name", f"must name one of the tools, got {choice.name!r}"
             )
         self._marks()
+        self._check_prefill()
+
+    def _check_prefill(self) -> None:
+        """A last assistant message (a prefill) is text without trailing whitespace, as
+        Anthropic requires."""
+        if self.messages[-1].role != "assistant":
+            return
+        path = f"messages[{len(self.messages) - 1}].content"
+        blocks = self._parsed()[1][-1]
+        if any(isinstance(b, ToolUseBlock) for b in blocks):
+            raise InvalidRequest(path, "a final assistant message cannot hold tool_use blocks")
+        text = _JOIN.join(b.text for b in blocks)
+        if text != text.rstrip():
+            raise InvalidRequest(
+                path, "final assistant content cannot end with trailing whitespace"
+            )
 
     def _parsed(self) -> tuple[list[TextBlock], list[list[Block]]]:
         if self._blocks is None:
@@ -207,9 +224,14 @@ class _Conversation(_Wire):
 
     def prompt_of(self) -> list[dict[str, Any]] | ChatPrompt:
         """The chat prompt: the messages, with the tools when there are any (as the chat
-        path gives them)."""
+        path gives them). A last assistant message is continued (Anthropic's prefill: the
+        answer goes on from its text); an empty one opens the answer as none would."""
         messages = self.engine_messages()
         tools = self.engine_tools()
+        if self.messages[-1].role == "assistant":
+            if messages[-1]["content"]:
+                return ChatPrompt(messages, tools, continue_final_message=True)
+            messages.pop()
         return ChatPrompt(messages, tools) if tools else messages
 
     def engine_tools(self) -> list[dict[str, Any]] | None:

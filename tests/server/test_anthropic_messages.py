@@ -155,6 +155,29 @@ def test_a_stop_sequence_is_named(alice, answer):
     assert got == text[: text.index(stop)]  # the text up to the stop sequence, without it
 
 
+def test_a_prefill_is_continued(server, alice):
+    """A last assistant message is continued, as /v1/completions continues the rendered chat
+    with that text after the assistant's header."""
+    headers = {"Authorization": "Bearer key-alice"}
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    ids = httpx.post(server.base_url + "/tokenize", headers=headers, json={"messages": chat})
+    text = httpx.post(
+        server.base_url + "/detokenize", headers=headers, json={"tokens": ids.json()["tokens"]}
+    ).json()["prompt"]
+    prefill = "The three colours I pick are"
+    completion = client_for(server, "key-alice").completions.create(
+        model=MODEL, prompt=text + prefill, max_tokens=8, temperature=0
+    )
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": prefill}]
+    message = alice.messages.create(
+        model=MODEL, max_tokens=8, system=SYSTEM, messages=messages, extra_body=GREEDY
+    )
+    assert message.content[0].text == completion.choices[0].text
+    assert prompt_tokens(message.usage) == completion.usage.prompt_tokens
+    counted = alice.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages)
+    assert counted.input_tokens == completion.usage.prompt_tokens
+
+
 def test_count_tokens_is_the_prompt_a_message_runs(alice, answer):
     counted = alice.messages.count_tokens(
         model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": QUESTION}]

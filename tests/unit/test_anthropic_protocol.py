@@ -121,6 +121,21 @@ def test_a_conversation_with_tools_as_chat_messages():
     ]
 
 
+def test_a_last_assistant_message_is_continued():
+    question = {"role": "user", "content": "Q?"}
+    prompt = request(messages=[question, {"role": "assistant", "content": "The answer is"}])
+    continued = prompt.prompt_of()
+    assert isinstance(continued, ChatPrompt) and continued.continue_final_message
+    assert continued.messages == [question, {"role": "assistant", "content": "The answer is"}]
+    empty = request(messages=[question, {"role": "assistant", "content": []}])
+    assert empty.prompt_of() == [question]  # the answer's turn opens as without it
+    with pytest.raises(InvalidRequest, match=r"^messages\[1\]\.content: final .* whitespace"):
+        request(messages=[question, {"role": "assistant", "content": "The answer is "}])
+    call = {"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}
+    with pytest.raises(InvalidRequest, match=r"^messages\[1\]\.content: .* tool_use"):
+        request(tools=[WEATHER], messages=[question, {"role": "assistant", "content": [call]}])
+
+
 def test_sampling_and_forced_calls():
     params = request(temperature=0, top_k=5, stop_sequences=["END"]).sampling_params(99)
     assert (params.max_tokens, params.temperature, params.top_k, params.stop) == (8, 0, 5, ("END",))
