@@ -16,7 +16,9 @@ Contract:
 - When a request leaves the pool (finished or preempted) the blocks of its runs are kept in
   the pool (``BlockPool.retain``: evicted after every unkept block, on the tenant's account
   and within its cap) until now + the run's TTL: each request that hits them refreshes them.
-  Its saves to the tiers are cut at the runs' ends and written with the run's TTL.
+  Its saves to the tiers are cut at the runs' ends and written with the run's TTL. Its
+  lookup refreshes the kept blocks it reaches under its breakpoints at once, so a prefix
+  in use by a long request does not run out under the next one.
 - Each kept block's hash is in the ``KeepLedger`` with its deadline. A request whose prefix
   reaches a block whose deadline has passed reads none of it from that block on: the free
   copies are dropped from the pool, the tiers' copies are not loaded
@@ -124,6 +126,13 @@ class KeepLedger:
                 return i
         return None
 
+    def refresh(self, block_hashes: Sequence[BlockHash], until: float) -> None:
+        """Extend the keeps of those of ``block_hashes`` that are kept to ``until``."""
+        kept = self._until
+        for h in block_hashes:
+            if h in kept:
+                kept[h] = max(kept[h], until)
+
     def forget(self, block_hashes: Sequence[BlockHash]) -> None:
         for h in block_hashes:
             self._until.pop(h, None)
@@ -149,12 +158,18 @@ class BreakpointKeeper:
     def expire(self, request: Request, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Before a lookup of ``request``'s prefix (``block_hashes``, group 0's): from the
         first block whose keep ran out, forget the keeps and limit the request's hit (device
-        and tiers) to the blocks before it. Returns the hashes from there on (the caller
-        drops their free copies)."""
-        self.runs(request)
+        and tiers) to the blocks before it; the kept blocks it reaches before that under its
+        own breakpoints are refreshed now (a hit refreshes, even while the request runs).
+        Returns the hashes from there on (the caller drops their free copies)."""
+        runs = self.runs(request)
         if not len(self.ledger):
             return []
-        i = self.ledger.first_expired(block_hashes, self.pool.clock())
+        now = self.pool.clock()
+        i = self.ledger.first_expired(block_hashes, now)
+        limit = len(block_hashes) if i is None else i
+        for run in runs:
+            end = min(run.end_block, limit)
+            self.ledger.refresh(block_hashes[run.start_block : end], now + run.ttl_s)
         if i is None:
             return []
         expired = list(block_hashes[i:])

@@ -145,6 +145,21 @@ def test_an_expired_5m_breakpoint_is_created_again_and_a_hit_refreshes_it():
     m.check_integrity()
 
 
+def test_a_hit_refreshes_the_keep_while_its_request_runs():
+    clock = Clock()
+    m = manager(32, clock)
+    system = list(range(100, 116))
+    run(m, "a", system + [1], [(16, 300)])  # kept until 400
+    clock.now += 250
+    long = request("long", system + [2], [(16, 300)])  # reads it at 350, runs for minutes
+    blocks, cached = m.get_computed_blocks(long)
+    assert cached == 16 and m.allocate_slots(long, 1, blocks) is not None
+    clock.now += 200  # 550: past the first keep, within the one its hit began
+    assert run(m, "c", system + [3], [(16, 300)])[1] == 16
+    m.free(long)
+    m.check_integrity()
+
+
 def test_after_expiry_a_plain_request_recomputes_once_then_lru_serves_it():
     clock = Clock()
     m = manager(32, clock)
