@@ -129,6 +129,7 @@ class KVCacheManager:
             blocks_kept=sum(pool.num_retained.values()),
             prefix_query_tokens=self.num_prefix_query_tokens,
             prefix_hit_tokens=self.num_prefix_hit_tokens,
+            breakpoint_expiries=self.keeper.num_expired,
             utilization=kv_utilization(
                 running, self.req_to_blocks, self.null_block, self.block_size
             ),

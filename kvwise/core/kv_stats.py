@@ -31,6 +31,11 @@ class KVCacheStats:
     utilization: float = metric(  # tokens held by running sequences / capacity of their blocks
         "kvwise_kv_utilization", "share of allocated KV slots holding computed tokens", GAUGE
     )
+    breakpoint_expiries: int = metric(  # the prefix is then created again (core/breakpoints)
+        "kvwise_cache_breakpoint_expiries",
+        "lookups that found a cache breakpoint's keep run out",
+        default=0,
+    )
 
     @property
     def prefix_hit_rate(self) -> float:

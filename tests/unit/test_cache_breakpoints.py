@@ -139,7 +139,7 @@ def test_an_expired_5m_breakpoint_is_created_again_and_a_hit_refreshes_it():
     req, cached = run(m, "d", system + [4], [(16, 300)])
     assert cached == 0  # ...but the prefix is created again, as Anthropic's
     assert created_tokens(req) == {300.0: 16}
-    assert m.keeper.num_expired == 1
+    assert m.stats().breakpoint_expiries == 1
     req, cached = run(m, "e", system + [5], [(16, 300)])
     assert cached == 16  # and read from then on
     m.check_integrity()
