@@ -90,8 +90,16 @@ class Generation:
                 code="model_not_found",
             )
 
-    async def admit(self, body: EngineBody, prompt, request_id: str, tenant: str,
-                    prompt_param: str, default_max_tokens: int, choice: int = 0):  # fmt: skip
+    async def admit(
+        self,
+        body: EngineBody,
+        prompt,
+        request_id: str,
+        tenant: str,
+        prompt_param: str,
+        default_max_tokens: int,
+        choice: int = 0,
+    ):
         """Check the body and admit its request (``choice`` j of n: its seed + j); errors
         propagate by type (see errors.py)."""
         self.check_model(body.model)
@@ -147,8 +155,10 @@ class Generation:
             for prompt in prompts:
                 for j in range(n):
                     rid = request_id if num_sequences == 1 else f"{request_id}-{len(streams)}"
-                    streams.append(await self.admit(body, prompt, rid, tenant, prompt_param,
-                                                    default_max_tokens, j))  # fmt: skip
+                    admitted = self.admit(
+                        body, prompt, rid, tenant, prompt_param, default_max_tokens, j
+                    )
+                    streams.append(await admitted)
                     if j or drops_output:
                         self._partial_bills[rid] = (j == 0, not drops_output)
 
@@ -189,11 +199,13 @@ class Generation:
         dialect: Dialect = OPENAI,
         first: Callable[[], str] | None = None,
         last: Callable[[list[RequestOutput]], str | None] | None = None,
+        on_error: Callable[[APIError], str] | None = None,
     ) -> SSEResponse:
         """Stream requests as server-sent events: ``first()`` (the opening events), then
         their outputs as they come (``on_output``: an event, or None for none), then
         ``last(final outputs)`` once all finished, then the dialect's end (``[DONE]`` for
-        OpenAI's). An engine error mid-stream ends it with the dialect's error event."""
+        OpenAI's). An engine error mid-stream ends it with ``on_error(error)``, by default
+        the dialect's error event."""
 
         done = False  # the stream's end was sent: the client did not hang up first
 
@@ -203,7 +215,7 @@ class Generation:
                 yield first()
             async for index, out in merged_outputs(streams):
                 if isinstance(out, APIError):  # the stream ends with it
-                    yield dialect.stream_error(out)
+                    yield (on_error or dialect.stream_error)(out)
                     if dialect.stream_end:
                         yield dialect.stream_end
                     done = True

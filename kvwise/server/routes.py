@@ -76,10 +76,10 @@ class OpenAIRoutes:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         check_unicode(body, await request.body())  # first: nothing may echo or tokenize it
         prompts = body.prompts_of()
+        limit = self.default_completion_max_tokens
         streams = await self.gen.admit_all(
-            body, prompts, request_id, request, "prompt", self.default_completion_max_tokens,
-            body.n,
-        )  # fmt: skip
+            body, prompts, request_id, request, "prompt", limit, body.n
+        )
         if streams is None:
             return Response(status_code=499)
         now, model, n = int(time.time()), self.model_name, body.n
@@ -115,22 +115,15 @@ class OpenAIRoutes:
                                           finish_reason=_finish(out))  # fmt: skip
                 return chunk([choice])
 
-            return self.gen.sse(streams, tenant, on_output,
-                                last=_usage_event(body.include_usage, n, lambda u: chunk([], u)))  # fmt: skip
+            last = _usage_event(body.include_usage, n, lambda usage: chunk([], usage))
+            return self.gen.sse(streams, tenant, on_output, last=last)
         outs = await self.gen.collect(streams, request)
         if outs is None:
             return Response(status_code=499)
-        choices = []
-        for index, out in enumerate(outs):
-            before = text_before(index, out)
-            num_outputs = 0 if echo_only else len(out.token_ids)
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = completion_logprobs(out, body.echo, num_outputs)
-            text = before + ("" if echo_only else out.text)
-            finish = "length" if echo_only else _finish(out)
-            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                            finish_reason=finish))  # fmt: skip
+        choices = [
+            _completion_choice(index, out, body, text_before(index, out))
+            for index, out in enumerate(outs)
+        ]
         usage = _usage(outs, n, generated=0 if echo_only else None)
         return CompletionResponse(id=request_id, created=now, model=model, choices=choices,
                                   usage=usage)  # fmt: skip
@@ -139,10 +132,11 @@ class OpenAIRoutes:
         tenant = request.state.tenant
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         check_unicode(body, await request.body())  # first: nothing may echo or tokenize it
+        limit = self.engine.max_model_len
+        prompts = [body.prompt_of()]
         streams = await self.gen.admit_all(
-            body, [body.prompt_of()], request_id, request, "messages", self.engine.max_model_len,
-            body.n,
-        )  # fmt: skip
+            body, prompts, request_id, request, "messages", limit, body.n
+        )
         if streams is None:
             return Response(status_code=499)
         now, model = int(time.time()), self.model_name
@@ -246,6 +240,20 @@ class OpenAIRoutes:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+
+def _completion_choice(
+    index: int, out: RequestOutput, body: CompletionRequest, before: str
+) -> CompletionChoice:
+    """One choice of a whole completion: ``before`` (the echoed prompt) and its text."""
+    echo_only = body.max_tokens == 0
+    logprobs = None
+    if body.logprobs is not None:
+        num_outputs = 0 if echo_only else len(out.token_ids)
+        logprobs = completion_logprobs(out, body.echo, num_outputs)
+    text = before + ("" if echo_only else out.text)
+    finish = "length" if echo_only else _finish(out)
+    return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
 
 
 def _usage_event(include: bool, per_prompt: int, event: Callable[[Usage], str]):
