@@ -13,6 +13,7 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvwise.core.breakpoints import BreakpointPolicy
 from kvwise.core.kv_spec import default_block_size, kv_format, kv_formats
 from kvwise.core.scheduler_config import SchedulerConfig
 from kvwise.machine import (
@@ -97,6 +98,11 @@ class CacheConfig:
     public_system_prompts: tuple[str, ...] = ()  # the same, rendered as chat system messages
     public_prefix_min_tokens: int = 256  # public prefixes are shared in chunks of this size
     max_retained_fraction_per_tenant: float = 0.5  # share of the pool one tenant may keep
+    # cache breakpoints (RequestOptions.cache_breakpoints, Anthropic's cache_control): one
+    # covering fewer prompt tokens keeps nothing; every breakpoint TTL is multiplied by the
+    # scale (tests shorten 5 minutes to seconds)
+    cache_min_tokens: int = 1024
+    cache_ttl_scale: float = 1.0
 
     def __post_init__(self) -> None:
         formats = kv_formats()
@@ -132,6 +138,7 @@ class CacheConfig:
                 "max_retained_fraction_per_tenant: must be in [0, 1], "
                 f"got {self.max_retained_fraction_per_tenant}"
             )
+        BreakpointPolicy(self.cache_min_tokens, self.cache_ttl_scale)  # ValueError naming them
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError(
                 "kv_cache_memory_fraction: must be in (0, 0.95], "

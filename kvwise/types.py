@@ -18,6 +18,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # top logprobs a token (OpenAI's bound)
 MIN_REPETITION_PENALTY = 0.01  # below it a seen token's logit / penalty may overflow
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI's 300; a bound on a step's work)
+MAX_CACHE_BREAKPOINTS = 4  # Anthropic's limit on cache_control blocks
+MAX_BREAKPOINT_TTL_S = 24 * 3600.0  # the longest a breakpoint may keep its prefix
 
 
 class FinishReason(str, enum.Enum):
@@ -271,6 +273,55 @@ class RequestOutput:
     token_texts: dict[int, str] | None = None
     # FinishReason.ERROR: why this request's row failed (the step's other rows went on)
     error: str | None = None
+    # FinishReason.STOP by a stop string: that string (None: EOS or a stop token id)
+    stop_string: str | None = None
+    # prompt tokens this request computed that now sit under a cache breakpoint, by the
+    # breakpoint's TTL as asked (seconds: 300.0 for Anthropic's 5m, 3600.0 for 1h); with
+    # num_cached_tokens (read) and the rest (uncached input) they add up to the prompt
+    cache_created_tokens: dict[float, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CacheBreakpoint:
+    """Keep the first ``num_tokens`` prompt tokens cached for ``ttl_s`` seconds, refreshed on
+    each hit (Anthropic's ``cache_control``; ``core/breakpoints.py`` says how)."""
+
+    num_tokens: int
+    ttl_s: float
+
+    def __post_init__(self) -> None:
+        _check_int("cache_breakpoints", self.num_tokens)
+        _check_number("cache_breakpoints", self.ttl_s)
+        object.__setattr__(self, "ttl_s", float(self.ttl_s))
+        if self.num_tokens <= 0:
+            raise InvalidRequest(
+                "cache_breakpoints", f"num_tokens must be positive, got {self.num_tokens}"
+            )
+        if not 0 < self.ttl_s <= MAX_BREAKPOINT_TTL_S:
+            raise InvalidRequest(
+                "cache_breakpoints",
+                f"ttl_s must be in (0, {MAX_BREAKPOINT_TTL_S:.0f}] seconds, got {self.ttl_s}",
+            )
+
+
+def _check_breakpoints(value: object) -> tuple[CacheBreakpoint, ...]:
+    """``cache_breakpoints`` as CacheBreakpoints ((num_tokens, ttl_s) pairs accepted) in
+    prompt order; at most ``MAX_CACHE_BREAKPOINTS``. Any order of TTLs is taken (each block
+    is kept for the longest covering it); Anthropic's "1h before 5m" is its route's rule."""
+    if not isinstance(value, (tuple, list)):
+        raise InvalidRequest("cache_breakpoints", f"expected a list, got {value!r}")
+    if len(value) > MAX_CACHE_BREAKPOINTS:
+        raise InvalidRequest(
+            "cache_breakpoints", f"at most {MAX_CACHE_BREAKPOINTS}, got {len(value)}"
+        )
+    points = []
+    for bp in value:
+        if isinstance(bp, (tuple, list)) and len(bp) == 2:
+            bp = CacheBreakpoint(*bp)
+        if not isinstance(bp, CacheBreakpoint):
+            raise InvalidRequest("cache_breakpoints", f"expected CacheBreakpoints, got {bp!r}")
+        points.append(bp)
+    return tuple(sorted(points, key=lambda b: (b.num_tokens, -b.ttl_s)))
 
 
 @dataclass(frozen=True)
@@ -286,12 +337,17 @@ class RequestOptions:
             disk and Redis tiers.
         session_id: names the conversation, so that ``park(session_id)`` can move its KV
             down to the tiers between turns.
+        cache_breakpoints: up to 4 ``CacheBreakpoint``s: keep the prompt's first
+            ``num_tokens`` for ``ttl_s``, refreshed on each hit (Anthropic's
+            ``cache_control``; the engine's ``cache_min_tokens`` and ``cache_ttl_scale``
+            apply); reported as ``RequestOutput.cache_created_tokens``.
     """
 
     tenant: str = "default"
     cache_salt: str | None = None
     retention: str | float | None = None
     session_id: str | None = None
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
     retention_s: float | None = field(init=False, default=None)  # parsed ``retention``
 
     def __post_init__(self) -> None:
@@ -309,3 +365,4 @@ class RequestOptions:
                 raise InvalidRequest(name, f"at most {MAX_KEY_CHARS} characters, got {len(value)}")
         if self.retention not in (None, "default"):
             object.__setattr__(self, "retention_s", parse_duration(self.retention, "retention"))
+        object.__setattr__(self, "cache_breakpoints", _check_breakpoints(self.cache_breakpoints))

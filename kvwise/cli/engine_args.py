@@ -119,6 +119,20 @@ def _add_scheduling_args(g) -> None:
         default=256,
         help="public prefixes are shared only in chunks of this many tokens",
     )
+    g.add_argument(
+        "--cache-min-tokens",
+        type=int,
+        default=1024,
+        help="a cache_control breakpoint covering fewer prompt tokens keeps nothing (the "
+        "minimum cacheable length; default: 1024, as Anthropic's Sonnet models)",
+    )
+    g.add_argument(
+        "--cache-ttl-scale",
+        type=float,
+        default=1.0,
+        help="multiply every cache_control TTL by this (tests: 0.01 makes 5 minutes 3 s; "
+        "default: 1.0)",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     _add_grammar_args(g)
 
@@ -307,6 +321,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "hybrid_kv_cache": not args.no_hybrid_kv_cache,
         "public_system_prompts": tuple(_read_text(p) for p in args.public_system_prompt_file),
         "public_prefix_min_tokens": args.public_prefix_min_tokens,
+        "cache_min_tokens": args.cache_min_tokens,
+        "cache_ttl_scale": args.cache_ttl_scale,
         "num_threads": args.threads,
         "chat_template": args.chat_template,
         "grammar_compile_timeout_s": args.grammar_compile_timeout,

@@ -37,7 +37,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="the key GET /dashboard needs (also $KVWISE_ADMIN_KEY); without it the dashboard "
         "is open when no --api-key is set, off when one is",
     )
+    p.add_argument(
+        "--price-sheet",
+        default=None,
+        metavar="FILE",
+        help="prices per million tokens (JSON, or TOML by its .toml name: input, output, "
+        "cache_read, cache_write_5m, cache_write_1h, optional currency) that GET /v1/usage "
+        "and the dashboard turn each tenant's tokens into cost with (docs/SERVER.md)",
+    )
     _add_limit_args(p)
+    _add_responses_args(p)
     _add_ray_args(p)
 
 
@@ -88,6 +97,35 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_responses_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "stored Responses (POST /v1/responses with store: true, the default)",
+        "each tenant's responses and their conversations, for previous_response_id and "
+        "GET / DELETE /v1/responses/{id}; per tenant, least recently used first out",
+    )
+    g.add_argument(
+        "--responses-store-ttl",
+        type=_seconds,
+        default=3600.0,
+        metavar="SECONDS",
+        help="a stored response is kept this long after it was stored or last "
+        "continued (default 3600)",
+    )
+    g.add_argument(
+        "--responses-store-memory",
+        default="64MiB",
+        metavar="BYTES",
+        help="each tenant's stored responses, counted as JSON (default 64MiB)",
+    )
+    g.add_argument(
+        "--responses-store-max",
+        type=_positive_int,
+        default=10_000,
+        metavar="N",
+        help="most stored responses per tenant (default 10000)",
+    )
+
+
 def _add_ray_args(p: argparse.ArgumentParser) -> None:
     from kvwise.cluster.routing import ROUTING_MODES
 
@@ -134,7 +172,9 @@ def _seconds(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from kvwise.server import create_app, parse_api_keys  # no torch: the checks answer at once
+    from kvwise.server.conversations import StoreLimits
     from kvwise.server.dashboard import check_admin_key
+    from kvwise.server.price_sheet import PriceSheet
     from kvwise.server.transport import InvalidRequestBudget, allowed_hosts_for
     from kvwise.utils import parse_bytes
 
@@ -146,6 +186,12 @@ def run(args: argparse.Namespace) -> int:
         "admin_key": args.admin_key,
         "allowed_hosts": allowed_hosts,
         "max_sequences_per_request": args.max_sequences_per_request,
+        "responses_store": StoreLimits(
+            ttl_s=args.responses_store_ttl,
+            max_bytes=parse_bytes(args.responses_store_memory, "responses_store_memory"),
+            max_responses=args.responses_store_max,
+        ),
+        "price_sheet": PriceSheet.load(args.price_sheet) if args.price_sheet else None,
     }
     # the default disk tier: a directory of this server's own, kv-<port>
     kwargs = {**engine_kwargs(args), "kv_disk_default_name": str(args.port)}

@@ -28,7 +28,7 @@ from kvwise import errors
 from kvwise.core.hashing import BlockHash, BlockHasher
 from kvwise.core.kv_stats import KVCacheStats
 from kvwise.engine.client import RequestStream
-from kvwise.engine.prompts import Prompt, Tokenizer, tokenize_prompt
+from kvwise.engine.prompts import Prompt, Tokenizer, detokenize_ids, tokenize_prompt
 from kvwise.engine.stats import EngineStats
 from kvwise.errors import EngineDeadError, KVWiseError, ReplicaFailedError
 from kvwise.store.costmodel import CostCurves
@@ -340,6 +340,19 @@ class RemoteEngine:
             self._remember(session, replica)
         stream = RemoteStream(request_id, replica, items, lambda: _cancel(items))
         return stream
+
+    async def tokenize(self, prompt: Prompt, tenant: str = "default") -> list[int]:
+        """The ids ``add_request`` computes for ``prompt`` (here, with the replicas'
+        tokenizer: no replica is asked), on a worker thread."""
+        spec = await self.ensure_spec()
+        return await asyncio.to_thread(
+            tokenize_prompt, self.tokenizer, prompt, spec.vocab_size, spec.max_model_len
+        )
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens included), on a worker thread."""
+        spec = await self.ensure_spec()
+        return await asyncio.to_thread(detokenize_ids, self.tokenizer, token_ids, spec.vocab_size)
 
     async def park(self, session_id: str, tenant: str = "default") -> int:
         """Park a session on the replica that served its last turn (404 when none did)."""

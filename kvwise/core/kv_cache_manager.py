@@ -25,10 +25,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from kvwise.core.block_pool import BlockPool, KVBlock
+from kvwise.core.breakpoints import BreakpointKeeper, BreakpointPolicy
 from kvwise.core.hashing import BlockHash, BlockHasher, group_hash
 from kvwise.core.kv_events import KVEvent, KVEventLog
 from kvwise.core.kv_spec import first_window_block, held_blocks
-from kvwise.core.kv_stats import KVCacheStats
+from kvwise.core.kv_stats import KVCacheStats, kv_utilization
 from kvwise.core.request import Request
 
 
@@ -49,6 +50,7 @@ class KVCacheManager:
         kv_events: bool = False,
         windows: Sequence[int] = (0,),
         whole_hits: bool = False,
+        breakpoints: BreakpointPolicy | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
@@ -75,6 +77,8 @@ class KVCacheManager:
         # a windowed group's table points here where its blocks fell out of the window: a
         # block never freed, written or read (the kernels skip the blocks before the window)
         self.null_block = self.pool.null_block
+        # cache breakpoints: keep runs, keeps at free, expiry at lookup (core/breakpoints.py)
+        self.keeper = BreakpointKeeper(self.pool, block_size, breakpoints or BreakpointPolicy())
         self.req_to_blocks: dict[str, list[list[KVBlock]]] = {}  # one table per group
         # the hash chains (shared with routers: core/hashing.py); owns the public prefixes
         self.hasher = BlockHasher(
@@ -125,7 +129,10 @@ class KVCacheManager:
             blocks_kept=sum(pool.num_retained.values()),
             prefix_query_tokens=self.num_prefix_query_tokens,
             prefix_hit_tokens=self.num_prefix_hit_tokens,
-            utilization=self.kv_utilization(running),
+            breakpoint_expiries=self.keeper.num_expired,
+            utilization=kv_utilization(
+                running, self.req_to_blocks, self.null_block, self.block_size
+            ),
         )
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -196,6 +203,8 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [[] for _ in self.windows], 0  # (prompt logprobs: every row computed)
+        self._update_block_hashes(request, request.num_tokens)
+        self.drop_cached(self.keeper.expire(request, request.block_hashes))  # ran out: not read
         tables = self._find_hit(request)
         self.num_prefix_query_tokens += request.num_tokens
         self.num_prefix_hit_tokens += len(tables[0]) * self.block_size
@@ -240,6 +249,8 @@ class KVCacheManager:
     def _find_hit(self, request: Request) -> list[list[KVBlock]]:
         last = request.num_tokens if self.whole_hits else request.num_tokens - 1
         max_blocks = last // self.block_size
+        if request.hit_limit_blocks is not None:  # a breakpoint's keep ran out there
+            max_blocks = min(max_blocks, request.hit_limit_blocks)
         self._update_block_hashes(request, max_blocks * self.block_size)
         get = self.pool.get_cached_block
         found: list[list[KVBlock | None]] = []
@@ -401,6 +412,7 @@ class KVCacheManager:
         tables = self.req_to_blocks.pop(request.request_id, None)
         if not tables:
             return
+        self.keeper.keep(request, tables)  # its breakpoints' blocks, refreshed; its hit limit off
         null = self.null_block
         for blocks in tables:
             real = [b for b in blocks if b is not null]
@@ -436,14 +448,3 @@ class KVCacheManager:
             assert null.block_hash is None, "the null block was cached"
         for block in self.pool.blocks:
             assert block.ref_cnt == counts[block.block_id], f"{block}: ref_cnt != tables holding it"
-
-    def kv_utilization(self, requests: Sequence[Request]) -> float:
-        """Tokens held by live sequences / token capacity of the blocks they hold."""
-        held = capacity = 0
-        null, bs = self.null_block, self.block_size
-        for request in requests:
-            for blocks in self.req_to_blocks.get(request.request_id, ()):
-                num_null = sum(1 for b in blocks if b is null)
-                capacity += (len(blocks) - num_null) * bs
-                held += max(0, min(request.num_computed_tokens, len(blocks) * bs) - num_null * bs)
-        return held / capacity if capacity else 1.0

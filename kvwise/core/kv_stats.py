@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwise.core.stat_fields import GAUGE, metric
@@ -30,9 +31,28 @@ class KVCacheStats:
     utilization: float = metric(  # tokens held by running sequences / capacity of their blocks
         "kvwise_kv_utilization", "share of allocated KV slots holding computed tokens", GAUGE
     )
+    breakpoint_expiries: int = metric(  # the prefix is then created again (core/breakpoints)
+        "kvwise_cache_breakpoint_expiries",
+        "lookups that found a cache breakpoint's keep run out",
+        default=0,
+    )
 
     @property
     def prefix_hit_rate(self) -> float:
         return (
             self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
         )
+
+
+def kv_utilization(
+    requests: Iterable, tables: Mapping[str, Sequence[Sequence[object]]], null: object, bs: int
+) -> float:
+    """Tokens held by live sequences / token capacity of the blocks they hold (``tables``:
+    each request id's block tables; ``null``: the null block, which holds nothing)."""
+    held = capacity = 0
+    for request in requests:
+        for blocks in tables.get(request.request_id, ()):
+            num_null = sum(1 for b in blocks if b is null)
+            capacity += (len(blocks) - num_null) * bs
+            held += max(0, min(request.num_computed_tokens, len(blocks) * bs) - num_null * bs)
+    return held / capacity if capacity else 1.0

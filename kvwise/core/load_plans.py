@@ -20,6 +20,10 @@ def plan_group_loads(
     nothing is worth loading or a group lacks its part."""
     bs = kv.block_size
     max_blocks = (request.num_tokens - 1) // bs
+    if request.hit_limit_blocks is not None:  # a breakpoint's keep ran out there: recomputed
+        max_blocks = min(max_blocks, request.hit_limit_blocks)
+        if max_blocks <= num_device:
+            return []
     window = kv.windows[0]
     first = max(num_device, first_window_block(window, bs, max_blocks * bs))
     plan = tiers.plan_load(

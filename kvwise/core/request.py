@@ -59,6 +59,10 @@ class Request:
         self.group_hashes: list[list[BlockHash]] = []  # hybrid KV groups 1..: theirs
         self.num_public_blocks: int | None = None  # leading blocks hashed as a public prefix
         self.num_loaded_tokens = 0  # prefix tokens loaded from the slower tiers
+        # cache breakpoints (core/breakpoints.py): its KeepRuns, set at its first lookup; the
+        # most leading blocks a hit may cover (a breakpoint's keep ran out past them)
+        self.keep_runs: tuple | None = None
+        self.hit_limit_blocks: int | None = None
         # structured outputs: the engine's matcher (engine/structured.Grammar: bitmask(),
         # accept(token), finished), opaque here
         self.grammar = None

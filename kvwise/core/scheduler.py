@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvwise.core.admission import WaitingScan
+from kvwise.core.breakpoints import keep_cuts, save_ttl
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.kv_tiers import KVTierPlanner
 from kvwise.core.load_plans import GroupLoad, plan_group_loads
@@ -341,6 +342,7 @@ class Scheduler:
             cached // bs,
             (request.num_prompt_tokens - 1) // bs,
             request.num_prompt_tokens // bs,
+            *keep_cuts(request),  # (each entry in one breakpoint's keep run: its TTL)
         )
         for g, window in enumerate(self.kv.windows):
             if windowed_only and not window:
@@ -352,7 +354,8 @@ class Scheduler:
             writes = self.tiers.plan_writes(hashes, num_full, cuts, first_block=first)
             for chunk in writes:
                 ids = block_ids[chunk.first_block : chunk.first_block + len(chunk.block_hashes)]
-                save = KVSave(ids, chunk, request.retention_s, request.tenant, soon)
+                ttl_s = save_ttl(request, chunk.first_block + len(chunk.block_hashes))
+                save = KVSave(ids, chunk, ttl_s, request.tenant, soon)
                 self._pending_saves.append(save)
 
     def take_saves(self) -> list[KVSave]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from kvwise.config import EngineConfig
+from kvwise.core.breakpoints import BreakpointPolicy
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.runner import ModelRunner
 from kvwise.core.scheduler import Scheduler
@@ -73,6 +74,7 @@ def assemble_engine(
         kv_events=cache.enable_kv_events,
         windows=[g.window for g in spec.kv_groups],
         whole_hits=runner.skips_cached_writes,
+        breakpoints=BreakpointPolicy(cache.cache_min_tokens, cache.cache_ttl_scale),
     )
     store = None
     if kv_manager.enable_caching:

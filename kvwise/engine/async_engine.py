@@ -4,7 +4,8 @@
 Contract:
 
 - Every `LLMEngine` call (add_request, step, abort, stats, check_integrity) runs on the engine
-  thread, except ``tokenize`` / ``tokenized`` (they touch no engine state). Other threads
+  thread, except ``tokenize`` / ``tokenized`` and decoding (they touch no engine state: the
+  tokenizer threads run them, for `add_request`, `tokenize` and `detokenize`). Other threads
   never touch the engine: they post commands (`submit`) that the thread runs between two
   steps, in the order they were posted.
 - What a request brings is handled off the engine thread, before it is posted: the chat
@@ -44,6 +45,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvwise.engine.async_tokenize import TokenizerThreads
 from kvwise.engine.client import QueueStream, RequestStream
 from kvwise.engine.grammar_workers import nice_this_thread
 from kvwise.engine.llm_engine import LLMEngine
@@ -70,7 +72,7 @@ class _Sink:
     queue: asyncio.Queue  # RequestOutput | BaseException items
 
 
-class AsyncEngine:
+class AsyncEngine(TokenizerThreads):
     """Runs one `LLMEngine` on a background thread and serves it to asyncio code (an
     `EngineClient`).
 

@@ -19,6 +19,8 @@ Contract:
 - ``max_model_len``, ``is_running`` and ``dead_reason`` are cheap reads (/health).
 - The server never tokenizes: prompts reach the engine as text, chat messages or token ids
   (``engine/prompts.Prompt``); each engine renders and tokenizes them off the event loop.
+  ``tokenize`` gives the ids ``add_request`` would compute for a prompt (a count, /tokenize),
+  ``detokenize`` the text of ids; both off the event loop too.
 """
 
 from __future__ import annotations
@@ -145,6 +147,24 @@ class EngineClient(Protocol):
         Raises:
             SessionNotFound: no finished turn of that session in this tenant.
             SessionBusy: a request of that session is in flight.
+        """
+        ...
+
+    async def tokenize(self, prompt: Prompt, tenant: str = "default") -> list[int]:
+        """The prompt's token ids as ``add_request`` computes them for ``tenant`` (chat
+        messages rendered with the model's template and the generation prompt, unless a
+        ``ChatPrompt`` says otherwise; a prompt past the context refused as there).
+
+        Raises:
+            InvalidRequest: bad input, naming the field (as ``add_request``).
+        """
+        ...
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens included.
+
+        Raises:
+            InvalidRequest: naming ``token_ids``, an id outside the vocabulary.
         """
         ...
 

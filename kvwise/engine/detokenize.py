@@ -154,6 +154,7 @@ class StopStringMatcher:
         self._first_chars = frozenset(s[0] for s in self._stop)
         self._held = ""
         self._stopped = False
+        self.matched: str | None = None  # the stop string that matched (once stopped)
 
     @property
     def stopped(self) -> bool:
@@ -164,10 +165,11 @@ class StopStringMatcher:
         if self._stopped:
             return StopCheck("", True)
         text = self._held + delta
-        starts = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        starts = [(i, s) for i, s in ((text.find(s), s) for s in self._stop) if i >= 0]
         if starts:
+            start, self.matched = min(starts, key=lambda found: found[0])  # the first listed
             self._stopped, self._held = True, ""
-            return StopCheck(text[: min(starts)], True)
+            return StopCheck(text[:start], True)
         keep = self._partial_match_len(text)
         self._held = text[len(text) - keep :] if keep else ""
         return StopCheck(text[: len(text) - keep], False)

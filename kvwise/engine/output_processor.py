@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from kvwise.core.breakpoints import created_tokens
 from kvwise.core.request import Request
 from kvwise.core.scheduler import RequestUpdate
 from kvwise.engine.detokenize import Decoder, IncrementalDetokenizer, StopStringMatcher
@@ -111,6 +112,7 @@ class OutputProcessor:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_loaded_tokens=request.num_loaded_tokens,
+            cache_created_tokens=created_tokens(request),
             num_kv_rows_projected=request.num_tokens_projected * self.num_layers,
             metrics=state.metrics,
         )
@@ -152,6 +154,7 @@ class OutputProcessor:
             **self._so_far(state),
             finished=finished,
             finish_reason=request.finish_reason if finished else None,
+            stop_string=state.stop_matcher.matched if finished and state.stop_matcher else None,
             delta_text=delta_text,
             delta_token_ids=list(delta_ids),
             top_logprobs=_tops(request),

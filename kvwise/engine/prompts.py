@@ -27,10 +27,15 @@ class ChatPrompt:
     """Chat messages with the tools the model may call (OpenAI's function ``tools``, passed to
     the chat template as its ``tools`` variable; a template without one gets them described in
     a system message, ``chat_template.with_tools``). Messages may hold assistant ``tool_calls``
-    and ``tool`` results."""
+    and ``tool`` results. ``add_generation_prompt``: end with the header that opens the
+    assistant's turn (False: the chat as it stands, e.g. to count or cache a prefix of it);
+    ``continue_final_message``: leave the last message open, for the model to continue it
+    (an assistant's prefill)."""
 
     messages: list[dict]
     tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 Prompt = str | list[dict] | list[int] | TokenizedPrompt | ChatPrompt
@@ -57,9 +62,11 @@ class Tokenizer(Decoder, Protocol):
         max_chars: int | None = None,
         tools: list[dict] | None = None,
         answers: Callable[[str], Sequence[int] | None] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The rendered chat's ids; a rendering over ``max_chars`` characters is refused
-        before it is tokenized (``ContextLengthExceeded``)."""
+        before it is tokenized (``ContextLengthExceeded``); ``continue_final_message``: the
+        last message left open (cut after its content)."""
         ...
 
 
@@ -112,8 +119,12 @@ def tokenize_prompt(
     checked one by one."""
     if isinstance(prompt, TokenizedPrompt):
         return list(prompt.token_ids)
-    tools = None
+    tools, extra = None, {}
     if isinstance(prompt, ChatPrompt):
+        if not prompt.add_generation_prompt:
+            extra["add_generation_prompt"] = False
+        if prompt.continue_final_message:
+            extra["continue_final_message"] = True
         prompt, tools = prompt.messages, prompt.tools
         if not prompt:
             raise InvalidRequest("messages", "expected a non-empty list of messages")
@@ -130,7 +141,7 @@ def tokenize_prompt(
         num_chars = sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))
         _check_length(tokenizer, "messages", num_chars, max_tokens)
         max_chars = None if max_tokens is None else max_tokens * tokenizer.max_token_chars
-        extra = {k: v for k, v in (("tools", tools), ("answers", answers)) if v}
+        extra.update((k, v) for k, v in (("tools", tools), ("answers", answers)) if v)
         return tokenizer.encode_chat(prompt, max_chars=max_chars, **extra)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         if max_tokens is not None and len(prompt) > max_tokens:  # before a look at each id
@@ -148,6 +159,20 @@ def tokenize_prompt(
     raise InvalidRequest(
         "prompt", "expected a non-empty string, a list of chat messages or a list of token ids"
     )
+
+
+def detokenize_ids(tokenizer: Tokenizer, token_ids: Sequence[int], vocab_size: int) -> str:
+    """The text of ``token_ids``, special tokens included (``/detokenize``); an id that is
+    no int in ``[0, vocab_size)`` is an ``InvalidRequest`` naming ``token_ids``. Thread-safe
+    (it only reads the tokenizer)."""
+    bad = [t for t in token_ids if not _is_token_id(t, vocab_size)]
+    if bad:
+        raise InvalidRequest("token_ids", f"must be in [0, {vocab_size}), got {bad[:5]}")
+    return tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+
+def _is_token_id(value: object, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 def _encode_text(tokenizer: Tokenizer, text: str, max_tokens: int | None) -> list[int]:

@@ -291,17 +291,23 @@ class Tokenizer:
         max_chars: int | None = None,
         tools: list[dict] | None = None,
         answers: Callable[[str], Sequence[int] | None] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of the rendered chat; BOS is not added again if the template wrote it.
         A rendering longer than ``max_chars`` is refused before it is tokenized
-        (``ContextLengthExceeded`` naming ``messages``).
+        (``ContextLengthExceeded`` naming ``messages``). ``continue_final_message``: the
+        last message is left open, the rendering cut right after its content (no end of
+        turn, no generation prompt), for the model to go on with it (a prefill).
 
         ``answers(text)``: the token ids the model generated as an assistant message's
         ``text``, if it did (``RecentAnswers``). Those ids stand in the prompt for the text,
         the rest tokenized around them: a model's answer is not always the canonical
         tokenization of its text (a grammar-constrained tool call seldom is), and a prompt
         that repeats the ids hits the blocks the answer's turn cached."""
-        text, rendered = self._render(messages, add_generation_prompt, tools)
+        generation = add_generation_prompt and not continue_final_message
+        text, rendered = self._render(messages, generation, tools)
+        if continue_final_message:
+            text = _open_final(text, rendered)
         check_rendered_length(text, max_chars)
         bos = self._template_tokens().get("bos_token")
         first = not (bos and text.startswith(bos))
@@ -325,6 +331,21 @@ class Tokenizer:
             for name, i in names.items()
             if i is not None and self._backend.id_to_token(i) is not None
         }
+
+
+def _open_final(text: str, rendered: list[dict]) -> str:
+    """The rendered chat cut right after its last message's content (HF's
+    ``continue_final_message``); an InvalidRequest naming ``messages`` where the template does
+    not write that content as it is."""
+    final = rendered[-1].get("content") if rendered else None
+    at = text.rfind(final) if isinstance(final, str) and final else -1
+    if at < 0:
+        raise InvalidRequest(
+            "messages",
+            "the last message cannot be continued: the chat "
+            "template does not write its content as it is",
+        )
+    return text[: at + len(final)]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -2,16 +2,23 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream``: server-sent events ending
 with ``data: [DONE]``), GET /v1/models, GET /health, GET /version (kvwise's, torch's, the
-model), GET /metrics (Prometheus text), the extension POST /v1/kvwise/park, and GET /dashboard
-(with /dashboard/data, its JSON).
+model), GET /metrics (Prometheus text), the extension POST /v1/kvwise/park, GET /dashboard
+(with /dashboard/data, its JSON) and the admin's GET /v1/usage (the bill per tenant:
+``usage.py``).
 
 Sessions: a request's ``prompt_cache_key`` is its engine session id (within its tenant).
 ``POST /v1/kvwise/park {"prompt_cache_key": ...}`` moves that conversation's KV from the device
 pool down to the tiers (host RAM, disk, Redis) until its next turn, which loads it back; it runs
 on the engine thread between two steps and waits for the tier writes.
 
-Tenants: with API keys configured, every /v1 route needs ``Authorization: Bearer KEY`` (401
-otherwise) and the key alone names the tenant, so one tenant's prompts never hit another's
+APIs: OpenAI's routes here (``routes.py``), each further API a module of its own registered
+by ``add_routes(app, context)`` (``messages.py``: Anthropic's Messages; ``openai_responses.py``:
+OpenAI's Responses; ``tokenize.py``; ``usage.py``), all on the API-neutral
+``generation.Generation``; errors and stream framing follow the dialect of the path
+(``dialects.py``).
+
+Tenants: with API keys configured, every /v1 route needs ``Authorization: Bearer KEY`` or
+``x-api-key: KEY`` (401 otherwise) and the key alone names the tenant, so one tenant's prompts never hit another's
 cache. Without keys every request is tenant ``default``. /health and /metrics are open.
 
 Hosts: with ``allowed_hosts`` set, a request whose Host header names another host gets 421
@@ -22,8 +29,9 @@ loopback address allows only loopback names by default.
 Dashboard: GET /dashboard, a live page over the server's own stats (``dashboard.py``); with
 API keys (or an admin key) set it needs the admin key, never a tenant's.
 
-Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
-(naming the field; text that is no Unicode included), 401, 404 unknown model, route or
+Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's
+under /v1/messages: ``dialects.py``): 400 bad input
+(naming the field; text that is no Unicode included), 401, 404 unknown model, route (naming the routes served) or
 session, 408 a request line and headers or a body not received in time (answered by the
 server: see ``serving.py``), 409 park of a session with a request in flight, 413 a body over
 the limit (refused before it is parsed), 421 a Host header not allowed, 429 (with
@@ -40,6 +48,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -47,7 +56,10 @@ from fastapi.responses import Response
 from kvwise.engine.async_engine import AsyncEngine
 from kvwise.engine.client import EngineClient
 from kvwise.engine.llm_engine import LLMEngine
+from kvwise.server import messages, openai_responses, tokenize, usage
+from kvwise.server.conversations import StoreLimits
 from kvwise.server.dashboard import AdminGate, Dashboard, check_admin_key
+from kvwise.server.generation import ServerContext
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.outputs import (
     ChatCompletionResponse,
@@ -57,6 +69,7 @@ from kvwise.server.outputs import (
     ModelList,
     ParkResponse,
 )
+from kvwise.server.price_sheet import PriceSheet
 from kvwise.server.protocol import ErrorResponse
 from kvwise.server.responses import install_error_handlers
 from kvwise.server.routes import (
@@ -88,6 +101,10 @@ _PARK_ERRORS = {
     404: {"model": ErrorResponse, "description": "no finished turn of this prompt_cache_key"},
     409: {"model": ErrorResponse, "description": "a request of this session is in flight"},
 }
+_DESCRIPTION = (
+    "OpenAI's Chat Completions, Completions and Responses and Anthropic's Messages over the "
+    "kvwise engine."
+)
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 # far above any prompt the model's context holds (a 131,072-token context is ~0.5 MB of text)
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
@@ -104,6 +121,8 @@ def create_app(
     allowed_hosts: Iterable[str] | None = None,
     invalid_request_budget: InvalidRequestBudget | None = None,
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    price_sheet: PriceSheet | str | Path | None = None,
+    responses_store: StoreLimits | None = None,
 ) -> FastAPI:
     """Build the app over one engine.
 
@@ -124,35 +143,41 @@ def create_app(
             no limit. ``kvwise serve`` sets one.
         max_sequences_per_request: n x prompts above it is a 400 naming ``n`` (or
             ``prompt``); ValueError if below 1.
+        price_sheet: prices the bill per tenant (``GET /v1/usage``): a ``PriceSheet`` or a
+            sheet's path (``PriceSheet.load``'s ValueError); None: tokens only.
+        responses_store: each tenant's bounds on stored Responses (None: the defaults).
     """
+    price_sheet = PriceSheet.of(price_sheet)
     allowed = None if allowed_hosts is None else parse_allowed_hosts(allowed_hosts)
     keys = dict(api_keys or {})
     admin_key = check_admin_key(admin_key, keys)
     owned = AsyncEngine(engine) if isinstance(engine, LLMEngine) else None
     client: EngineClient = owned if owned is not None else engine
     metrics = ServerMetrics(client)
-    dashboard = Dashboard(client, metrics, model_name)
-    app = FastAPI(
-        title="kvwise",
-        version="0.1.0",
-        description="OpenAI-compatible completions and chat over the kvwise engine.",
-        lifespan=_lifespan(client, dashboard, owned),
-    )
+    dashboard = Dashboard(client, metrics, model_name, price_sheet=price_sheet)
+    lifespan = _lifespan(client, dashboard, owned)
+    app = FastAPI(title="kvwise", version="0.1.0", description=_DESCRIPTION, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.dashboard = client, metrics, dashboard
-    app.state.model_name = model_name
+    app.state.model_name, app.state.responses_store_limits = model_name, responses_store
     install_error_handlers(app)
-    app.add_middleware(AdminGate, admin_key=admin_key, tenant_keys=list(keys))
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    app.add_middleware(AuthAndCount, keys=keys, metrics=metrics, budget=invalid_request_budget)
-    if allowed is not None:
-        app.add_middleware(HostCheck, allowed=allowed)  # outermost: before anything runs
+    budget = invalid_request_budget
+    _add_middleware(app, keys, admin_key, metrics, max_request_bytes, budget, allowed)
     routes = OpenAIRoutes(
         client, metrics, model_name, default_completion_max_tokens, max_sequences_per_request
     )
-    _add_routes(app, routes)
+    _add_routes(app, routes, ServerContext(routes.gen, admin_key, list(keys), price_sheet))
     dashboard.add_routes(app)
-    _add_version_route(app, model_name)
     return app
+
+
+def _add_middleware(app, keys, admin_key, metrics, max_request_bytes, budget, allowed) -> None:
+    """The middleware, innermost first: the admin gate, the body limit, auth and the
+    request counter, then (outermost: before anything runs) the Host check."""
+    app.add_middleware(AdminGate, admin_key=admin_key, tenant_keys=list(keys))
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(AuthAndCount, keys=keys, metrics=metrics, budget=budget)
+    if allowed is not None:
+        app.add_middleware(HostCheck, allowed=allowed)
 
 
 def _add_version_route(app: FastAPI, model_name: str) -> None:
@@ -182,7 +207,15 @@ def _lifespan(engine: EngineClient, dashboard: Dashboard, owned: AsyncEngine | N
     return lifespan
 
 
-def _add_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
+def _add_routes(app: FastAPI, routes: OpenAIRoutes, context: ServerContext) -> None:
+    """OpenAI's routes and the app's own, then each further API's module, then /version."""
+    _add_openai_routes(app, routes)
+    for dialect_routes in (messages, openai_responses, tokenize, usage):  # each its own module
+        dialect_routes.add_routes(app, context)
+    _add_version_route(app, routes.model_name)
+
+
+def _add_openai_routes(app: FastAPI, routes: OpenAIRoutes) -> None:
     generation = {**_ERRORS, 200: {"content": _SSE}}
     app.post("/v1/completions", response_model=CompletionResponse, responses=generation)(
         routes.completions

@@ -6,9 +6,11 @@ What it shows: generated tokens/s and TTFT (p50, p99, mean) over time, KV pool o
 the prefix hit rate of the device pool and of each tier (the share of prompt tokens looked up
 that each one served), the cost model's load-vs-recompute decisions, its current fit as
 predicted TTFT against prefix length per tier and for recomputing (each tier's break-even
-marked), the waiting queue, running requests and 429s, a row per tier, and a row per tenant
+marked), the waiting queue, running requests and 429s, a row per tier, a row per tenant
 (requests, prompt, generated and cached tokens: ``ServerMetrics.tenants``, the busiest
-``max_tenants`` by name and one row for the rest).
+``max_tenants`` by name and one row for the rest), and the bill per tenant (``bill``: tokens
+by kind since start and, with a price sheet, their cost and what caching saved, as
+``GET /v1/usage`` answers).
 
 Samples (``dashboard_series.py``): a task of the app samples the engine's stats and the
 request totals every ``interval_s`` (and a data request does when the last sample is older),
@@ -25,7 +27,9 @@ Access (``AdminGate``): without API keys and without an admin key the dashboard 
 to ``/dashboard`` and an HttpOnly, SameSite=Strict cookie (an HMAC of the key, never the key),
 which the browser then sends with the page's data requests. The key is taken out of the query
 string before the access log sees it. Missing or wrong key: 401; a tenant's API key: 403;
-API keys set but no admin key: 403 (the dashboard is off).
+API keys set but no admin key: 403 (the dashboard is off). The same gate guards
+``GET /v1/usage`` (``usage.py``), and tells /metrics whether the scrape may see the per-tenant
+series (the admin key as Bearer, or an open server).
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ from kvwise.server.dashboard_series import (
     take_sample,
 )
 from kvwise.server.metrics import ServerMetrics
+from kvwise.server.price_sheet import PriceSheet, priced_rows
 from kvwise.server.protocol import APIError
 from kvwise.server.request_stats import OTHER_TENANTS, TenantCounts
+from kvwise.server.transport import ADMIN_PATHS
 from kvwise.store.stats import TierStats
 
 COOKIE = "kvwise_dashboard"
@@ -77,10 +83,12 @@ class Dashboard:
         metrics: ServerMetrics,
         model_name: str,
         interval_s: float = 2.0,
+        price_sheet: PriceSheet | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
+        self.price_sheet = price_sheet  # prices the bill per tenant (None: tokens only)
         self.history = DashboardHistory(self._read, interval_s)
         static = importlib.resources.files("kvwise.server") / "static"
         self._page = (static / "dashboard.html").read_bytes()
@@ -128,6 +136,7 @@ class Dashboard:
             "series": series,
             "tiers": self._tiers(),
             "tenants": self._tenants(),
+            "bill": self._bill(),
             "cost_model": self._cost_model(),
         }
 
@@ -149,6 +158,13 @@ class Dashboard:
             {"name": name, "other": name == OTHER_TENANTS, **stat_values(counts, TenantCounts)}
             for name, counts in self.metrics.tenants.rows()
         ]
+
+    def _bill(self) -> dict:
+        """Each tenant's tokens by kind since start (``ledger.py``) and, priced, their cost and
+        what caching saved: ``/v1/usage``'s rows."""
+        sheet = self.price_sheet
+        rows = priced_rows(self.metrics.ledger.bills(), sheet)
+        return {"currency": sheet.currency if sheet else None, "tenants": rows}
 
     def _cost_model(self) -> dict | None:
         curves = self.engine.cost_curves()
@@ -222,9 +238,14 @@ class AdminGate:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not (path == "/dashboard" or path.startswith("/dashboard/")):
+        if scope["type"] == "http" and path == "/metrics":  # open; the bill per tenant: admin
+            headers = dict(scope.get("headers") or [])
+            admin = self.open or self.check(headers.get(b"authorization"), None, None) is None
+            scope.setdefault("state", {})["admin"] = admin
+        if scope["type"] != "http" or not _guarded(path):
             await self.app(scope, receive, send)
             return
+        what = path if path in ADMIN_PATHS else "dashboard"  # what the errors name
         query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), True)
         query_key = next((v for k, v in query if k == "key"), None)
         if query_key is not None:  # NOTE: in place: uvicorn logs this scope's query string
@@ -233,7 +254,9 @@ class AdminGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        error = self.check(headers.get(b"authorization"), query_key, headers.get(b"cookie"))
+        error = self.check(
+            headers.get(b"authorization"), query_key, headers.get(b"cookie"), what=what
+        )
         if error is not None:
             headers_out = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else {}
             response = JSONResponse(error.body(), status_code=error.status_code,
@@ -251,14 +274,19 @@ class AdminGate:
         await self.app(scope, receive, send)
 
     def check(
-        self, authorization: bytes | None, query_key: str | None, cookie_header: bytes | None
+        self,
+        authorization: bytes | None,
+        query_key: str | None,
+        cookie_header: bytes | None,
+        what: str = "dashboard",
     ) -> APIError | None:
-        """None when the request may see the dashboard, else the error to answer with. The
-        first credential given decides: Bearer header, then ``?key=``, then the cookie."""
+        """None when the request may see the dashboard (or ``what``: the usage route),
+        else the error to answer with. The first credential given decides: Bearer header,
+        then ``?key=``, then the cookie."""
         if self.admin_key is None:
             return APIError(
                 403,
-                "dashboard: off, because API keys are set and no admin key is: start the "
+                f"{what}: off, because API keys are set and no admin key is: start the "
                 "server with --admin-key KEY (or $KVWISE_ADMIN_KEY)",
                 code="dashboard_disabled",
                 error_type="permission_error",
@@ -277,20 +305,25 @@ class AdminGate:
                 return _unauthorized("dashboard: the session cookie is stale: open "
                                      "/dashboard?key=ADMIN_KEY again")  # fmt: skip
         if presented is None:
+            how = "open /dashboard?key=ADMIN_KEY, or send" if what == "dashboard" else "send"
             return _unauthorized(
-                "dashboard: needs the admin key: open /dashboard?key=ADMIN_KEY, or send "
-                "'Authorization: Bearer ADMIN_KEY'"
+                f"{what}: needs the admin key: {how} 'Authorization: Bearer ADMIN_KEY'"
             )
         if hmac.compare_digest(presented, self.admin_key):
             return None
         if any(hmac.compare_digest(presented, k) for k in self.tenant_keys):
             return APIError(
                 403,
-                "dashboard: this is a tenant's API key; the dashboard needs the admin key",
+                f"{what}: this is a tenant's API key; it needs the admin key",
                 code="not_admin",
                 error_type="permission_error",
             )
-        return _unauthorized("dashboard: invalid admin key")
+        return _unauthorized(f"{what}: invalid admin key")
+
+
+def _guarded(path: str) -> bool:
+    """The paths ``AdminGate`` guards: the dashboard's and ``ADMIN_PATHS`` (``usage.py``)."""
+    return path == "/dashboard" or path.startswith("/dashboard/") or path in ADMIN_PATHS
 
 
 def _unauthorized(message: str) -> APIError:

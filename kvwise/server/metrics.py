@@ -14,8 +14,10 @@ with a metric needs no edit here. Per tenant (the API key's tenant, ``default`` 
 keys): requests, prompt, generated and cached tokens, for at most ``max_tenants`` tenants by
 name (``request_stats.TenantTable``: the quietest tenant folds into "(other)" when a new one
 comes to a full table), for the dashboard only: ``/metrics`` needs no key, so it carries no
-tenant's name or usage (another tenant could read them). Each finished request also writes
-one log line.
+tenant's name or usage (another tenant could read them). The bill per tenant (``ledger.py``:
+``ledger``) is on /metrics as ``kvwise_tenant_tokens_total{tenant,kind}`` only for a scrape
+that may see the dashboard (the admin key as Bearer, or an open server: ``render(tenants=
+True)``). Each finished request also writes one log line.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvwise.core.kv_stats import KVCacheStats
 from kvwise.core.stat_fields import COUNTER, MetricField, metric_fields
 from kvwise.engine.client import EngineClient
 from kvwise.engine.stats import EngineStats
+from kvwise.server.ledger import TenantTokensCollector, UsageLedger
 from kvwise.server.request_stats import RecentValues, TenantTable
 from kvwise.store.stats import StoreStats, TierStats
 from kvwise.types import RequestOutput
@@ -193,6 +196,7 @@ class ServerMetrics:
             registry=registry,
         )
         registry.register(_EngineCollector(engine))
+        self.ledger = UsageLedger()  # the bill per tenant, fed by Generation.ended
 
     def observe_cancelled(self, num_sequences: int) -> None:
         """A request whose client hung up, with its ``num_sequences`` aborted (or never
@@ -200,8 +204,10 @@ class ServerMetrics:
         self.cancelled.inc()
         self.sequences_cancelled.inc(num_sequences)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenants: bool = False) -> bytes:
+        """The exposition text; ``tenants``: with the per-tenant series (admin only)."""
+        text = generate_latest(self.registry)
+        return text + generate_latest(TenantTokensCollector(self.ledger)) if tenants else text
 
     def totals(self) -> RequestTotals:
         """The per-request series so far, summed over their labels (the dashboard's source)."""

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvwise.engine.chat_template import MAX_MESSAGES
 from kvwise.engine.prompts import ChatPrompt
+from kvwise.engine.structured import open_objects
 from kvwise.errors import InvalidRequest, KVWiseError
 from kvwise.server.outputs import Tool, ToolCall, call_for_template
 from kvwise.server.validation import (
@@ -361,7 +362,10 @@ class ChatCompletionRequest(_SamplingRequest):
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise InvalidRequest("response_format.json_schema", "expected {name, schema, strict}")
         schema_field = "response_format.json_schema.schema"
-        return StructuredOutput("json", spec.get("schema", {}), schema_field)
+        schema = spec.get("schema", {})
+        if spec.get("strict") is False:  # other keys admitted (strict is the default)
+            schema = open_objects(schema)
+        return StructuredOutput("json", schema, schema_field)
 
     def prompt_of(self):
         """The chat prompt: the messages, with the tools when there are any."""

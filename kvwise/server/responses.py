@@ -18,7 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvwise.engine.client import RequestStream
 from kvwise.errors import KVWiseError
-from kvwise.server.protocol import APIError, ErrorResponse
+from kvwise.server.dialects import error_response
+from kvwise.server.protocol import APIError
 from kvwise.types import RequestOutput
 
 logger = logging.getLogger("kvwise.server")
@@ -95,9 +96,12 @@ class SSEResponse(StreamingResponse):
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Every failure as an error body in the dialect of the path called
+    (``dialects.dialect_for``)."""
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+        return error_response(request, exc)
 
     @app.exception_handler(KVWiseError)
     async def engine_error(request: Request, exc: KVWiseError) -> JSONResponse:
@@ -105,18 +109,34 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_error(exc.errors()).body(), status_code=400)
+        return error_response(request, _validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error = APIError(exc.status_code, str(exc.detail), code=None)
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+        error = APIError(exc.status_code, str(exc.detail), code=None, headers=exc.headers)
+        if exc.status_code == 404:
+            error = _unknown_route(request)
+        return error_response(request, error)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
         error = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
-        return JSONResponse(error.body(), status_code=500)
+        return error_response(request, error)
+
+
+def _unknown_route(request: Request) -> APIError:
+    """A 404 that names the routes of the app (those of the path's own API first)."""
+    paths = sorted(
+        {getattr(r, "path", "") for r in request.app.routes if getattr(r, "methods", None)}
+        - {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+    )
+    return APIError(
+        404,
+        f"no route {request.method} {request.url.path}; this server serves: {', '.join(paths)}",
+        code="unknown_route",
+        error_type="not_found_error",
+    )
 
 
 def _validation_error(errors: list[dict]) -> APIError:
@@ -145,8 +165,9 @@ def _validation_error(errors: list[dict]) -> APIError:
 
 async def merged_outputs(
     streams: list[RequestStream],
-) -> AsyncIterator[tuple[int, RequestOutput | str]]:
-    """Every stream's outputs (or its error event) with its index, as they come."""
+) -> AsyncIterator[tuple[int, RequestOutput | APIError]]:
+    """Every stream's outputs (or its error: the stream ends with it) with its index, as
+    they come."""
     if len(streams) == 1:
         async for out in _outputs_or_error(streams[0]):
             yield 0, out
@@ -174,11 +195,10 @@ async def merged_outputs(
             task.cancel()
 
 
-async def _outputs_or_error(stream: RequestStream) -> AsyncIterator[RequestOutput | str]:
-    """The stream's outputs; an engine failure becomes one SSE error event (a string)."""
+async def _outputs_or_error(stream: RequestStream) -> AsyncIterator[RequestOutput | APIError]:
+    """The stream's outputs; an engine failure becomes its ``APIError`` (the last item)."""
     try:
         async for out in stream:
             yield out
     except KVWiseError as exc:  # the engine died or the step failed mid-stream
-        error = APIError.from_error(exc)
-        yield f"data: {ErrorResponse.model_validate(error.body()).model_dump_json()}\n\n"
+        yield APIError.from_error(exc)

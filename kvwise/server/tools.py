@@ -6,7 +6,13 @@ blocks (Qwen 2.5/3, SmolLM3, and what kvwise's own tools preamble asks of a mode
 template knows no tools: ``engine/chat_template.with_tools``), Llama 3.x's bare JSON object
 ``{"name", "parameters"}``, and a generic bare ``{"name", "arguments"}`` object. A required or
 named call is decoded under a Lark grammar of ``<tool_call>`` blocks whose JSON must match the
-function's parameter schema (llguidance's ``%json``), so even a small model returns a valid call.
+function's parameter schema (llguidance's ``%json``), strict unless the function says
+``strict: false`` (no key the schema does not name, no free whitespace: ``call_grammar``), so
+even a small model returns a valid call. Every dialect's forced calls are built here.
+
+An answer cut by ``max_tokens`` inside a call (``parse_cut_answer``, ``ToolCallStream.finish``
+with ``cut``) is a truncated call, not prose: the call with its arguments' text so far (JSON
+that does not parse), no content of the call's own text; the route reports ``length``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import re
 import uuid
 from typing import Any
 
+from kvwise.engine.structured import close_objects
 from kvwise.server.outputs import DeltaFunction, DeltaToolCall, FunctionCall, FunctionDef, ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -31,8 +38,7 @@ def call_grammar(functions: list[FunctionDef], named: str | None, parallel: bool
     schemas = [
         {"type": "object",
          "properties": {"name": {"const": f.name},
-                        "arguments": {"$id": f"urn:kvwise:tool:{f.name}",
-                                      **(f.parameters or {"type": "object"})}},
+                        "arguments": {"$id": f"urn:kvwise:tool:{f.name}", **_arguments(f)}},
          "required": ["name", "arguments"], "additionalProperties": False}
         for f in functions if named is None or f.name == named
     ]  # fmt: skip
@@ -44,6 +50,18 @@ def call_grammar(functions: list[FunctionDef], named: str | None, parallel: bool
     block = f"{json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}"
     more = f' ("\\n" {block})*' if parallel and named is None else ""
     return f"start: {block}{more}\ncall: %json {json.dumps(schema)}"
+
+
+def _arguments(function: FunctionDef) -> dict[str, Any]:
+    """The schema a call's arguments must match: the function's parameters, strict unless it
+    says ``strict: false`` (``engine/structured.close_objects``: no key the schema does not
+    name, at any depth; no parameters: ``{}`` only)."""
+    parameters = function.parameters or {"type": "object", "properties": {}}
+    if function.strict is False:
+        return parameters
+    if "properties" not in parameters:  # the arguments are what the schema names: none
+        parameters = {**parameters, "properties": {}}
+    return close_objects(parameters)
 
 
 def _call(obj: Any) -> ToolCall | None:
@@ -97,6 +115,40 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolC
         if call is not None and call.function.name in names:
             return None, [call]
     return text, []
+
+
+def parse_cut_answer(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """``parse_tool_calls`` of an answer cut by ``max_tokens``: a call it was writing is a
+    call whose arguments are their text so far (``ToolCallStream.finish`` with ``cut``), what
+    precedes the calls its content (None when nothing does; a call begun but naming no one
+    function is dropped); ``(text, [])`` when it was writing none."""
+    parser = ToolCallStream(names)
+    content, _ = parser.feed(text)
+    more, _ = parser.finish(cut=True)
+    if not parser.calls and content + more == text:
+        return text, []
+    return (content + more).strip() or None, parser.calls
+
+
+# a call's head cut short: {"name": "<the name, whole or begun>
+_CUT_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)')
+
+
+def _cut_head(rest: str, names: set[str]) -> list[ToolCall] | None:
+    """The call a head cut short names (arguments ``""``): its name, complete or the only one
+    that begins so (any name, when the cut came before it); none when that is no one name;
+    None when ``rest`` does not begin a call's head."""
+    match = _CUT_HEAD.match(rest)
+    if match is None and not '{"name": "'.startswith(rest.strip()[:10]):
+        return None
+    begun = match.group(1) if match else ""
+    try:
+        begun = json.loads(f'"{begun}"')
+    except json.JSONDecodeError:
+        return []
+    whole = match is not None and match.group(2) == '"'
+    fits = [n for n in names if (n == begun if whole else n.startswith(begun))]
+    return [_new_call(fits[0], "")] if len(fits) == 1 else []
 
 
 # a call's head as models write it: {"name": "<name>", "arguments" (or "parameters"): <value>
@@ -164,16 +216,30 @@ class ToolCallStream:
             pass
         return "".join(content), deltas
 
-    def finish(self) -> tuple[str, list[DeltaToolCall]]:
-        """The answer ended: what was held back, and the calls found in it (``self.calls``)."""
+    def finish(self, cut: bool = False) -> tuple[str, list[DeltaToolCall]]:
+        """The answer ended: what was held back, and the calls found in it (``self.calls``).
+
+        ``cut``: it ended at ``max_tokens``; a call it was writing is a call (its arguments'
+        text so far), also one cut before its head was complete when its name is known
+        (``_cut_head``), and none of the call's text is content, whole or begun."""
+        rest = self.text[self.content_end :]
         if self.mode in ("start", "content"):
             self.done = len(self.text)
-            return self.text[self.content_end :], []
+            if not (cut and rest.strip() and OPEN.startswith(rest.strip())):
+                return rest, []
+            self.mode = "head"  # a tag cut short: the call had begun
         if self.mode not in ("head", "held"):
             return "", []
-        _, found = parse_tool_calls(self.text, self.names)
+        found = None
+        if cut and self.mode == "head":  # the calls before this one went out whole
+            head = _cut_head(self.text[self.done :], self.names)
+            if head is not None or not self.bare:  # after <tool_call>: a call, even unnamed
+                found = self.calls + (head or [])
+        begun = found is not None
+        if found is None:
+            _, found = parse_tool_calls(self.text, self.names)
         if not found and not self.calls:
-            return self.text[self.content_end :], []
+            return ("" if begun else rest), []
         deltas = []
         for call in found[len(self.calls) :]:
             deltas.append(_call_delta(len(self.calls), call))

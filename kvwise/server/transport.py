@@ -14,9 +14,9 @@ import math
 import time
 from collections.abc import Iterable
 
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvwise.server.dialects import error_response
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.protocol import APIError
 
@@ -149,7 +149,7 @@ class HostCheck:
         else:
             message = "no Host header: this server answers only to named hosts"
         error = APIError(421, f"{message} (see --allowed-hosts)", code="host_not_allowed")
-        await JSONResponse(error.body(), status_code=421)(scope, receive, send)
+        await error_response(scope, error)(scope, receive, send)
 
 
 class InvalidRequestBudget:
@@ -216,8 +216,13 @@ class InvalidRequestBudget:
                 del self._buckets[other]
 
 
+# under /v1 but the admin's, not a tenant's: dashboard.AdminGate guards them, not the API keys
+ADMIN_PATHS = frozenset({"/v1/usage"})
+
+
 class AuthAndCount:
-    """ASGI middleware: the tenant from the Bearer key (401 before the body is read), the
+    """ASGI middleware: the tenant from the API key (``Authorization: Bearer`` or, as
+    Anthropic's clients send it, ``x-api-key``; 401 before the body is read), the
     invalid-request budget of its caller (429 before the body is read), and the request
     counter by route and status."""
 
@@ -236,11 +241,13 @@ class AuthAndCount:
     def tenant_of(self, scope) -> str | None:
         if not self.keys:
             return "default"
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
+        headers = dict(scope.get("headers") or [])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        token = token.strip() if scheme.lower() == b"bearer" else b""
+        if not token:  # Anthropic's clients send the key as x-api-key
+            token = headers.get(b"x-api-key", b"").strip()
+        if not token:
             return None
-        token = token.strip()
         found = None
         for key, tenant in self.keys:  # compare with every key: no timing hint
             if hmac.compare_digest(key, token):
@@ -261,19 +268,19 @@ class AuthAndCount:
             await send(message)
 
         try:
-            if not path.startswith("/v1/"):
+            keyed = path.startswith("/v1/") or path in TOKENIZER_PATHS
+            if not keyed or path in ADMIN_PATHS:  # (AdminGate's)
                 await self.app(scope, receive, send_counted)
                 return
             tenant = self.tenant_of(scope)
             if tenant is None:
                 error = APIError(
                     401,
-                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                    "(or 'x-api-key: <key>')",
                     code="invalid_api_key",
                 )
-                response = JSONResponse(
-                    error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
-                )
+                response = error_response(scope, error, {"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send_counted)
                 return
             scope.setdefault("state", {})["tenant"] = tenant
@@ -307,10 +314,8 @@ class AuthAndCount:
         # while first (a few at a time per caller): a client that ignores Retry-After then
         # sends a request per connection per hold, not hundreds a second that the server
         # would spend a core refusing
-        response = JSONResponse(
-            error.body(),
-            status_code=429,
-            headers={"Retry-After": str(retry_after), "Connection": "close"},
+        response = error_response(
+            scope, error, {"Retry-After": str(retry_after), "Connection": "close"}
         )
         await budget.hold(caller)
         await response(scope, receive, send)
@@ -332,7 +337,7 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             error = APIError(413, self._message(), code="request_too_large")
-            await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+            await error_response(scope, error)(scope, receive, send)
             return
         received = 0
 
@@ -351,12 +356,20 @@ class BodyLimit:
         return f"request body: larger than the server's limit of {self.max_bytes} bytes"
 
 
+# not under /v1, yet a tenant's: they need the API key as the /v1 routes do
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 _ROUTES = frozenset(
     (
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
         "/v1/kvwise/park",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/v1/usage",
+        "/tokenize",
+        "/detokenize",
         "/health",
         "/metrics",
         "/dashboard",
@@ -370,4 +383,6 @@ def _route_label(path: str) -> str:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "other"

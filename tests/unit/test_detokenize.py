@@ -144,9 +144,10 @@ def test_stop_multiple_strings_earliest_wins() -> None:
     assert _run_stop(["<end>", "</s>"], ["a</", "s>b"]) == ("a", True)
     assert _run_stop(["abc", "bcd"], ["xab", "cd"]) == ("x", True)
     assert _run_stop(["xyz"], ["no match here"]) == ("no match here", False)
-    m = StopStringMatcher(["abc", "zz"])
-    assert m.feed("a") == StopCheck("", False)
+    m = StopStringMatcher(["zz", "abc", "ab"])
+    assert m.feed("a") == StopCheck("", False) and m.matched is None
     assert m.feed("bc") == StopCheck("", True)
+    assert m.matched == "abc"  # of those starting earliest, the first listed
     assert m.feed("more") == StopCheck("", True)
 
 

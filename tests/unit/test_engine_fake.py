@@ -183,6 +183,7 @@ def test_stop_strings_and_abort_free_every_block():
     stop = free_run.text[5:7]
     out = run(engine, [LONG], SamplingParams(max_tokens=50, temperature=0, stop=[stop]))[0]
     assert out.finish_reason is FinishReason.STOP and stop not in out.text
+    assert out.stop_string == stop and free_run.stop_string is None
     request_id = engine.add_request(LONG, params)
     engine.step()
     engine.abort([request_id])

@@ -26,6 +26,7 @@ from kvwise.engine.stats import EngineStats
 from kvwise.errors import (
     ContextLengthExceeded,
     EngineDeadError,
+    InvalidRequest,
     QueueFullError,
     ReplicaFailedError,
     SessionNotFound,
@@ -49,6 +50,9 @@ class FakeTokenizer:
     def encode_chat(self, messages, add_generation_prompt=True, *, max_chars=None, tools=None,
                     answers=None):  # fmt: skip
         return self.encode("".join(m["content"] for m in messages))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return ",".join(map(str, ids))
 
 
 def _output(request_id: str, finished: bool, text: str = "x") -> RequestOutput:
@@ -147,6 +151,20 @@ def test_route_hint_is_the_engines_chain_for_the_tenant():
     assert alice.chain == tuple(hasher.chain(ids, "alice")) and len(alice.chain) == 2
     assert alice.num_tokens == 40
     assert set(alice.chain).isdisjoint(bob.chain)  # another tenant hashes apart
+
+
+def test_tokenize_and_detokenize_at_the_ingress_ask_no_replica():
+    transport = FakeTransport()
+    engine = _engine(transport)
+    assert _run(engine.tokenize("abc", "alice")) == FakeTokenizer().encode("abc")
+    chat = [{"role": "user", "content": "ab"}]
+    assert _run(engine.tokenize(chat)) == FakeTokenizer().encode("ab")
+    assert _run(engine.detokenize([1, 99])) == "1,99"
+    with pytest.raises(InvalidRequest, match=r"^token_ids: must be in \[0, 100\)"):
+        _run(engine.detokenize([100]))
+    with pytest.raises(ContextLengthExceeded):  # refused as add_request refuses it
+        _run(engine.tokenize("x" * 3000))
+    assert transport.calls == []
 
 
 def test_errors_cross_the_boundary_by_type():

@@ -145,6 +145,22 @@ def test_chat_template_matches_transformers(tok, ref, messages, add_generation_p
     assert tok.encode_chat(messages, add_generation_prompt=add_generation_prompt) == expected_ids
 
 
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_continue_final_message_matches_transformers(tok, ref, messages) -> None:
+    """A last assistant message left open (a prefill): the rendering cut after its content,
+    as transformers' continue_final_message cuts it."""
+    messages = [*messages, {"role": "assistant", "content": "The answer is"}]
+    expected = ref.apply_chat_template(messages, tokenize=True, continue_final_message=True)
+    if isinstance(expected, dict) or hasattr(expected, "input_ids"):
+        expected = expected["input_ids"]
+    got = tok.encode_chat(messages, continue_final_message=True)
+    assert got == expected and tok.decode(got).endswith("assistant\nThe answer is")
+    with pytest.raises(ValueError, match="^messages: the last message cannot be continued"):
+        tok.encode_chat(
+            [*messages[:-1], {"role": "assistant", "content": ""}], continue_final_message=True
+        )
+
+
 @pytest.mark.parametrize(
     "messages",
     [[], "hi", [{"role": "user"}], [{"role": "user", "content": 3}], ["hi"], [{"content": "x"}]],

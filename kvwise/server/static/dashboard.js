@@ -291,6 +291,29 @@
     renderCost(d.cost_model);
     renderTiers(d.tiers || [], d.cost_model);
     renderTenants(d.tenants || []);
+    renderBill(d.bill || { tenants: [] });
+  }
+
+  function renderBill(bill) {
+    const body = $("bill-body");
+    body.textContent = "";
+    if (!bill.tenants.length) {
+      const cell = body.insertRow().insertCell();
+      cell.colSpan = 8;
+      cell.textContent = "nothing billed yet";
+      return;
+    }
+    const money = (x) => x === undefined ? "–" : `${x.toFixed(4)} ${bill.currency}`;
+    for (const t of bill.tenants) {
+      const k = t.tokens;
+      const cells = [
+        t.tenant, fmtInt(k.input), fmtInt(k.cache_read), fmtInt(k.cache_write_5m),
+        fmtInt(k.cache_write_1h), fmtInt(k.output), money(t.cost && t.cost.total), money(t.saved),
+      ];
+      const row = body.insertRow();
+      row.dataset.tenant = t.tenant;
+      for (const c of cells) row.insertCell().textContent = c;
+    }
   }
 
   function renderTenants(tenants) {
