@@ -26,7 +26,7 @@ from kvwise.models.default import default_model_path
 from kvwise.models.loader import LoadedModel
 from kvwise.server import create_app
 
-KEYS = {"key-alice": "alice", "key-bob": "bob"}
+KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol"}  # carol: one test each
 TINY_NAME = "tiny"
 TINY_CONTEXT = 256
 
