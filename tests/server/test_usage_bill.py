@@ -142,13 +142,14 @@ def _anthropic(u: dict) -> dict:
     }
 
 
+BILLED = {key: tenant for key, tenant in KEYS.items() if tenant in ("alice", "bob")}
 SEQUENCES = 2 + 1 + 4 + 1 + 2 + 2 + 1 + 2 + 1  # the sequences (choices x prompts) of _requests
 
 
 def test_each_tenants_bill_is_the_sum_of_its_usage(billed_server):
     with httpx.Client(base_url=billed_server.base_url, timeout=60) as client:
         sums = {}
-        for key, tenant in KEYS.items():
+        for key, tenant in BILLED.items():
             usages = _requests(client, key)
             sums[tenant] = {kind: sum(u[kind] for u in usages) for kind in usages[0]}
         assert sums["alice"]["cache_read"] > 0  # the repeated context hit the cache
