@@ -19,6 +19,10 @@ calls are left), the latency of the turns after a tool result (p50, p99: the tim
 answer, and TTFT, the time to its first content or tool-call delta — answers are streamed, as
 agents stream them), the prompt tokens cached, and kvwise's tool-pause counts. Progress on
 stderr: each server's start-up and a bar over each run's turns (``bench/progress.py``).
+
+``--apis chat,messages,responses`` runs each of kvwise's configurations in each API
+(``bench/agent_apis.py``: the same conversation and one forced call a turn in every API; the
+full history each turn): what the API layer costs.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvwise.bench import llamacpp, vllm_peer
+from kvwise.bench import agent_apis, llamacpp, vllm_peer
 from kvwise.bench.chat import _CHARS_PER_TOKEN, _slices
 from kvwise.bench.common import percentile, serve_process, sse_chunks
 from kvwise.bench.progress import bar
@@ -58,15 +62,17 @@ def _first_messages(task: str) -> list[dict]:
             {"role": "user", "content": task}]  # fmt: skip
 
 
-async def _agent(http, url, model, task, results, sleeps, max_tokens, record, key) -> None:
+async def _agent(http, url, model, task, results, sleeps, max_tokens, record, key, api) -> None:
     messages = _first_messages(task)
     headers = {"Authorization": f"Bearer {key}"}
     for i, result in enumerate(results):
-        body = {"model": model, "messages": messages, "tools": [TOOL], "tool_choice": "required",
-                "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = agent_apis.request_body(api, model, messages, TOOL, max_tokens)
         start = time.perf_counter()
-        answer = await _streamed_answer(http, f"{url}/v1/chat/completions", body, headers)
+        if api == "chat":
+            answer = await _streamed_answer(http, f"{url}/v1/chat/completions", body, headers)
+        else:
+            path = url + agent_apis.PATHS[api]
+            answer = await agent_apis.streamed_answer(http, path, api, body, headers)
         first, usage, calls = answer["first_s"] - start, answer["usage"], answer["calls"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         end = time.perf_counter()
@@ -107,7 +113,9 @@ async def _streamed_answer(http, url: str, body: dict, headers: dict) -> dict:
             "usage": usage, "first_s": first or time.perf_counter()}  # fmt: skip
 
 
-async def _agents_load(url: str, args: argparse.Namespace, label: str = "agents") -> dict:
+async def _agents_load(
+    url: str, args: argparse.Namespace, label: str = "agents", api: str = "chat"
+) -> dict:
     import httpx
 
     texts = _slices(args.agents * (args.rounds + 1), int(args.result_tokens * _CHARS_PER_TOKEN))
@@ -139,6 +147,7 @@ async def _agents_load(url: str, args: argparse.Namespace, label: str = "agents"
                         args.max_tokens,
                         record,
                         keys[a],
+                        api,
                     )
                     for a in range(args.agents)
                 )
@@ -238,8 +247,9 @@ def _vllm(python: str, args: argparse.Namespace) -> dict:
     return vllm_peer.serve(python, args.vllm_model, kv_bytes, _context(args), work)
 
 
-def _run(config: str, gguf: str, args: argparse.Namespace) -> dict | None:
-    """One run of the agents against ``config``'s server (None: its peer is not installed)."""
+def _run(config: str, gguf: str, args: argparse.Namespace, api: str = "chat") -> dict | None:
+    """One run of the agents against ``config``'s server (None: its peer is not installed),
+    in ``api`` (kvwise's configurations; the peers speak chat)."""
     if config == "vllm":
         python = vllm_peer.find_python(args.vllm_python)
         if not python:
@@ -264,8 +274,19 @@ def _run(config: str, gguf: str, args: argparse.Namespace) -> dict | None:
             gguf, port, config, args.pool_memory, disk, args.tenants, args.kv_cache_dtype
         )
         url = f"http://127.0.0.1:{port}"
-        work = functools.partial(_agents_load, args=args, label=f"agents {config}")
+        work = functools.partial(_agents_load, args=args, label=f"agents {config}", api=api)
         return serve_process(cmd, url, work, name=f"kvwise serve ({config})")
+
+
+def _runs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(configuration, API) of one round: each of kvwise's configurations in each of
+    ``--apis``, the peers in chat."""
+    apis = args.apis.split(",")
+    bad = [api for api in apis if api not in agent_apis.APIS]
+    if bad:
+        raise SystemExit(f"--apis: {bad[0]!r} is not one of {', '.join(agent_apis.APIS)}")
+    peers = ("llama.cpp", "vllm")
+    return [(c, a) for c in args.configs.split(",") for a in (["chat"] if c in peers else apis)]
 
 
 def _medians(runs: list[dict]) -> dict:
@@ -286,10 +307,11 @@ def main(args: argparse.Namespace) -> int:
     gguf = str(Path(args.model) if args.model else default_model_path())
     runs: dict[str, list[dict]] = {}
     for round_ in range(args.repeat):  # the configurations interleaved, round after round
-        for config in args.configs.split(","):
-            r = _run(config, gguf, args)
+        for config, api in _runs(args):
+            r = _run(config, gguf, args, api)
             if r is None:
                 continue
+            config = config if api == "chat" else f"{config} ({api})"
             runs.setdefault(config, []).append(r)
             print(f"round {round_ + 1}, {config}: {r['turns']} turns, {r['turns_per_s']:.3f} "
                   f"turns/s of wall time, {r['turns_per_in_flight_s']:.3f} of the "

@@ -169,3 +169,28 @@ def test_a_forced_call_cut_by_max_tokens_is_a_truncated_call(alice):
                     streamed += d.function.arguments or ""
                 finish = c.finish_reason or finish
         assert (content, name, streamed, finish) == ("", "get_weather", cut, "length")
+
+
+def test_responses_forced_calls_parse_and_validate_on_twenty_prompts(alice):
+    """The same twenty prompts on /v1/responses: tool_choice required (one call), each a
+    completed response whose one function_call item validates against the closed schema."""
+    weather = {"type": "function", "name": "get_weather", **WEATHER["function"]}
+
+    def one(prompt: str):
+        return alice.responses.create(
+            model=MODEL,
+            input=prompt,
+            tools=[weather],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_output_tokens=MAX_TOKENS,
+        )
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(one, PROMPTS))
+    for prompt, r in zip(PROMPTS, results, strict=True):
+        assert r.status == "completed", (prompt, r.status, r.output)
+        (call,) = [item for item in r.output if item.type == "function_call"]
+        assert call.name == "get_weather", prompt
+        jsonschema.validate(json.loads(call.arguments), closed(WEATHER_ARGS))
