@@ -163,9 +163,11 @@ def attack_request(mode: str, n: int) -> tuple[str, bytes, float]:
         body = json.dumps({"model": MODEL, "max_tokens": 8, **fields}).encode()
         return "/v1/chat/completions", body, 1.0 if n % 2 == 0 else 60.0
     if mode == "huge-n":  # bodies over the server's 64 sequences a request: each a 400
-        shapes = ({"prompt": [f"Story {n}-{i}." for i in range(64)], "n": 16},
-                  {"prompt": "Tell me a story.", "n": 128},
-                  {"prompt": [f"Story {n}-{i}." for i in range(65)], "n": 1})  # fmt: skip
+        shapes = (
+            {"prompt": [f"Story {n}-{i}." for i in range(64)], "n": 16},
+            {"prompt": "Tell me a story.", "n": 128},
+            {"prompt": [f"Story {n}-{i}." for i in range(65)], "n": 1},
+        )
         body = {"model": MODEL, "max_tokens": 1024, "ignore_eos": True, **shapes[n % 3]}
         return "/v1/completions", json.dumps(body).encode(), 60.0
     # hangup: 4 prompts x n = 16 (64 sequences, within the cap) of 1,024 tokens each, hung up

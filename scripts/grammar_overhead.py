@@ -45,11 +45,18 @@ def _rate(llm: LLM, batch: int, tokens: int, structured) -> float:
     return statistics.mean(rates)
 
 
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"]}  # fmt: skip
-CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Perth", '
-        '"unit": "celsius"}}\n</tool_call>')  # fmt: skip
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
+CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Perth", '
+    '"unit": "celsius"}}\n</tool_call>'
+)
 
 
 def _grammar_times(tokenizer, tok, text: str, answer: str, rounds: int) -> dict:
@@ -71,10 +78,13 @@ def _grammar_times(tokenizer, tok, text: str, answer: str, rounds: int) -> dict:
             masks.append(time.perf_counter() - t0)
             assert matcher.consume_token(token_id), "the answer does not fit the grammar"
     masks.sort()
-    return {"compile_ms": round(1e3 * statistics.median(compiles), 2),
-            "mask_us_median": round(1e6 * statistics.median(masks), 1),
-            "mask_us_p90": round(1e6 * masks[int(0.9 * (len(masks) - 1))], 1),
-            "tokens": len(token_ids), "grammar_chars": len(text)}  # fmt: skip
+    return {
+        "compile_ms": round(1e3 * statistics.median(compiles), 2),
+        "mask_us_median": round(1e6 * statistics.median(masks), 1),
+        "mask_us_p90": round(1e6 * masks[int(0.9 * (len(masks) - 1))], 1),
+        "tokens": len(token_ids),
+        "grammar_chars": len(text),
+    }
 
 
 def masks(model: str | None, rounds: int) -> dict:
@@ -88,15 +98,18 @@ def masks(model: str | None, rounds: int) -> dict:
     from kvwise.server.tools import call_grammar
 
     tok = Tokenizer.from_path(model or default_model_path())
-    tokenizer = llguidance.LLTokenizer(tok.backend_json(), n_vocab=tok.vocab_size,
-                                       eos_token=sorted(tok.eos_token_ids))  # fmt: skip
+    tokenizer = llguidance.LLTokenizer(
+        tok.backend_json(), n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_token_ids)
+    )
     tool = call_grammar([FunctionDef(name="get_weather", parameters=WEATHER)], None, True)
     specs = {
         "tool_call": (StructuredOutput("grammar", tool), CALL),
         "json_schema": (StructuredOutput("json", WEATHER), '{"city":"Perth","unit":"celsius"}'),
     }
-    return {name: _grammar_times(tokenizer, tok, grammar_text(spec), answer, rounds)
-            for name, (spec, answer) in specs.items()}  # fmt: skip
+    return {
+        name: _grammar_times(tokenizer, tok, grammar_text(spec), answer, rounds)
+        for name, (spec, answer) in specs.items()
+    }
 
 
 def main() -> None:

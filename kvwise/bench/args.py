@@ -104,9 +104,11 @@ def add_agents_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default="tiers,pool,no-cache,llama.cpp,vllm",
                    help="tiers, pool, no-cache, llama.cpp, vllm, in this order")  # fmt: skip
     p.add_argument("--llama-cpp", default=None, help="directory of llama-server")
-    p.add_argument("--apis", default="chat",
-                   help="the APIs kvwise's configurations run in: chat, messages, responses "
-                        "(the peers: chat)")  # fmt: skip
+    p.add_argument(
+        "--apis",
+        default="chat",
+        help="the APIs kvwise's configurations run in: chat, messages, responses (the peers: chat)",
+    )
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every configuration, interleaved (medians reported)")  # fmt: skip
     add_vllm_args(p)

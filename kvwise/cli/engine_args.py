@@ -93,6 +93,14 @@ def _add_scheduling_args(g) -> None:
         help="requests admitted ahead of a waiting one that does not fit the KV pool yet, "
         "before nothing behind it may go first (0: strict FIFO; default: 32)",
     )
+    _add_prefix_cache_args(g)
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    _add_grammar_args(g)
+
+
+def _add_prefix_cache_args(g) -> None:
+    """What the KV cache keeps: off, no prefix caching, no hybrid layout, public prefixes,
+    cache_control breakpoints."""
     g.add_argument(
         "--no-kv-cache",
         action="store_true",
@@ -133,8 +141,6 @@ def _add_scheduling_args(g) -> None:
         help="multiply every cache_control TTL by this (tests: 0.01 makes 5 minutes 3 s; "
         "default: 1.0)",
     )
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    _add_grammar_args(g)
 
 
 def _add_grammar_args(g) -> None:

@@ -42,13 +42,31 @@ PARSER_LIMITS = {
 
 
 # keywords whose value is a schema, a list of schemas, or a map of names to schemas
-_SCHEMA_KEYS = ("additionalProperties", "items", "additionalItems", "contains", "not", "if",
-                "then", "else", "unevaluatedItems", "propertyNames")  # fmt: skip
+_SCHEMA_KEYS = (
+    "additionalProperties",
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "propertyNames",
+)
 _LIST_KEYS = ("anyOf", "oneOf", "prefixItems", "items")
 _MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 # an object schema with one of these says what else it admits, or is composed with others
-_OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref",
-              "if", "dependentSchemas")  # fmt: skip
+_OPEN_KEYS = (
+    "additionalProperties",
+    "unevaluatedProperties",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "if",
+    "dependentSchemas",
+)
 
 
 def close_objects(schema: dict[str, Any]) -> dict[str, Any]:
