@@ -16,7 +16,8 @@ Contract:
 - When a request leaves the pool (finished or preempted) the blocks of its runs are kept in
   the pool (``BlockPool.retain``: evicted after every unkept block, on the tenant's account
   and within its cap) until now + the run's TTL: each request that hits them refreshes them.
-  Its saves to the tiers are cut at the runs' ends and written with the run's TTL. Its
+  Its saves to the tiers are cut at the runs' ends and written with the run's TTL, and the
+  entries of its runs the tiers hold already are kept that long again (``keep_stored``). Its
   lookup refreshes the kept blocks it reaches under its breakpoints at once, so a prefix
   in use by a long request does not run out under the next one.
 - Each kept block's hash is in the ``KeepLedger`` with its deadline. A request whose prefix
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 
 from kvwise.core.block_pool import BlockPool, KVBlock
 from kvwise.core.hashing import BlockHash
+from kvwise.core.kv_tiers import ChunkWrite, KVTierPlanner
 from kvwise.core.request import Request
 
 MAX_LEDGER_BLOCKS = 1 << 16  # kept block hashes remembered (oldest forgotten first)
@@ -225,3 +227,25 @@ def save_ttl(request: Request, end_block: int) -> float | None:
         if run.start_block < end_block <= run.end_block:
             ttl = max(ttl, run.ttl_s)
     return ttl or None
+
+
+def keep_stored(
+    tiers: KVTierPlanner,
+    request: Request,
+    block_hashes: Sequence[BlockHash],
+    num_full_blocks: int,
+    cuts: Sequence[int],
+    first_block: int = 0,
+) -> None:
+    """Before ``request``'s saves are planned: the entries of its sequence that the tiers hold
+    already, kept again for ``save_ttl`` from now (a hit refreshes a breakpoint's or a
+    retention's TTL in the tiers, which a save skips: they hold the entry)."""
+    if not (request.keep_runs or request.retention_s):
+        return
+    by_ttl: dict[float, list[ChunkWrite]] = {}
+    for chunk in tiers.plan_keeps(block_hashes, num_full_blocks, cuts, first_block):
+        ttl_s = save_ttl(request, chunk.first_block + len(chunk.block_hashes))
+        if ttl_s:
+            by_ttl.setdefault(ttl_s, []).append(chunk)
+    for ttl_s, chunks in by_ttl.items():
+        tiers.keep(chunks, ttl_s, request.tenant)

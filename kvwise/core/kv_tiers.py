@@ -4,7 +4,8 @@ The scheduler plans; the tiers (``kvwise.store.TieredStore`` implements ``KVTier
 the I/O. At admission the scheduler asks ``plan_load`` how much of a device prefix hit's
 continuation to load (a ``LoadPlan``: nothing is read yet); when the step's loads come up
 short it calls ``roll_back``; when a request leaves the pool, ``plan_writes`` says which of its
-chunks the tiers lack. The plan types are plain data the scheduler owns and hands to the
+chunks the tiers lack, and ``plan_keeps`` and ``keep`` refresh the keeps (a cache
+breakpoint's or a retention's TTL) of those they hold already. The plan types are plain data the scheduler owns and hands to the
 worker boundary (``core/outputs.py``).
 
 The tiers store a sequence as *entries*: runs of consecutive blocks, each found by its last
@@ -108,4 +109,22 @@ class KVTierPlanner(Protocol):
         of ``cuts`` (block counts where another request is likely to stop sharing this
         sequence: where its device prefix hit ended, where its prompt ended); they start at
         ``first_block`` (a windowed KV group holds no blocks before its window)."""
+        ...
+
+    def plan_keeps(
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_full_blocks: int,
+        cuts: Sequence[int] = (),
+        first_block: int = 0,
+    ) -> list[ChunkWrite]:
+        """The entries ``plan_writes`` would cut the same sequence into that the tiers are
+        known to hold already (call it first: ``plan_writes`` remembers its own as held)."""
+        ...
+
+    def keep(self, chunks: Sequence[ChunkWrite], ttl_s: float, owner: str | None) -> None:
+        """Keep those held entries at least ``ttl_s`` from now, on ``owner``'s (the
+        tenant's) account, in every tier that can: a hit refreshes a breakpoint's or a
+        retention's TTL in the tiers as in the pool. Queued: no I/O on the caller's
+        thread."""
         ...

@@ -28,12 +28,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvwise.core.admission import WaitingScan
-from kvwise.core.breakpoints import keep_cuts, save_ttl
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.kv_tiers import KVTierPlanner
 from kvwise.core.load_plans import GroupLoad, plan_group_loads
 from kvwise.core.outputs import KVLoad, KVSave, ModelOutput, ScheduledRequest, SchedulerOutput
 from kvwise.core.request import Request, RequestStatus
+from kvwise.core.save_plans import plan_saves
 from kvwise.core.scheduler_config import SchedulerConfig
 from kvwise.errors import ContextLengthExceeded, InvalidRequest, QueueFullError
 from kvwise.types import FinishReason
@@ -325,38 +325,12 @@ class Scheduler:
     def _plan_saves(
         self, request: Request, windowed_only: bool = False, soon: bool = False
     ) -> None:
-        """Queue the full computed blocks of a request leaving the pool for the tiers: each
-        KV group's under its own hashes (a windowed group's from its window on: it holds no
-        blocks before). ``windowed_only``: the windowed groups' blocks now, as its prompt
-        is done (they leave the window before it finishes; a repeat of the prompt needs
-        those of its end). ``soon``: it was preempted and will load them back."""
-        if self.tiers is None:
-            return
-        # cut the stored entries where another request is likely to stop sharing this one:
-        # the end of its device prefix hit, of what it loaded, of its prompt (the blocks a
-        # repeat of it can load, and all of its full blocks, which its next turn shares)
-        bs = self.kv.block_size
-        cached = max(request.num_cached_tokens, 0)
-        cuts = (
-            (cached - request.num_loaded_tokens) // bs,
-            cached // bs,
-            (request.num_prompt_tokens - 1) // bs,
-            request.num_prompt_tokens // bs,
-            *keep_cuts(request),  # (each entry in one breakpoint's keep run: its TTL)
-        )
-        for g, window in enumerate(self.kv.windows):
-            if windowed_only and not window:
-                continue
-            block_ids = self.kv.block_ids(request.request_id, g)
-            hashes = self.kv.group_hashes(request, g)
-            num_full = min(request.num_computed_tokens // bs, len(hashes), len(block_ids))
-            first = self.kv.first_held(request.request_id, g, num_full)
-            writes = self.tiers.plan_writes(hashes, num_full, cuts, first_block=first)
-            for chunk in writes:
-                ids = block_ids[chunk.first_block : chunk.first_block + len(chunk.block_hashes)]
-                ttl_s = save_ttl(request, chunk.first_block + len(chunk.block_hashes))
-                save = KVSave(ids, chunk, ttl_s, request.tenant, soon)
-                self._pending_saves.append(save)
+        """Queue the blocks of a request leaving the pool for the tiers (``save_plans``);
+        ``windowed_only``: its windowed groups' now, as its prompt is done; ``soon``: it was
+        preempted and will load them back."""
+        if self.tiers is not None:
+            saves = plan_saves(self.tiers, self.kv, request, windowed_only, soon)
+            self._pending_saves.extend(saves)
 
     def take_saves(self) -> list[KVSave]:
         """Blocks to copy out for the tiers; copy them before the next step runs."""

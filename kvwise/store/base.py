@@ -25,8 +25,9 @@
   (``load_prior``: the cost model's start), ``SharedTier`` (``shared``: other engines use
   it, so keys need the shared secret), ``KeepsLocalSecret`` (``local_secret()``: a secret
   kept beside the entries) and ``ReportsEvictions`` (``on_evict``: a tier that evicts on its
-  own says what; the ``EvictionReports`` mixin implements it). A tier without one is served
-  the default the protocol names.
+  own says what; the ``EvictionReports`` mixin implements it) and ``ExtendsKeeps``
+  (``extend_keeps``: a stored entry's keep refreshed without rewriting it). A tier without
+  one is served the default the protocol names.
 """
 
 from __future__ import annotations
@@ -118,6 +119,18 @@ class ReadsInPlace(KVStore, Protocol):
 
 
 # ---- optional abilities (see the module docstring) ----------------------------------------
+
+
+@runtime_checkable
+class ExtendsKeeps(Protocol):
+    """A tier that can refresh the keep of entries it already holds (a cache breakpoint's
+    or a retention's TTL, refreshed by each hit): without it an entry keeps the TTL it was
+    written with."""
+
+    def extend_keeps(self, keys: Sequence[bytes], ttl_s: float, owner: str | None = None) -> None:
+        """Keep each present key at least ``ttl_s`` from now (never shortened; on
+        ``owner``'s account, within its cap, as ``put`` keeps); absent keys are ignored."""
+        ...
 
 
 @runtime_checkable

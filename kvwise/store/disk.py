@@ -9,7 +9,9 @@ Contract (on top of ``base.KVStore``):
   name. No fsync: a crash can still leave a torn file, which the tag in ``serde``
   rejects (the tiered store's reader then ``delete``s it).
 - Eviction as in ``index.LruIndex``: least recently used first; entries put with ``ttl_s``
-  only after all others, until their time runs out. The budget counts file sizes.
+  only after all others, until their time runs out; ``extend_keeps`` (``base.ExtendsKeeps``)
+  keeps present entries longer (the index and the file's mtime). The budget counts file
+  sizes.
 - Restart: the index is rebuilt from the files. LRU order is the files' atime (set
   explicitly on every put and get hit, so it does not depend on mount options) and the keep
   time is the mtime (an mtime in the future means kept until then). Leftover ``*.tmp``
@@ -202,6 +204,32 @@ class DiskStore(EvictionReports):
                 self._update_gauges()
                 stored += 1
         return stored == len(items)
+
+    def extend_keeps(self, keys: Sequence[bytes], ttl_s: float, owner: str | None = None) -> None:
+        keys = [check_key(k) for k in keys]
+        with self._lock:
+            if self._closed or ttl_s <= 0:
+                return
+            now = self._clock()
+            for key in keys:
+                before = self._index.keep_until(key)
+                until = self._index.extend(key, now + ttl_s, owner, now)
+                if until == 0.0:
+                    self._keeps.refused(owner)
+                elif until is not None and until != before:
+                    self._set_keep_time(key, until)
+
+    def _set_keep_time(self, key: bytes, until: float) -> None:
+        """The file's mtime to ``until`` (its keep after a restart), its atime as it was.
+        Call with the lock held."""
+        path = self.file_path(key)
+        try:
+            atime_ns = os.stat(path).st_atime_ns
+            os.utime(path, ns=(atime_ns, disk_files.ns(until)))
+        except FileNotFoundError:
+            pass  # gone behind the store's back: a miss at the next read
+        except OSError as exc:
+            self._faults.error("write", disk_files.error_kind("write", exc), path, exc)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         keys = [check_key(k) for k in keys]

@@ -42,6 +42,8 @@ _OP_OF = {
     "read": "read",
     "put": "write",
     "write": "write",
+    "extend": "write",
+    "extend_keeps": "write",
     "contains": "lookup",
     "delete": "delete",
     "unlink": "delete",

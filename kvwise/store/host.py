@@ -6,7 +6,8 @@ Contract (on top of ``base.KVStore``):
 - Eviction order: least recently used (``put`` or ``get`` hit) first, among the entries put
   without ``ttl_s``; entries put with ``ttl_s`` ("kept") go only after all of those. A kept
   entry whose time has run out becomes ordinary again, as the oldest of them (it is evicted
-  first). Re-putting a kept entry never shortens its time.
+  first). Re-putting a kept entry never shortens its time, nor does ``extend_keeps``
+  (``base.ExtendsKeeps``), which keeps present entries longer without rewriting them.
 - Every method takes the one lock, so the engine thread and the background writer can call
   at once. Faults cannot happen here (RAM only), so ``stats.faults`` stays 0.
 
@@ -115,6 +116,17 @@ class HostStore(EvictionReports):
                 stored += 1
             self._update_gauges()
         return stored == len(items)
+
+    def extend_keeps(self, keys: Sequence[bytes], ttl_s: float, owner: str | None = None) -> None:
+        keys = [check_key(k) for k in keys]
+        with self._lock:
+            if self._closed or ttl_s <= 0:
+                return
+            now = self._clock()
+            for key in keys:
+                if self._index.extend(key, now + ttl_s, owner, now) == 0.0:
+                    self._keeps.refused(owner)
+            self._update_gauges()
 
     def delete(self, keys: Sequence[bytes]) -> None:
         keys = [check_key(k) for k in keys]

@@ -112,6 +112,25 @@ class LruIndex:
             return 0.0, None
         return until, keeper
 
+    def extend(self, key: bytes, keep_until: float, keeper: str | None, now: float) -> float | None:
+        """Keep a present ``key`` until at least ``keep_until``, as ``keep_for`` allows (not
+        another keeper's live keep, nothing past the keeper's cap); a key that becomes kept
+        moves to the end of the kept queue. Returns its keep time then (0.0: not kept) or
+        None when absent."""
+        num_bytes = self._plain.get(key)
+        kept = self._kept.get(key)
+        if num_bytes is None and kept is None:
+            return None
+        size = kept[0] if kept is not None else num_bytes
+        until, keeper = self.keep_for(key, size, keep_until, keeper, now)
+        if until <= now or (kept is not None and (until, keeper) == kept[1:]):
+            return until
+        self.remove(key)
+        self._kept[key] = (size, until, keeper)
+        self.kept_bytes[keeper] = self.kept_bytes.get(keeper, 0) + size
+        self.num_bytes += size
+        return until
+
     def order(self) -> list[bytes]:
         """All keys, first to be evicted first (expiry not applied)."""
         return [*self._plain, *self._kept]

@@ -287,21 +287,44 @@ class ChunkPlanner:
         first_block: int = 0,
     ) -> list[ChunkWrite]:
         """``KVTierPlanner.plan_writes``; what it returns is remembered as stored."""
-        n, first = num_full_blocks, first_block
-        if not self.tiers or n * self.fmt.block_size < self.min_tokens or first >= n:
-            return []
-        ends = sorted({*range(self.chunk_blocks, n, self.chunk_blocks), n}
-                      | {x for x in cuts if first < x < n})  # fmt: skip
-        ends = [e for e in ends if e > first]
         writes = []
-        for end in ends:
-            hashes = tuple(block_hashes[first:end])
+        for first, hashes in self._entries(block_hashes, num_full_blocks, cuts, first_block):
             missing_above = self.known.get(hashes[-1])
             if missing_above != 0:  # unknown (None: every tier) or lacking in the top tiers
                 self.known.remember(hashes[-1])
                 writes.append(ChunkWrite(first, hashes, missing_above))
-            first = end
         return writes
+
+    def plan_keeps(
+        self,
+        block_hashes: Sequence[bytes],
+        num_full_blocks: int,
+        cuts: Sequence[int] = (),
+        first_block: int = 0,
+    ) -> list[ChunkWrite]:
+        """``KVTierPlanner.plan_keeps``: the entries ``plan_writes`` would cut that are known
+        as stored (in some tier)."""
+        return [
+            ChunkWrite(first, hashes)
+            for first, hashes in self._entries(block_hashes, num_full_blocks, cuts, first_block)
+            if self.known.get(hashes[-1]) is not None
+        ]
+
+    def _entries(
+        self, block_hashes: Sequence[bytes], n: int, cuts: Sequence[int], first: int
+    ) -> list[tuple[int, tuple[bytes, ...]]]:
+        """``(first block, block hashes)`` of each entry a sequence of ``n`` full blocks is
+        cut into (see the module docstring), from block ``first`` on; none when it is not
+        stored at all (too short, no tiers)."""
+        if not self.tiers or n * self.fmt.block_size < self.min_tokens or first >= n:
+            return []
+        ends = sorted({*range(self.chunk_blocks, n, self.chunk_blocks), n}
+                      | {x for x in cuts if first < x < n})  # fmt: skip
+        entries = []
+        for end in (e for e in ends if e > first):
+            entries.append((first, tuple(block_hashes[first:end])))
+            first = end
+        return entries
 
     def num_stored_blocks(self, block_hashes: Sequence[bytes], num_full_blocks: int) -> int:
         """Leading blocks of a sequence that the tiers hold, every layer group."""

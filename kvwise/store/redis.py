@@ -5,8 +5,9 @@ payload together, so there is never a payload without its header). Every entry g
 at least the store's ``ttl_s``; Redis expires and evicts entries itself.
 
 Contract (on top of ``base.KVStore``):
-- One round trip per call: ``get`` is one MGET, ``contains`` and ``put`` one
-  non-transactional pipeline (EXISTS, SET ... EX), ``delete`` one DEL.
+- One round trip per call: ``get`` is one MGET, ``contains``, ``put`` and
+  ``extend_keeps`` one non-transactional pipeline (EXISTS, SET ... EX, EXPIRE ... GT: a
+  TTL is only ever lengthened; Redis 7 or later), ``delete`` one DEL.
 - A deadline for the whole call: ``timeout_s`` (``deadline_s``) bounds each call from start
   to end, connect, handshake and every reply byte included (redis-py's socket timeout bounds
   each socket read only: a server that answers a byte at a time would never trip it). The
@@ -206,6 +207,13 @@ class RedisStore:
             self.stats.bytes_written += sum(num_bytes for _, _, num_bytes in stored)
         # False: a fault (server or node down, timeout) or the breaker open: not all stored
         return len(stored) == len(checked)
+
+    def extend_keeps(self, keys: Sequence[bytes], ttl_s: float, owner: str | None = None) -> None:
+        # NOTE: ``owner`` is not capped, as in ``put``
+        names = self._names(keys)
+        if ttl_s > 0:
+            ex = max(1, math.ceil(max(self.ttl_s, ttl_s)))
+            self._per_node("extend", names, lambda pipe, name: pipe.expire(name, ex, gt=True))
 
     def delete(self, keys: Sequence[bytes]) -> None:
         names = self._names(keys)

@@ -4,14 +4,15 @@ Python (payloads are buffers; the worker turns them into tensors).
 A thin facade over three parts, each with its own contract:
 
 - ``planner.ChunkPlanner``: ``plan_load`` (one batched ``contains`` per tier, the cost model,
-  no reads), ``roll_back``, ``plan_writes``, ``num_stored_blocks``, the known-chunks map.
+  no reads), ``roll_back``, ``plan_writes``, ``plan_keeps``, ``num_stored_blocks``, the
+  known-chunks map.
 - ``reader.Reader``: ``read_group`` (parallel reads, checks, matching against the prompt, in
   place where the tier can), corrupt entries as faults, promotion of lower-tier hits.
-- ``writer.Writer``: ``write`` and promotions on one background thread, a cap on the bytes
+- ``writer.Writer``: ``write``, ``keep`` and promotions on one background thread, a cap on the bytes
   queued (a write past it is dropped and counted), ``flush``.
 
-It implements ``core.kv_tiers.KVTierPlanner`` for the scheduler (``plan_load``, ``roll_back``
-and ``plan_writes`` are ``planner.ChunkPlanner``'s, bound in). A load happens in two
+It implements ``core.kv_tiers.KVTierPlanner`` for the scheduler (``plan_load``, ``roll_back``,
+``plan_writes`` and ``plan_keeps`` are ``planner.ChunkPlanner``'s, bound in). A load happens in two
 halves: at admission ``plan_load`` decides how much to load; while the step runs, the engine's
 loader reads the plan group by group (``read_group``) and copies each group into the device
 pool as it arrives, so the model's first layers run while later layers are still being read.
@@ -37,7 +38,7 @@ from kvwise.store.reader import Dest, GroupRead, Reader
 from kvwise.store.selftest import TierCheck, self_test
 from kvwise.store.stats import StoreStats
 from kvwise.store.tier_events import TierEvents
-from kvwise.store.writer import Promote, WriteChunk, Writer
+from kvwise.store.writer import ExtendKeeps, Promote, WriteChunk, Writer
 
 __all__ = ["GroupRead", "TieredStore"]
 
@@ -82,6 +83,7 @@ class TieredStore:
         self.plan_span = self._planner.plan_span
         self.roll_back = self._planner.roll_back
         self.plan_writes = self._planner.plan_writes
+        self.plan_keeps = self._planner.plan_keeps
         self._events: TierEvents | None = None  # record_events
         self._loaded_tokens = 0
         self._lock = threading.Lock()
@@ -175,6 +177,14 @@ class TieredStore:
         shortly (a preempted request's): written at once, not when the engine is idle."""
         if not self._writer.submit(WriteChunk(chunk, payload, ttl_s, owner, soon)):
             self._forget_chunk(chunk)  # dropped: a later sequence may write it
+
+    def keep(self, chunks: Sequence[ChunkWrite], ttl_s: float, owner: str | None = None) -> None:
+        """``KVTierPlanner.keep``: every layer group's entry of each chunk kept at least
+        ``ttl_s`` from now where a tier holds it (``writer.ExtendKeeps``, queued)."""
+        fmt = self.fmt
+        keys = tuple(fmt.entry_key(c.key, g) for c in chunks for g in range(fmt.layer_groups))
+        if keys and ttl_s > 0:
+            self._writer.submit(ExtendKeeps(keys, ttl_s, owner))
 
     # ---- what each tier holds, as events (for cache-aware routers) ---------------------------
 

@@ -5,13 +5,15 @@ Contract:
   and returns True, or drops it and returns False (counted in ``writes_dropped``) when the
   writer is closed or the job's bytes would take the bytes queued past
   ``max_pending_bytes``.
-- Two kinds of job, run in the order submitted:
+- Three kinds of job, run in the order submitted:
   - ``WriteChunk``: one chunk's payload, all layers ``(num_layers, 2, num_blocks, ...)``,
     split into its layer groups, each packed as one entry (``serde.pack``) and put, with
     ``ttl_s``, to the first ``chunk.num_tiers`` tiers (all by default). Counted in
     ``chunks_written``. A chunk some tier did not store (a fault: Redis down, disk full)
     is handed to ``on_lost``, so that it is written again the next time it is saved.
   - ``Promote``: an entry read from a lower tier, put unchanged into the tiers above it.
+  - ``ExtendKeeps``: entries the tiers hold kept at least ``ttl_s`` from now, in every tier
+    that can (``base.ExtendsKeeps``); nothing is rewritten.
 - ``pending_bytes``: bytes of the submitted jobs not yet finished (a gauge).
 - Whatever a tier raises in ``put`` is a fault of that tier (``base.guarded``): the entry is
   not stored there, the chunk handed to ``on_lost``.
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 
 from kvwise.core.kv_tiers import ChunkWrite
 from kvwise.store import serde
-from kvwise.store.base import FaultLog, KVStore, call_deadline, guarded
+from kvwise.store.base import ExtendsKeeps, FaultLog, KVStore, call_deadline, guarded
 
 logger = logging.getLogger("kvwise.store")
 
@@ -82,7 +84,18 @@ class Promote:
         return memoryview(self.value).nbytes
 
 
-WriteJob = WriteChunk | Promote
+@dataclass(frozen=True)
+class ExtendKeeps:
+    """Keep the entries ``keys`` (where a tier holds them) at least ``ttl_s`` from now, on
+    ``owner``'s account."""
+
+    keys: tuple[bytes, ...]
+    ttl_s: float
+    owner: str | None = None
+    num_bytes = 0  # nothing to write
+
+
+WriteJob = WriteChunk | Promote | ExtendKeeps
 
 
 class Writer:
@@ -257,6 +270,8 @@ class Writer:
         try:
             if isinstance(job, WriteChunk):
                 self._write_chunk(job)
+            elif isinstance(job, ExtendKeeps):
+                self._extend_keeps(job)
             else:
                 for index in range(job.tier_index):
                     self._put(index, [(job.key, bytes(job.value))])
@@ -289,6 +304,12 @@ class Writer:
         self.chunks_written += 1
         if not all(stored) and self.on_lost is not None:
             self.on_lost(chunk)
+
+    def _extend_keeps(self, job: ExtendKeeps) -> None:
+        for tier, faults in zip(self.tiers, self._faults):
+            if isinstance(tier, ExtendsKeeps):
+                extend = tier.extend_keeps
+                guarded(faults, "extend_keeps", extend, job.keys, job.ttl_s, job.owner, miss=None)
 
     def _put(
         self, index: int, entries: list, ttl_s: float | None = None, owner: str | None = None

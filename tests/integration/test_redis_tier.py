@@ -193,3 +193,22 @@ def test_hung_server_times_out(redis_db, stores):
     assert store.wait_probes()
     assert store.get([key(0)]) == [value(0)]
     assert store.stats.faults == 1
+
+
+def test_extend_keeps_lengthens_a_ttl_and_never_shortens_it(redis_db):
+    """A hit refreshes a breakpoint's TTL in the tiers (tests/unit/test_tier_keep_refresh.py):
+    in Redis by EXPIRE ... GT."""
+    store = RedisStore(redis_db.url, ttl_s=60, timeout_s=1.0)
+    try:
+        client = redis_db.client()
+        name = "kvwise:kv:" + key(0).hex()
+        store.put([(key(0), value(0))], ttl_s=100)
+        assert 90 < client.ttl(name) <= 100
+        store.extend_keeps([key(0), key(1)], 3600)  # an absent key is ignored
+        assert 3590 < client.ttl(name) <= 3600
+        store.extend_keeps([key(0)], 300)  # shorter: unchanged
+        assert client.ttl(name) > 3500
+        assert not client.exists("kvwise:kv:" + key(1).hex())
+        assert store.stats.faults == 0
+    finally:
+        store.close()

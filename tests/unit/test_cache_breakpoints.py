@@ -207,11 +207,13 @@ def test_tenants_never_share_a_breakpoint():
 
 
 class Planner:
-    """Once ``holds``, holds every block of every prompt; records the load plans."""
+    """Once ``holds``, holds every block of every prompt; records the load plans and the
+    keeps."""
 
     def __init__(self) -> None:
         self.plans: list[tuple[int, int]] = []  # (device blocks, max blocks)
         self.holds = False
+        self.keeps: list[tuple[int, int, float, str]] = []  # (first, blocks, ttl_s, owner)
 
     def plan_load(self, request_id, block_hashes, num_device_blocks, max_blocks, num_tokens):
         self.plans.append((num_device_blocks, max_blocks))
@@ -234,6 +236,12 @@ class Planner:
             writes.append(ChunkWrite(first, tuple(block_hashes[first:end])))
             first = end
         return writes
+
+    def plan_keeps(self, block_hashes, num_full_blocks, cuts=(), first_block=0):
+        return self.plan_writes(block_hashes, num_full_blocks, cuts) if self.holds else []
+
+    def keep(self, chunks, ttl_s, owner):
+        self.keeps += [(c.first_block, len(c.block_hashes), ttl_s, owner) for c in chunks]
 
 
 def serve(scheduler, runner, req):
@@ -266,6 +274,9 @@ def test_saves_carry_each_run_s_ttl_and_an_expired_prefix_is_not_loaded():
     # the load stops where the expired run starts: blocks 0-1 loaded, 2.. computed again
     assert planner.plans[-1] == (0, 2)
     assert req.num_cached_tokens == 8 and created_tokens(req) == {300.0: 12}
+    # leaving, it keeps the entries the tiers hold for its runs' TTLs again (a hit refreshes
+    # them in the tiers as in the pool); blocks past the runs are not kept
+    assert planner.keeps == [(0, 2, 36.0, "alice"), (2, 3, 3.0, "alice")]
 
 
 # ---- the reports ------------------------------------------------------------------------

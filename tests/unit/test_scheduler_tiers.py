@@ -48,6 +48,12 @@ class FakePlanner:
         self.writes.append(writes)
         return writes
 
+    def plan_keeps(self, block_hashes, num_full_blocks, cuts=(), first_block=0):
+        return []  # it never says it holds an entry: every save is a write
+
+    def keep(self, chunks, ttl_s, owner):
+        raise AssertionError("nothing is held: nothing to keep")
+
 
 def make(planner, num_blocks=32, **sched):
     manager = KVCacheManager(num_blocks, BS, model_fingerprint="m")
