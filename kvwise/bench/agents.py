@@ -44,10 +44,19 @@ from kvwise.bench.chat import _CHARS_PER_TOKEN, _slices
 from kvwise.bench.common import percentile, serve_process, sse_chunks
 from kvwise.bench.progress import bar
 
-TOOL = {"type": "function", "function": {
-    "name": "search", "description": "Search the documentation for a query",
-    "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
-                   "required": ["query"], "additionalProperties": False}}}  # fmt: skip
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the documentation for a query",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}},
+            "required": ["query"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def tool_latencies(count: int, median_s: float, p90_s: float, seed: int) -> list[float]:
@@ -58,8 +67,10 @@ def tool_latencies(count: int, median_s: float, p90_s: float, seed: int) -> list
 
 
 def _first_messages(task: str) -> list[dict]:
-    return [{"role": "system", "content": "You are a research agent. Use the search tool."},
-            {"role": "user", "content": task}]  # fmt: skip
+    return [
+        {"role": "system", "content": "You are a research agent. Use the search tool."},
+        {"role": "user", "content": task},
+    ]
 
 
 async def _agent(http, url, model, task, results, sleeps, max_tokens, record, key, api) -> None:
@@ -77,10 +88,16 @@ async def _agent(http, url, model, task, results, sleeps, max_tokens, record, ke
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         end = time.perf_counter()
         record(i, end - start, usage.get("prompt_tokens") or 0, cached, key, first, start, end)
-        calls = calls or [{"id": f"call_{i}", "type": "function",
-                           "function": {"name": "search", "arguments": '{"query": "x"}'}}]  # fmt: skip
-        messages.append({"role": "assistant", "content": answer["content"] or None,
-                         "tool_calls": calls[:1]})  # fmt: skip
+        calls = calls or [
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": "search", "arguments": '{"query": "x"}'},
+            }
+        ]
+        messages.append(
+            {"role": "assistant", "content": answer["content"] or None, "tool_calls": calls[:1]}
+        )
         await asyncio.sleep(sleeps[i])
         messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": result})
 
@@ -109,8 +126,12 @@ async def _streamed_answer(http, url: str, body: dict, headers: dict) -> dict:
                     function = d.get("function") or {}
                     call["function"]["name"] += function.get("name") or ""
                     call["function"]["arguments"] += function.get("arguments") or ""
-    return {"content": "".join(content), "calls": [calls[k] for k in sorted(calls)],
-            "usage": usage, "first_s": first or time.perf_counter()}  # fmt: skip
+    return {
+        "content": "".join(content),
+        "calls": [calls[k] for k in sorted(calls)],
+        "usage": usage,
+        "first_s": first or time.perf_counter(),
+    }
 
 
 async def _agents_load(
@@ -119,8 +140,9 @@ async def _agents_load(
     import httpx
 
     texts = _slices(args.agents * (args.rounds + 1), int(args.result_tokens * _CHARS_PER_TOKEN))
-    sleeps = tool_latencies(args.agents * args.rounds, args.tool_median_s, args.tool_p90_s,
-                            args.seed)  # fmt: skip
+    sleeps = tool_latencies(
+        args.agents * args.rounds, args.tool_median_s, args.tool_p90_s, args.seed
+    )
     # (round, latency, prompt, cached, key, time to first delta, sent at, answered at)
     turns: list[tuple] = []
     keys = [f"key-{a % abs(args.tenants)}" for a in range(args.agents)]
@@ -159,20 +181,27 @@ async def _agents_load(
     latencies, ttfts = sorted(t[1] for t in after), sorted(t[5] for t in after)
     in_flight = in_flight_s([(t[6], t[7]) for t in turns])
     return {
-        "turns": len(turns), "wall_s": wall, "busy_s": sum(t[1] for t in turns),
+        "turns": len(turns),
+        "wall_s": wall,
+        "busy_s": sum(t[1] for t in turns),
         "turns_per_s": len(turns) / wall,
-        "in_flight_s": in_flight, "turns_per_in_flight_s": len(turns) / in_flight,
+        "in_flight_s": in_flight,
+        "turns_per_in_flight_s": len(turns) / in_flight,
         "post_tool_p50_s": statistics.median(latencies),
         "post_tool_p99_s": percentile(latencies, 0.99),
         "post_tool_ttft_p50_s": statistics.median(ttfts),
         "post_tool_ttft_p99_s": percentile(ttfts, 0.99),
-        "prompt_tokens": sum(t[2] for t in turns), "cached_tokens": sum(t[3] for t in turns),
+        "prompt_tokens": sum(t[2] for t in turns),
+        "cached_tokens": sum(t[3] for t in turns),
         "cross_tenant_full_hits": _cross_tenant_hits(turns, primed),
-        "tool_metrics": [line for line in metrics.splitlines()
-                         if line.startswith(("kvwise_tool_", "kvwise_preemptions_total"))],
+        "tool_metrics": [
+            line
+            for line in metrics.splitlines()
+            if line.startswith(("kvwise_tool_", "kvwise_preemptions_total"))
+        ],
         # each turn's (round, sent, answered), seconds from the start: a timeline of the run
         "spans": sorted((t[0], round(t[6] - start, 3), round(t[7] - start, 3)) for t in turns),
-    }  # fmt: skip
+    }
 
 
 def in_flight_s(spans: list[tuple[float, float]]) -> float:
@@ -200,8 +229,13 @@ async def _prime(http, url, model, args, texts, keys) -> dict[str, int]:
     for a in range(args.agents):
         if abs(args.tenants) < 2 or keys[a] == keys[0]:
             continue
-        body = {"model": model, "messages": _first_messages(texts[a * (args.rounds + 1)]),
-                "tools": [TOOL], "tool_choice": "required", "max_tokens": 1}  # fmt: skip
+        body = {
+            "model": model,
+            "messages": _first_messages(texts[a * (args.rounds + 1)]),
+            "tools": [TOOL],
+            "tool_choice": "required",
+            "max_tokens": 1,
+        }
         resp = await http.post(f"{url}/v1/chat/completions", json=body, headers=_auth(keys[0]))
         prompt = (resp.json().get("usage") or {}).get("prompt_tokens") or 0
         primed[keys[a]] = min(primed.get(keys[a], prompt), prompt)
@@ -219,8 +253,20 @@ def _cross_tenant_hits(turns, primed: dict[str, int]) -> int | None:
 def _kvwise_cmd(
     gguf: str, port: int, config: str, pool: str, disk: str, tenants: int, kv_dtype: str = "auto"
 ) -> list[str]:
-    cmd = [sys.executable, "-m", "kvwise.cli", "serve", "--model", gguf, "--port", str(port),
-           "--kv-cache-memory", pool, "--kv-cache-dtype", kv_dtype]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvwise.cli",
+        "serve",
+        "--model",
+        gguf,
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        pool,
+        "--kv-cache-dtype",
+        kv_dtype,
+    ]
     for t in range(abs(tenants) if abs(tenants) > 1 else 0):  # < 0: the keys share one tenant
         cmd += ["--api-key", f"key-{t}=tenant-{t if tenants > 0 else 0}"]
     if config == "tiers":
@@ -313,22 +359,30 @@ def main(args: argparse.Namespace) -> int:
                 continue
             config = config if api == "chat" else f"{config} ({api})"
             runs.setdefault(config, []).append(r)
-            print(f"round {round_ + 1}, {config}: {r['turns']} turns, {r['turns_per_s']:.3f} "
-                  f"turns/s of wall time, {r['turns_per_in_flight_s']:.3f} of the "
-                  f"{r['in_flight_s']:.0f} s with a turn in flight, post-tool answer p50 "
-                  f"{r['post_tool_p50_s']:.2f} s p99 "
-                  f"{r['post_tool_p99_s']:.2f} s, first delta p50 {r['post_tool_ttft_p50_s']:.2f}"
-                  f" s p99 {r['post_tool_ttft_p99_s']:.2f} s, cached {r['cached_tokens']:,} of "
-                  f"{r['prompt_tokens']:,} prompt tokens, cross-tenant full hits "
-                  f"{r['cross_tenant_full_hits']}", flush=True)  # fmt: skip
+            print(
+                f"round {round_ + 1}, {config}: {r['turns']} turns, {r['turns_per_s']:.3f} "
+                f"turns/s of wall time, {r['turns_per_in_flight_s']:.3f} of the "
+                f"{r['in_flight_s']:.0f} s with a turn in flight, post-tool answer p50 "
+                f"{r['post_tool_p50_s']:.2f} s p99 "
+                f"{r['post_tool_p99_s']:.2f} s, first delta p50 {r['post_tool_ttft_p50_s']:.2f}"
+                f" s p99 {r['post_tool_ttft_p99_s']:.2f} s, cached {r['cached_tokens']:,} of "
+                f"{r['prompt_tokens']:,} prompt tokens, cross-tenant full hits "
+                f"{r['cross_tenant_full_hits']}",
+                flush=True,
+            )
     results = {config: _medians(rs) for config, rs in runs.items()}
     if args.repeat > 1:
         for config, r in results.items():
-            print(f"median of {args.repeat}, {config}: {r['turns_per_s']:.3f} turns/s of wall "
-                  f"time, {r['turns_per_in_flight_s']:.3f} in flight, "
-                  f"post-tool answer p50 {r['post_tool_p50_s']:.2f} s, first delta p50 "
-                  f"{r['post_tool_ttft_p50_s']:.2f} s")  # fmt: skip
+            print(
+                f"median of {args.repeat}, {config}: {r['turns_per_s']:.3f} turns/s of wall "
+                f"time, {r['turns_per_in_flight_s']:.3f} in flight, "
+                f"post-tool answer p50 {r['post_tool_p50_s']:.2f} s, first delta p50 "
+                f"{r['post_tool_ttft_p50_s']:.2f} s"
+            )
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args) | {"func": None},
-                                              "results": results}, indent=2, default=str))  # fmt: skip
+        Path(args.out).write_text(
+            json.dumps(
+                {"args": vars(args) | {"func": None}, "results": results}, indent=2, default=str
+            )
+        )
     return 0

@@ -39,10 +39,16 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
 
 def add_vllm_args(p: argparse.ArgumentParser) -> None:
     """vLLM's CPU build as a peer (``bench/vllm_peer.py``): run where its python is given."""
-    p.add_argument("--vllm-python", default=None,
-                   help="the python of vLLM's CPU venv (else $KVWISE_VLLM_PYTHON)")  # fmt: skip
-    p.add_argument("--vllm-model", default=None,
-                   help="vLLM's HF directory (default: the default model, saved as one)")  # fmt: skip
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="the python of vLLM's CPU venv (else $KVWISE_VLLM_PYTHON)",
+    )
+    p.add_argument(
+        "--vllm-model",
+        default=None,
+        help="vLLM's HF directory (default: the default model, saved as one)",
+    )
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
@@ -92,25 +98,42 @@ def add_agents_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-median-s", type=float, default=2.0, help="tool latency median")
     p.add_argument("--tool-p90-s", type=float, default=15.0, help="tool latency p90")
     p.add_argument("--seed", type=int, default=0, help="seeds the tool latencies")
-    p.add_argument("--tenants", type=int, default=1,
-                   help="tenants the agents alternate between (API keys key-0, key-1, ...; "
-                        "kvwise only): checks that none reads another's blocks; -N: N keys of "
-                        "one tenant, the control in which such hits must show")  # fmt: skip
-    p.add_argument("--pool-memory", default="300MiB",
-                   help="kvwise's device pool (default: a quarter of 8 agents' contexts)")  # fmt: skip
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="kvwise's KV format (auto: float32; bfloat16 stores what vLLM's and "
-                        "llama.cpp's KV caches store, per token)")  # fmt: skip
-    p.add_argument("--configs", default="tiers,pool,no-cache,llama.cpp,vllm",
-                   help="tiers, pool, no-cache, llama.cpp, vllm, in this order")  # fmt: skip
+    p.add_argument(
+        "--tenants",
+        type=int,
+        default=1,
+        help="tenants the agents alternate between (API keys key-0, key-1, ...; "
+        "kvwise only): checks that none reads another's blocks; -N: N keys of "
+        "one tenant, the control in which such hits must show",
+    )
+    p.add_argument(
+        "--pool-memory",
+        default="300MiB",
+        help="kvwise's device pool (default: a quarter of 8 agents' contexts)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="kvwise's KV format (auto: float32; bfloat16 stores what vLLM's and "
+        "llama.cpp's KV caches store, per token)",
+    )
+    p.add_argument(
+        "--configs",
+        default="tiers,pool,no-cache,llama.cpp,vllm",
+        help="tiers, pool, no-cache, llama.cpp, vllm, in this order",
+    )
     p.add_argument("--llama-cpp", default=None, help="directory of llama-server")
     p.add_argument(
         "--apis",
         default="chat",
         help="the APIs kvwise's configurations run in: chat, messages, responses (the peers: chat)",
     )
-    p.add_argument("--repeat", type=int, default=1,
-                   help="rounds of every configuration, interleaved (medians reported)")  # fmt: skip
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of every configuration, interleaved (medians reported)",
+    )
     add_vllm_args(p)
     p.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -149,8 +172,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-tokens", type=int, default=300, help="the public system prompt")
     p.add_argument("--max-tokens", type=int, default=12, help="tokens per answer")
     p.add_argument("--concurrency", type=int, default=8, help="conversations at once")
-    p.add_argument("--think-s", type=float, default=2.0,
-                   help="mean pause between a reply and the next turn (exponential; 0: none)")  # fmt: skip
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=2.0,
+        help="mean pause between a reply and the next turn (exponential; 0: none)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="rounds; the modes alternate in each")
     p.add_argument(
         "--modes", default=",".join(CLUSTER_MODES), help="comma-separated subset of modes"

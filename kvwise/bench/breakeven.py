@@ -104,9 +104,14 @@ def _break_even(lengths: list[int], recompute: list[float], load: list[float]) -
 
 
 def _engines(
-    args, loaded, tiers: list[str], redis_url: str | None, disk_root: str, max_len: int,
+    args,
+    loaded,
+    tiers: list[str],
+    redis_url: str | None,
+    disk_root: str,
+    max_len: int,
     kv_dtype: str | None = None,
-):  # fmt: skip
+):
     from kvwise.cli.engine_args import engine_kwargs
     from kvwise.config import EngineConfig
     from kvwise.engine.builder import build_engine
@@ -227,13 +232,30 @@ def _plot_formats(path: str, lengths, results: dict, tiers: list[str]) -> None:
     for i, (fmt, result) in enumerate(results.items()):
         c = colours[i % len(colours)]
         med = result["median_ttft_s"]
-        ax.plot(lengths, [s * 1e3 for s in med["recompute"]], ":", color=c, lw=1.5,
-                label=f"{fmt}: recompute")  # fmt: skip
+        ax.plot(
+            lengths,
+            [s * 1e3 for s in med["recompute"]],
+            ":",
+            color=c,
+            lw=1.5,
+            label=f"{fmt}: recompute",
+        )
         for t in tiers:
-            ax.plot(lengths, [s * 1e3 for s in med[f"{t} load"]], styles[t], color=c, ms=4,
-                    label=f"{fmt}: {t} load")  # fmt: skip
-    _finish_ttft_plot(fig, ax, path, "kvwise: loading a stored prefix vs recomputing it, per KV format",
-                      legend={"fontsize": 7, "ncol": 2})  # fmt: skip
+            ax.plot(
+                lengths,
+                [s * 1e3 for s in med[f"{t} load"]],
+                styles[t],
+                color=c,
+                ms=4,
+                label=f"{fmt}: {t} load",
+            )
+    _finish_ttft_plot(
+        fig,
+        ax,
+        path,
+        "kvwise: loading a stored prefix vs recomputing it, per KV format",
+        legend={"fontsize": 7, "ncol": 2},
+    )
 
 
 def _finish_ttft_plot(fig, ax, path: str, title: str, legend: dict) -> None:
@@ -388,14 +410,19 @@ def _plot(path: str, lengths, med, tiers, break_even) -> None:
         c = colours[t]
         ax.plot(lengths, [s * 1e3 for s in med[f"{t} load"]], "-s", color=c, label=f"{t} load")
         ax.plot(
-            lengths, [s * 1e3 for s in med[f"{t} auto"]], "x", color=c, ms=10,
+            lengths,
+            [s * 1e3 for s in med[f"{t} auto"]],
+            "x",
+            color=c,
+            ms=10,
             label=f"{t}: cost model's choice",
-        )  # fmt: skip
+        )
         be = break_even.get(t)
         if be:
             ax.axvline(be, color=c, ls=":", lw=1)
-    _finish_ttft_plot(fig, ax, path, "kvwise: loading a stored prefix vs recomputing it",
-                      legend={"fontsize": 8})  # fmt: skip
+    _finish_ttft_plot(
+        fig, ax, path, "kvwise: loading a stored prefix vs recomputing it", legend={"fontsize": 8}
+    )
 
 
 def _compare_chunks(args, loaded, lengths: list[int], disk_root: str) -> dict:

@@ -129,8 +129,20 @@ def main(args: argparse.Namespace) -> int:
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory() as disk:  # a fresh disk tier: nothing stored before
             port = llamacpp.free_port()
-            cmd = [sys.executable, "-m", "kvwise.cli", "serve", "--model", gguf,
-                   "--port", str(port), "--kv-cache-memory", "2GiB", "--kv-disk-path", disk]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "kvwise.cli",
+                "serve",
+                "--model",
+                gguf,
+                "--port",
+                str(port),
+                "--kv-cache-memory",
+                "2GiB",
+                "--kv-disk-path",
+                disk,
+            ]
             work = functools.partial(_chat_load, args=args, label="chat kvwise")
             runs["kvwise"].append(
                 serve_process(cmd, f"http://127.0.0.1:{port}", work, name="kvwise serve")
@@ -146,8 +158,10 @@ def main(args: argparse.Namespace) -> int:
                     result = asyncio.run(_chat_load(server.url, args, "chat llama.cpp"))
                     runs["llama.cpp"].append(result)
                 except Exception as exc:  # noqa: BLE001 - report the peer's failure, keep ours
-                    print(f"llama-server failed ({type(exc).__name__}: {exc}); its log ends:\n"
-                          f"{server.log_tail()}")  # fmt: skip
+                    print(
+                        f"llama-server failed ({type(exc).__name__}: {exc}); its log ends:\n"
+                        f"{server.log_tail()}"
+                    )
                     if server.proc is not None and server.proc.poll() is not None:
                         print(f"llama-server exited with {server.proc.returncode}")
         if vllm:

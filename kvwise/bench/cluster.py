@@ -71,8 +71,14 @@ async def _conversation(http, url, key, system, doc, args, conv_index, records, 
     for turn in range(args.turns):
         if turn and args.think_s > 0:  # the user reads, types, or a tool runs
             await asyncio.sleep(rng.expovariate(1 / args.think_s))
-        body = {"model": "kvwise", "messages": messages, "max_tokens": args.max_tokens,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": "kvwise",
+            "messages": messages,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         start, first, reply, usage = time.perf_counter(), None, [], None
         headers = {"Authorization": f"Bearer {key}"}
         async with http.stream(
@@ -95,10 +101,18 @@ async def _conversation(http, url, key, system, doc, args, conv_index, records, 
                 f"cross-tenant hit: {key} conversation {conv_index} turn {turn} was served "
                 f"{hit} cached tokens; it had computed {computed}"
             )
-        records.append({"tenant": key, "conversation": conv_index, "turn": turn,
-                        "prompt_tokens": prompt, "cached_tokens": hit,
-                        "ttft_s": (first or time.perf_counter()) - start, "replica": replica,
-                        "same_replica": replica == previous_replica if turn else None})  # fmt: skip
+        records.append(
+            {
+                "tenant": key,
+                "conversation": conv_index,
+                "turn": turn,
+                "prompt_tokens": prompt,
+                "cached_tokens": hit,
+                "ttft_s": (first or time.perf_counter()) - start,
+                "replica": replica,
+                "same_replica": replica == previous_replica if turn else None,
+            }
+        )
         computed = prompt + usage["completion_tokens"]
         previous_replica = replica
         messages += [
@@ -176,8 +190,13 @@ def main(args: argparse.Namespace) -> int:
     public = _first_turn_bound(model_path, system)
     keys = {f"key-tenant-{t}": f"tenant-{t}" for t in range(args.tenants)}
     secret = os.environ.get(ray_serve.SECRET_ENV) or os.urandom(32).hex()
-    base = {"model": model_path, "public_system_prompts": (system,), "kv_host_memory": "off",
-            "kv_disk_path": "off", "max_num_batched_tokens": 2048}  # fmt: skip
+    base = {
+        "model": model_path,
+        "public_system_prompts": (system,),
+        "kv_host_memory": "off",
+        "kv_disk_path": "off",
+        "max_num_batched_tokens": 2048,
+    }
     if args.redis_url:
         base["kv_redis_url"] = args.redis_url
     threads = max(1, (os.cpu_count() or 1) // args.replicas)
@@ -185,20 +204,25 @@ def main(args: argparse.Namespace) -> int:
     port = free_port()  # one for every mode: Serve's HTTP proxy outlives the applications
     results: dict[str, list[dict]] = {m: [] for m in modes}
     records_by_mode: dict[str, list[dict]] = {m: [] for m in modes}
-    print(f"{args.tenants} tenants x {args.conversations} conversations x {args.turns} turns; "
-          f"system prompt < {public} tokens; {args.replicas} replicas x {threads} threads, "
-          f"{per_replica} KV each; modes {modes}; {args.rounds} rounds", flush=True)  # fmt: skip
+    print(
+        f"{args.tenants} tenants x {args.conversations} conversations x {args.turns} turns; "
+        f"system prompt < {public} tokens; {args.replicas} replicas x {threads} threads, "
+        f"{per_replica} KV each; modes {modes}; {args.rounds} rounds",
+        flush=True,
+    )
     for round_index in range(args.rounds):
         for mode in modes:
             records, wall = _run_mode(mode, port, base, keys, secret, system, docs, args, public)
             summary = _summary(records, wall)
             results[mode].append(summary)
             records_by_mode[mode] += records
-            print(f"round {round_index + 1} {mode:>16}: hit {summary['hit_share']:.1%}, TTFT p50 "
-                  f"{summary['ttft_p50_s'] * 1000:.0f} ms p90 {summary['ttft_p90_s'] * 1000:.0f} "
-                  f"ms, later turns on their replica "
-                  f"{summary['later_turns_on_previous_replica']:.0%}, {wall:.0f} s",
-                  flush=True)  # fmt: skip
+            print(
+                f"round {round_index + 1} {mode:>16}: hit {summary['hit_share']:.1%}, TTFT p50 "
+                f"{summary['ttft_p50_s'] * 1000:.0f} ms p90 {summary['ttft_p90_s'] * 1000:.0f} "
+                f"ms, later turns on their replica "
+                f"{summary['later_turns_on_previous_replica']:.0%}, {wall:.0f} s",
+                flush=True,
+            )
     ray_serve.stop()
     _report(results, modes)
     if args.out:
@@ -210,7 +234,7 @@ def main(args: argparse.Namespace) -> int:
                     "records": records_by_mode,
                 },
                 indent=1,
-            )  # fmt: skip
+            )
         )
     if args.plot:
         _plot(records_by_mode, args.plot, args.replicas)
@@ -273,11 +297,15 @@ def _report(results: dict[str, list[dict]], modes: list[str]) -> None:
         s = med[m]
         vs_big = f"{s['cached_tokens'] / big['cached_tokens']:.2f}" if big else "-"
         vs_p2 = f"{p2['ttft_p50_s'] / s['ttft_p50_s']:.2f}x" if p2 else "-"
-        print(f"{m:>16} | {s['hit_share']:>11.1%} | {vs_big:>6} | "
-              f"{s['ttft_p50_s'] * 1000:>6.0f} ms | {vs_p2:>9} | {s['ttft_p90_s'] * 1000:>6.0f} ms"
-              f" | {s['later_turns_on_previous_replica']:>6.0%} | {s['wall_s']:.0f} s")  # fmt: skip
-    print("(p50 vs it: power-of-two's TTFT p50 / this mode's; vs big: cached tokens / the big "
-          "replica's)")  # fmt: skip
+        print(
+            f"{m:>16} | {s['hit_share']:>11.1%} | {vs_big:>6} | "
+            f"{s['ttft_p50_s'] * 1000:>6.0f} ms | {vs_p2:>9} | {s['ttft_p90_s'] * 1000:>6.0f} ms"
+            f" | {s['later_turns_on_previous_replica']:>6.0%} | {s['wall_s']:.0f} s"
+        )
+    print(
+        "(p50 vs it: power-of-two's TTFT p50 / this mode's; vs big: cached tokens / the big "
+        "replica's)"
+    )
 
 
 def _plot(records_by_mode: dict[str, list[dict]], path: str, replicas: int) -> None:

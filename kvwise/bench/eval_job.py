@@ -59,27 +59,54 @@ def run(
             reference model of another vocabulary (naming ``--reference-model``).
     """
     stride = default_stride(windows, ctx) if stride is None else stride
-    _check_settings(ctx, stride, max_windows, windows, (kv_cache_dtype, reference_kv_cache_dtype),
-                    kv_int4_group_size, kv_block_size, (self_check, reference_model))  # fmt: skip
+    _check_settings(
+        ctx,
+        stride,
+        max_windows,
+        windows,
+        (kv_cache_dtype, reference_kv_cache_dtype),
+        kv_int4_group_size,
+        kv_block_size,
+        (self_check, reference_model),
+    )
     corpus = Corpus.from_file(text) if text else Corpus.default()
     started = time.perf_counter()
     candidate, reference, mode = _load_models(
-        (model, reference_model), (quantization, reference_quantization),
-        kv_cache_dtype == reference_kv_cache_dtype, self_check, progress,
-    )  # fmt: skip
+        (model, reference_model),
+        (quantization, reference_quantization),
+        kv_cache_dtype == reference_kv_cache_dtype,
+        self_check,
+        progress,
+    )
     load_seconds = time.perf_counter() - started
     if kv_int4_group_size and candidate.arch.head_dim % kv_int4_group_size:
-        raise ValueError(f"kv_int4_group_size: {kv_int4_group_size} does not divide head_dim "
-                         f"{candidate.arch.head_dim}")  # fmt: skip
+        raise ValueError(
+            f"kv_int4_group_size: {kv_int4_group_size} does not divide head_dim "
+            f"{candidate.arch.head_dim}"
+        )
     token_ids, chunk_bos_id = _tokens(candidate, reference, corpus.text, windows)
     result = evaluate(
-        candidate, token_ids, ctx, stride, max_windows, reference, progress,
-        kv_cache_dtype, reference_kv_cache_dtype, kv_int4_group_size, kv_block_size,
-        windows, chunk_bos_id,
-    )  # fmt: skip
-    settings = _settings(self_check, (quantization, reference_quantization),
-                         (kv_cache_dtype, reference_kv_cache_dtype), (kv_int4_group_size,
-                         kv_block_size), windows)  # fmt: skip
+        candidate,
+        token_ids,
+        ctx,
+        stride,
+        max_windows,
+        reference,
+        progress,
+        kv_cache_dtype,
+        reference_kv_cache_dtype,
+        kv_int4_group_size,
+        kv_block_size,
+        windows,
+        chunk_bos_id,
+    )
+    settings = _settings(
+        self_check,
+        (quantization, reference_quantization),
+        (kv_cache_dtype, reference_kv_cache_dtype),
+        (kv_int4_group_size, kv_block_size),
+        windows,
+    )
     num_tokens_read = plan(windows, len(token_ids), ctx, stride, max_windows)[-1].end
     record = _record(candidate, reference, mode, settings, corpus, (token_ids, num_tokens_read))
     _report(result, {**record, "load_seconds": load_seconds}, json_path)
@@ -149,7 +176,7 @@ def _record(candidate, reference, mode: str, settings: dict, corpus, tokens: tup
             "num_tokens": len(token_ids),
             "num_tokens_read": num_tokens_read,
             "tokens_read_sha256": token_ids_sha256(token_ids[:num_tokens_read]),
-        },  # fmt: skip
+        },
         "python_version": platform.python_version(),
         "torch_version": torch.__version__,
         "num_threads": torch.get_num_threads(),
@@ -209,8 +236,10 @@ def _check_settings(
         raise ValueError(f"kv_block_size: expected an even number of tokens, got {kv_block_size}")
     self_check, reference_model = self_check_of
     if self_check and reference_model is not None:
-        raise ValueError("self_check: compares the candidate with itself, not with "
-                         f"--reference-model {reference_model}")  # fmt: skip
+        raise ValueError(
+            "self_check: compares the candidate with itself, not with "
+            f"--reference-model {reference_model}"
+        )
 
 
 def _load(model: str | None, quantization: str, flag: str, progress: bool) -> LoadedModel:

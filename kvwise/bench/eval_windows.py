@@ -84,8 +84,9 @@ def check_window_settings(
     if windows not in WINDOW_MODES:
         raise ValueError(f"windows: expected one of {WINDOW_MODES}, got {windows!r}")
     if windows == "llama.cpp" and stride != ctx:
-        raise ValueError(f"stride: llama.cpp's chunks follow each other (stride = ctx = {ctx}), "
-                         f"got {stride}")  # fmt: skip
+        raise ValueError(
+            f"stride: llama.cpp's chunks follow each other (stride = ctx = {ctx}), got {stride}"
+        )
     if ctx < 2:
         raise ValueError(f"ctx: must be at least 2 tokens, got {ctx}")
     if not 1 <= stride <= ctx:
@@ -130,8 +131,10 @@ def plan_chunks(num_tokens: int, ctx: int, max_windows: int | None = None) -> li
     check_window_settings(ctx, ctx, max_windows, "llama.cpp")
     num_chunks = num_tokens // ctx
     if num_chunks < 1:
-        raise ValueError(f"text: {num_tokens} tokens; llama.cpp's windows need a chunk of "
-                         f"ctx = {ctx} (llama-perplexity itself asks for 2 x ctx)")  # fmt: skip
+        raise ValueError(
+            f"text: {num_tokens} tokens; llama.cpp's windows need a chunk of "
+            f"ctx = {ctx} (llama-perplexity itself asks for 2 x ctx)"
+        )
     if max_windows is not None:
         num_chunks = min(num_chunks, max_windows)
     first = ctx // 2 + 1

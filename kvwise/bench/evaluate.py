@@ -149,8 +149,13 @@ def evaluate(
     start_time = time.perf_counter()
     bar = tqdm(planned, desc="eval", unit="window", disable=not progress)
     sides = ((candidate, kv_cache_dtype), (reference, reference_kv_cache_dtype))
-    totals = _score_windows(bar, torch.tensor(token_ids, dtype=torch.int64), sides,
-                            (kv_int4_group_size, kv_block_size), chunk_bos_id)  # fmt: skip
+    totals = _score_windows(
+        bar,
+        torch.tensor(token_ids, dtype=torch.int64),
+        sides,
+        (kv_int4_group_size, kv_block_size),
+        chunk_bos_id,
+    )
     seconds = time.perf_counter() - start_time
     return totals.result(
         EvalResult(ctx, stride, len(planned), totals.num_scored, totals.ppl, seconds)
@@ -229,8 +234,9 @@ class _Totals:
 def _check_models(candidate: LoadedModel, reference: LoadedModel | None, ctx: int) -> None:
     for name, loaded in (("the model's", candidate), ("the reference's", reference)):
         if loaded is not None and ctx > loaded.arch.max_position_embeddings:
-            raise ValueError(f"ctx: {ctx} exceeds {name} context of "
-                             f"{loaded.arch.max_position_embeddings} tokens")  # fmt: skip
+            raise ValueError(
+                f"ctx: {ctx} exceeds {name} context of {loaded.arch.max_position_embeddings} tokens"
+            )
     if reference is not None and reference.arch.vocab_size != candidate.arch.vocab_size:
         raise ValueError(
             f"reference: vocabulary of {reference.arch.vocab_size} tokens, the candidate's "
@@ -251,12 +257,16 @@ def check_comparable(
     """
     mismatch = None
     if reference.arch.vocab_size != candidate.arch.vocab_size:
-        mismatch = (f"{reference.arch.vocab_size} logits a token, the candidate's "
-                    f"{candidate.arch.vocab_size}")  # fmt: skip
+        mismatch = (
+            f"{reference.arch.vocab_size} logits a token, the candidate's "
+            f"{candidate.arch.vocab_size}"
+        )
     mismatch = mismatch or vocabulary_mismatch(tokenizer, reference_tokenizer)
     if mismatch:
-        raise ValueError(f"{flag} {reference.source}: {mismatch}; only models with the same "
-                         "vocabulary can be compared")  # fmt: skip
+        raise ValueError(
+            f"{flag} {reference.source}: {mismatch}; only models with the same "
+            "vocabulary can be compared"
+        )
 
 
 def _score(candidate: LoadedModel, hidden: torch.Tensor, targets: torch.Tensor, reference):
@@ -290,8 +300,14 @@ def _hidden(
     positions = torch.arange(len(ids), dtype=torch.int64)  # (T,)
     if _through_pool(kv_dtype):
         fmt = kv_format(kv_dtype)
-        spec = KVSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, block_size, kv_dtype,
-                      group_size=group if fmt.grouped else 0)  # fmt: skip
+        spec = KVSpec(
+            arch.num_layers,
+            arch.num_kv_heads,
+            arch.head_dim,
+            block_size,
+            kv_dtype,
+            group_size=group if fmt.grouped else 0,
+        )
         layers = layer_attention(loaded.model, arch)
         return loaded.model.forward(
             ids, positions, sequence_attention(spec, arch.num_heads, len(ids), layers=layers)

@@ -46,10 +46,24 @@ class LlamaServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [
-            binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
-            "-t", str(threads), "-np", str(slots), "-c", str(slots * slot_ctx), "-kvu",
-            "-fa", "on", "-cb",
-        ]  # fmt: skip
+            binary,
+            "-m",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            str(threads),
+            "-np",
+            str(slots),
+            "-c",
+            str(slots * slot_ctx),
+            "-kvu",
+            "-fa",
+            "on",
+            "-cb",
+        ]
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
 

@@ -142,13 +142,29 @@ class Bench:
     def llama_decode(self) -> float:
         n = str(self.args.decode_tokens)
         depth = str(len(self.decode_prompt))
-        rows = llamacpp.llama_bench(self.llama["llama-bench"], self.model_path,
-                                    torch.get_num_threads(), "-p", "0", "-n", n, "-d", depth)  # fmt: skip
+        rows = llamacpp.llama_bench(
+            self.llama["llama-bench"],
+            self.model_path,
+            torch.get_num_threads(),
+            "-p",
+            "0",
+            "-n",
+            n,
+            "-d",
+            depth,
+        )
         return rows[0]["avg_ts"]
 
     def llama_prefill(self, n: int) -> float:
-        rows = llamacpp.llama_bench(self.llama["llama-bench"], self.model_path,
-                                    torch.get_num_threads(), "-p", str(n), "-n", "0")  # fmt: skip
+        rows = llamacpp.llama_bench(
+            self.llama["llama-bench"],
+            self.model_path,
+            torch.get_num_threads(),
+            "-p",
+            str(n),
+            "-n",
+            "0",
+        )
         return rows[0]["avg_ts"]
 
     def llama_batch(self, server: llamacpp.LlamaServer) -> float:
@@ -163,7 +179,7 @@ class Bench:
                         "temperature": 0,
                         "ignore_eos": True,
                         "cache_prompt": False,
-                    }  # fmt: skip
+                    }
                     for p, m in zip(self.batch_prompts, self.batch_max_tokens)
                 ]
                 start = time.perf_counter()
@@ -236,8 +252,13 @@ class Bench:
         server = None
         if self.llama:
             longest = max(len(p) for p in self.batch_prompts) + max(self.batch_max_tokens)
-            server = llamacpp.LlamaServer(self.llama["llama-server"], self.model_path,
-                                          torch.get_num_threads(), args.batch, longest + 64)  # fmt: skip
+            server = llamacpp.LlamaServer(
+                self.llama["llama-server"],
+                self.model_path,
+                torch.get_num_threads(),
+                args.batch,
+                longest + 64,
+            )
             server.__enter__()
         try:
             with phase("warm-up"):
@@ -297,10 +318,13 @@ def format_table(r: dict, args: argparse.Namespace) -> str:
     columns, medians = r["columns"], r["medians"]
     main, others = columns[0], columns[1:]
     lines = [
-        "| figure | " + " | ".join(columns) + " | "
-        + " | ".join(f"{main} / {o}" for o in others) + " |",
+        "| figure | "
+        + " | ".join(columns)
+        + " | "
+        + " | ".join(f"{main} / {o}" for o in others)
+        + " |",
         "|---|" + "---:|" * (len(columns) + len(others)),
-    ]  # fmt: skip
+    ]
     for key in medians[main]:
         label = labels.get(key) or f"prefill {key[8:]} tokens (tokens/s)"
         cells = [f"{medians[c][key]:.1f}" for c in columns]

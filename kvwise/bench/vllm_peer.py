@@ -59,14 +59,29 @@ def hf_directory(target: Path) -> Path:
 def server_cmd(python: str, model_dir: str, port: int, kv_bytes: int, max_len: int) -> list[str]:
     """The command that serves ``model_dir`` on 127.0.0.1:``port``."""
     return [
-        python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-        "--enable-prefix-caching", "--kv-cache-memory-bytes", str(kv_bytes),
-        "--max-model-len", str(max_len), "--enable-prompt-tokens-details",
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--enable-prefix-caching",
+        "--kv-cache-memory-bytes",
+        str(kv_bytes),
+        "--max-model-len",
+        str(max_len),
+        "--enable-prompt-tokens-details",
         # tool_choice "required" needs a parser: Hermes' <tool_call> blocks (auto); required
         # and named calls vLLM decodes under a JSON schema of its own
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-    ]  # fmt: skip
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ]
 
 
 def serve(python: str, model_dir: str | None, kv_bytes: int, max_len: int, work) -> dict:

@@ -35,16 +35,32 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "equal to --quantization without --reference-model: the comparison is skipped",
     )
     kv_choices = kv_formats("eval")  # the pool's, and int4-pt (int4, keys per token)
-    p.add_argument("--kv-cache-dtype", choices=kv_choices, default="float32",
-                   help="the KV format the candidate attends over (default float32; int4: keys "
-                   "per channel over blocks of --kv-block-size tokens; int4-pt: keys per token, "
-                   "measured only)")  # fmt: skip
-    p.add_argument("--reference-kv-cache-dtype", choices=kv_choices, default="float32",
-                   help="the KV format the reference attends over (default float32)")  # fmt: skip
-    p.add_argument("--kv-int4-group-size", type=int, default=0,
-                   help="int4 KV: channels per scale group (default 32)")  # fmt: skip
-    p.add_argument("--kv-block-size", type=int, default=32,
-                   help="int4: tokens per key block, each channel's scale group (default 32)")  # fmt: skip
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=kv_choices,
+        default="float32",
+        help="the KV format the candidate attends over (default float32; int4: keys "
+        "per channel over blocks of --kv-block-size tokens; int4-pt: keys per token, "
+        "measured only)",
+    )
+    p.add_argument(
+        "--reference-kv-cache-dtype",
+        choices=kv_choices,
+        default="float32",
+        help="the KV format the reference attends over (default float32)",
+    )
+    p.add_argument(
+        "--kv-int4-group-size",
+        type=int,
+        default=0,
+        help="int4 KV: channels per scale group (default 32)",
+    )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=32,
+        help="int4: tokens per key block, each channel's scale group (default 32)",
+    )
     _add_window_args(p)
 
 
@@ -52,15 +68,24 @@ def _add_window_args(p: argparse.ArgumentParser) -> None:
     from kvwise.bench.eval_windows import WINDOW_MODES
 
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default: 512)")
-    p.add_argument("--windows", choices=WINDOW_MODES, default="sliding",
-                   help="sliding (default): windows every --stride tokens, each token scored "
-                   "once; llama.cpp: llama-perplexity's chunks of --ctx tokens end to end, "
-                   "tokens ctx/2+1.. of each scored, BOS first in each when the model adds one "
-                   "(its tokens; the text less one trailing newline, as its -f reads it)")  # fmt: skip
-    p.add_argument("--stride", type=int, default=None,
-                   help="tokens between windows (ctx // 2; llama.cpp: ctx)")  # fmt: skip
-    p.add_argument("--max-windows", type=int, default=None,
-                   help="stop after N windows (all; llama-perplexity's --chunks N)")  # fmt: skip
+    p.add_argument(
+        "--windows",
+        choices=WINDOW_MODES,
+        default="sliding",
+        help="sliding (default): windows every --stride tokens, each token scored "
+        "once; llama.cpp: llama-perplexity's chunks of --ctx tokens end to end, "
+        "tokens ctx/2+1.. of each scored, BOS first in each when the model adds one "
+        "(its tokens; the text less one trailing newline, as its -f reads it)",
+    )
+    p.add_argument(
+        "--stride", type=int, default=None, help="tokens between windows (ctx // 2; llama.cpp: ctx)"
+    )
+    p.add_argument(
+        "--max-windows",
+        type=int,
+        default=None,
+        help="stop after N windows (all; llama-perplexity's --chunks N)",
+    )
     p.add_argument("--text", default=None, help="UTF-8 text file (default: Python's pydoc topics)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON here")
     p.add_argument(

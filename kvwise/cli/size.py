@@ -57,8 +57,10 @@ def run(args: argparse.Namespace) -> int:
         hybrid = hybrid_spec(args.model, shape)
         if hybrid is not None:  # sliding-window layers: what the hybrid KV cache holds
             lengths = tuple(sorted({args.tokens, 2048, 8192, 32768}))
-            print("\nKV groups (the hybrid KV cache; --no-hybrid-kv-cache: all-full): "
-                  + hybrid_summary(hybrid, lengths))  # fmt: skip
+            print(
+                "\nKV groups (the hybrid KV cache; --no-hybrid-kv-cache: all-full): "
+                + hybrid_summary(hybrid, lengths)
+            )
     return 0
 
 
@@ -95,5 +97,11 @@ def hybrid_spec(model, shape):
     if not groups:
         return None
     base = shape.spec
-    return KVSpec(len(groups[0].layers), base.num_kv_heads, base.head_dim, base.block_size,
-                  base.dtype, groups=groups)  # fmt: skip
+    return KVSpec(
+        len(groups[0].layers),
+        base.num_kv_heads,
+        base.head_dim,
+        base.block_size,
+        base.dtype,
+        groups=groups,
+    )

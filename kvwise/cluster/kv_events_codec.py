@@ -32,8 +32,17 @@ def encode_batch(events: Sequence[KVEvent], ts: float, rank: int | None = None) 
     items = []
     for e in events:
         if isinstance(e, BlockStored):
-            items.append(["BlockStored", list(e.block_hashes), e.parent_block_hash, [],
-                          e.block_size, None, e.medium])  # fmt: skip
+            items.append(
+                [
+                    "BlockStored",
+                    list(e.block_hashes),
+                    e.parent_block_hash,
+                    [],
+                    e.block_size,
+                    None,
+                    e.medium,
+                ]
+            )
         elif isinstance(e, BlockRemoved):
             items.append(["BlockRemoved", list(e.block_hashes), e.medium])
         elif isinstance(e, AllBlocksCleared):

@@ -124,9 +124,13 @@ class Transport(Protocol):
     """How the ingress reaches the replicas (the Ray deployment's handle, or a test's fake)."""
 
     def generate(
-        self, token_ids: list[int], params: SamplingParams, options: RequestOptions,
-        request_id: str, route: RouteHint,
-    ) -> AsyncIterator[Any]: ...  # fmt: skip
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        options: RequestOptions,
+        request_id: str,
+        route: RouteHint,
+    ) -> AsyncIterator[Any]: ...
 
     async def park(self, session_id: str, tenant: str, route: RouteHint) -> tuple | int: ...
 

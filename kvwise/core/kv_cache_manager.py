@@ -104,8 +104,11 @@ class KVCacheManager:
     def retain_cached(self, block_hashes: Sequence[BlockHash], tenant: str, seconds: float) -> int:
         """Keep the cached blocks of these (group 0) hashes, every group's copy, ``seconds``
         on ``tenant``'s account (a conversation waiting for a tool). Returns how many."""
-        blocks = [b for b in map(self.pool.get_cached_block, self._every_group(block_hashes))
-                  if b is not None]  # fmt: skip
+        blocks = [
+            b
+            for b in map(self.pool.get_cached_block, self._every_group(block_hashes))
+            if b is not None
+        ]
         return self.pool.retain(blocks, tenant, self.pool.clock() + seconds)
 
     def drop_cached(self, block_hashes: Iterable[BlockHash]) -> int:
@@ -189,9 +192,13 @@ class KVCacheManager:
             prompt = request.token_ids[: request.num_prompt_tokens]
             request.num_public_blocks = self.num_public_blocks(prompt)
         self.hasher.extend(
-            request.block_hashes, request.token_ids, num_tokens, request.tenant,
-            request.cache_salt, request.num_public_blocks,
-        )  # fmt: skip
+            request.block_hashes,
+            request.token_ids,
+            num_tokens,
+            request.tenant,
+            request.cache_salt,
+            request.num_public_blocks,
+        )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[list[KVBlock]], int]:
         """The longest cached prefix of a new request: (each group's blocks, number of tokens
@@ -390,8 +397,7 @@ class KVCacheManager:
         for g, blocks in enumerate(tables):
             first = self._first_held(blocks, num_full)
             hashes = self.group_hashes(request, g)
-            self.pool.cache_blocks(blocks[:num_full], hashes[:num_full], first,
-                                   events=g == 0)  # fmt: skip
+            self.pool.cache_blocks(blocks[:num_full], hashes[:num_full], first, events=g == 0)
             if until is not None:
                 self.pool.retain(blocks[first:num_full], request.tenant, until)
 

@@ -195,7 +195,7 @@ for _fmt in (
         key_scales=Scales("group", 4),
         value_scales=Scales("group", 4),
         grouped=True,
-    ),  # fmt: skip
+    ),
     KVFormat("fp8", 1, uses=("size",)),
 ):
     register_kv_format(_fmt)

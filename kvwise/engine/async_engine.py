@@ -264,8 +264,9 @@ class AsyncEngine(TokenizerThreads):
 
         def add(engine: LLMEngine) -> None:
             try:
-                engine.add_request(tokenized, params, options, request_id=request_id,
-                                   grammar=grammar)  # fmt: skip
+                engine.add_request(
+                    tokenized, params, options, request_id=request_id, grammar=grammar
+                )
             except QueueFullError:
                 raise QueueFullError(retry_after_s) from None
             self._sinks[request_id] = _Sink(loop, queue)

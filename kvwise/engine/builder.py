@@ -87,8 +87,13 @@ def build_model_parts(
         format_bytes(loaded.model.weight_bytes()),
     )
     for row in loaded.weight_report:  # quantization="auto" on a GGUF: each type as it runs
-        logger.info("weights: %d %s tensors as %s, %s", row.tensors, row.gguf_type, row.runs_as,
-                    format_bytes(row.resident_bytes))  # fmt: skip
+        logger.info(
+            "weights: %d %s tensors as %s, %s",
+            row.tensors,
+            row.gguf_type,
+            row.runs_as,
+            format_bytes(row.resident_bytes),
+        )
     arch = loaded.arch
     tokenizer = tokenizer_for(loaded)
     if config.model.chat_template is not None:

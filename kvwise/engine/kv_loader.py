@@ -172,9 +172,12 @@ class KVLoader:
                         self._loaded[i] = n
                         if n and not read.in_place:
                             num_bytes += self.runner.write_kv(
-                                load.block_ids[:n], read.payload, read.entry_blocks,
-                                read.skip, fmt.group_layers(group),
-                            )  # fmt: skip
+                                load.block_ids[:n],
+                                read.payload,
+                                read.entry_blocks,
+                                read.skip,
+                                fmt.group_layers(group),
+                            )
                 if num_bytes:
                     self.store.observe_copy(num_bytes, time.perf_counter() - t1)
                 self._ready[group].set()

@@ -82,8 +82,13 @@ class LLMEngine:
         input). Safe to call from any thread (it reads the tokenizer and immutable sizes
         only): ``AsyncEngine`` tokenizes on its own threads and hands ``add_request`` a
         ``TokenizedPrompt``, so the step loop never renders or tokenizes."""
-        return tokenize_prompt(self.tokenizer, prompt, self._vocab_size, self.max_model_len,
-                               self.answers.lookup(tenant))  # fmt: skip
+        return tokenize_prompt(
+            self.tokenizer,
+            prompt,
+            self._vocab_size,
+            self.max_model_len,
+            self.answers.lookup(tenant),
+        )
 
     def tokenized(self, prompt: Prompt, tenant: str = "default") -> TokenizedPrompt:
         """``tokenize`` as a prompt ``add_request`` takes without further work."""

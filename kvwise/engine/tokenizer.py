@@ -264,8 +264,14 @@ class Tokenizer:
         if self._chat_template is None:
             raise InvalidRequest("messages", "this model has no chat template")
         native = "tools" in self._chat_template and "tool_call" in self._chat_template
-        if not native and (tools or any(m.get("tool_calls") or m.get("role") == "tool"
-                                        for m in messages if isinstance(m, Mapping))):  # fmt: skip
+        if not native and (
+            tools
+            or any(
+                m.get("tool_calls") or m.get("role") == "tool"
+                for m in messages
+                if isinstance(m, Mapping)
+            )
+        ):
             messages, tools = with_tools(messages, tools), None
         check_messages(messages)
         if self._compiled_template is None:

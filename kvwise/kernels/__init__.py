@@ -77,8 +77,12 @@ def _vnni_flags(base: list[str]) -> list[str]:
     if not _runs(compiler, [*base, *_VNNI_FLAGS], _VNNI_PROBE):
         return []
     # 256-bit vectors elsewhere, as in the AVX2 build: only the VNNI kernels use 512
-    return [*_VNNI_FLAGS, "-mprefer-vector-width=256", "-DKVWISE_AVX512VNNI",
-            *_amx_flags(compiler, base)]  # fmt: skip
+    return [
+        *_VNNI_FLAGS,
+        "-mprefer-vector-width=256",
+        "-DKVWISE_AVX512VNNI",
+        *_amx_flags(compiler, base),
+    ]
 
 
 _AMX_PROBE = r"""
@@ -125,8 +129,12 @@ def _runs(compiler: str, flags: list[str], source: str) -> bool:
         src, exe = Path(tmp) / "probe.cpp", Path(tmp) / "probe"
         src.write_text(source)
         try:
-            subprocess.run([compiler, "-O1", *flags, str(src), "-o", str(exe)],
-                           check=True, capture_output=True, timeout=60)  # fmt: skip
+            subprocess.run(
+                [compiler, "-O1", *flags, str(src), "-o", str(exe)],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
             return subprocess.run([str(exe)], capture_output=True, timeout=10).returncode == 0
         except (OSError, subprocess.SubprocessError):
             return False
@@ -195,8 +203,10 @@ def _build() -> bool:
         log.info("kvwise kernels ready in %.1f s", time.perf_counter() - start)
         return True
     except Exception as exc:  # a missing compiler or ninja: the torch paths still work
-        log.warning("kvwise kernels unavailable (%s): plain torch attention, slower decode",
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)  # fmt: skip
+        log.warning(
+            "kvwise kernels unavailable (%s): plain torch attention, slower decode",
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
         return False
 
 

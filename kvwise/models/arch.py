@@ -1,11 +1,10 @@
 """The shape of a decoder model: what the model code and the KV cache need to know.
 
-`ModelArchConfig` is built from a Hugging Face ``config.json`` dict (`from_hf_config`) or from a
-GGUF file's metadata (`from_gguf`). It imports no torch, so the engine core can size its KV cache
-from it without loading weights.
-
-The architecture names it accepts are the registered families' (``models/registry.py``);
-the family says how its config.json sets the per-checkpoint flags (``ModelFamily.hf_flags``).
+`ModelArchConfig` is built from a Hugging Face ``config.json`` dict or from a GGUF file's
+metadata by ``models/arch_load.py`` (through the registered families, ``models/registry.py``:
+the family says how its config.json sets the per-checkpoint flags, ``ModelFamily.hf_flags``).
+It imports no torch, so the engine core can size its KV cache from it without loading weights,
+and nothing of the families (they take it), so it is the bottom of ``models``.
 Supported: Llama (SmolLM2, Llama 2/3), Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm),
 Gemma 2 and Gemma 3 text models (``models/gemma.py``: local and global layers, q/k norm for 3).
 """
@@ -16,8 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvwise.models import registry
-from kvwise.models.family import LAYER_TYPES
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names, config.json layer_types
 
 
 @dataclass(frozen=True)
@@ -92,7 +90,8 @@ class RopeScaling:
 class ModelArchConfig:
     """Hyper-parameters of a decoder of a registered family. Sizes are counts, not bytes.
 
-    architecture: a registered HF architecture name (its family: ``registry.family_for``).
+    architecture: an HF architecture name (its family: ``registry.family_for``, which refuses
+        an unregistered one; so do the loaders of ``arch_load``).
     attention_bias: q/k/v projections have a bias (Qwen2; Llama/Qwen3 when configured).
     o_proj_bias: the output projection has a bias (Llama/Qwen3 with attention_bias=True).
     qk_norm: per-head RMSNorm on q and k before rotary (Qwen3).
@@ -135,8 +134,8 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not registry.is_supported(self.architecture):
-            raise registry.unsupported(self.architecture)
+        if not isinstance(self.architecture, str) or not self.architecture:
+            raise ValueError(f"architecture must be a name, got {self.architecture!r}")
         for name in (
             "vocab_size",
             "hidden_size",
@@ -166,8 +165,12 @@ class ModelArchConfig:
         if not isinstance(self.eos_token_ids, tuple):
             raise ValueError("eos_token_ids must be a tuple of ints")
         self._check_layer_types()
-        for name in ("sliding_rope_theta", "query_pre_attn_scalar", "final_logit_softcap",
-                     "attn_logit_softcap"):  # fmt: skip
+        for name in (
+            "sliding_rope_theta",
+            "query_pre_attn_scalar",
+            "final_logit_softcap",
+            "attn_logit_softcap",
+        ):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be None or > 0, got {value!r}")
@@ -182,8 +185,9 @@ class ModelArchConfig:
         if not isinstance(self.layer_types, tuple):
             raise ValueError("layer_types must be a tuple of str")
         if self.layer_types and len(self.layer_types) != self.num_layers:
-            raise ValueError(f"layer_types: {len(self.layer_types)} entries for "
-                             f"{self.num_layers} layers")  # fmt: skip
+            raise ValueError(
+                f"layer_types: {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
         odd = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if odd:
             raise ValueError(f"layer_types: unsupported {odd}; supported: {', '.join(LAYER_TYPES)}")
@@ -192,143 +196,3 @@ class ModelArchConfig:
 
     def replace(self, **changes: Any) -> ModelArchConfig:
         return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> ModelArchConfig:
-        """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout).
-
-        Raises:
-            ValueError: unsupported architecture, rope type, activation or missing field.
-        """
-        architecture = _hf_architecture(config)
-        family = registry.family_for(architecture)
-        # Gemma's modeling reads hidden_activation (its configs may hold a stale hidden_act)
-        act_key = "hidden_activation" if "hidden_activation" in config else "hidden_act"
-        if config.get(act_key, family.hf_activations[0]) not in family.hf_activations:
-            raise ValueError(
-                f"{act_key}: only {', '.join(map(repr, family.hf_activations))} is supported, "
-                f"got {config[act_key]!r}"
-            )
-        if config.get("mlp_bias"):
-            raise ValueError("mlp_bias: MLP biases are not supported")
-        try:
-            hidden = int(config["hidden_size"])
-            num_heads = int(config["num_attention_heads"])
-            max_pos = int(config.get("max_position_embeddings", 2048))
-            # transformers 5 writes rope_parameters (with rope_theta inside); 4.x rope_scaling.
-            rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-            rope_theta = config.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
-            if float(rope_params.get("partial_rotary_factor", 1.0)) != 1.0:
-                raise ValueError("partial_rotary_factor: partial rotary is not supported")
-            eos = config.get("eos_token_id")
-            fields = dict(
-                architecture=architecture,
-                vocab_size=int(config["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_layers=int(config["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_dim=int(config.get("head_dim") or hidden // num_heads),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta),
-                rope_scaling=RopeScaling.from_hf(rope_params, max_pos),
-                max_position_embeddings=max_pos,
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                bos_token_id=config.get("bos_token_id"),
-                eos_token_ids=_as_id_tuple(eos),
-            )
-            fields.update(family.hf_flags(architecture, config))  # may replace the rotary
-        except KeyError as exc:
-            raise ValueError(f"model: config.json lacks required field {exc.args[0]!r}") from None
-        return cls(**fields)
-
-    @classmethod
-    def from_gguf(cls, reader: Any) -> ModelArchConfig:
-        """Build from a `gguf.GGUFReader`'s metadata (architectures llama, qwen2, qwen3,
-        gemma2, gemma3; the family reads its own keys: ``ModelFamily.gguf_flags``).
-
-        Tied embeddings are inferred from the absence of an ``output.weight`` tensor, and
-        Llama 3.1 scaling from a ``rope_freqs.weight`` tensor (as llama.cpp does).
-        """
-        gguf_arch = str(_gguf_field(reader, "general.architecture"))
-        architecture = registry.architecture_for_gguf(gguf_arch)
-        if architecture is None:
-            raise registry.unsupported(gguf_arch)
-
-        def get(key: str, default: Any = None) -> Any:
-            return _gguf_field(reader, f"{gguf_arch}.{key}", default)
-
-        tensors = {t.name: t for t in reader.tensors}
-        hidden = int(get("embedding_length"))
-        num_heads = int(get("attention.head_count"))
-        vocab = get("vocab_size")
-        if vocab is None:
-            vocab = int(tensors["token_embd.weight"].shape[-1])
-        eos = [_gguf_field(reader, "tokenizer.ggml.eos_token_id")]
-        eos.append(_gguf_field(reader, "tokenizer.ggml.eot_token_id"))
-        fields = dict(
-            architecture=architecture,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=int(get("attention.key_length", 0) or hidden // num_heads),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=_gguf_rope_scaling(get, tensors),
-            max_position_embeddings=int(get("context_length", 2048)),
-            tie_word_embeddings="output.weight" not in tensors,
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            o_proj_bias="blk.0.attn_output.bias" in tensors,
-            qk_norm="blk.0.attn_q_norm.weight" in tensors,
-            sliding_window=None,
-            bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_as_id_tuple([e for e in eos if e is not None]),
-        )
-        fields.update(registry.family_for(architecture).gguf_flags(get, fields))
-        return cls(**fields)
-
-
-def _gguf_rope_scaling(get: Any, tensors: dict[str, Any]) -> RopeScaling | None:
-    scaling = None
-    scaling_type = get("rope.scaling.type", "none")
-    if scaling_type == "linear":
-        scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
-    elif scaling_type not in ("none", None):
-        raise ValueError(f"rope_scaling: unsupported GGUF rope scaling type '{scaling_type}'")
-    if "rope_freqs.weight" in tensors:
-        factors = tuple(float(x) for x in tensors["rope_freqs.weight"].data.reshape(-1))
-        scaling = RopeScaling("freq_factors", freq_factors=factors)
-    return scaling
-
-
-def _hf_architecture(config: dict[str, Any]) -> str:
-    """The architecture a config.json names: its first ``architectures`` entry when that is
-    registered (as vLLM picks a model class; a toy or plug-in family registers its own name
-    over a config of a known ``model_type``), else the one its ``model_type`` maps to."""
-    archs = config.get("architectures") or []
-    if archs and registry.is_supported(archs[0]):
-        return archs[0]
-    by_type = registry.architecture_for_model_type(config.get("model_type"))
-    if by_type is not None:
-        return by_type
-    return archs[0] if archs else str(config.get("model_type"))
-
-
-def _as_id_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(dict.fromkeys(int(v) for v in value))
-
-
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value.item() if hasattr(value, "item") else value

@@ -11,17 +11,16 @@ code here. GGUF tensors arrive already renamed to HF's names (``models/gguf_weig
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from kvwise.models.decoder import CausalLM, DecoderLayer
+from kvwise.models.decoder import CausalLM
+from kvwise.models.layer_weights import LayerWeights
 
 Slot = tuple[torch.Tensor | None, bool]  # (a view of a parameter, whether to transpose into it)
 
 
-def layer_slots(layer: DecoderLayer) -> dict[str, Slot]:
+def layer_slots(layer: LayerWeights) -> dict[str, Slot]:
     """Where each HF tensor of ``layer`` goes, by its name within the layer (e.g.
     ``self_attn.q_proj.weight``). A linear part's view is None once the layer is quantized."""
     family = layer.family
@@ -132,6 +131,7 @@ def expected_weight_names(model: CausalLM, quantized: bool = False) -> list[str]
     linear = {part for parts in family.linear_parts.values() for part in parts}
     for i, layer in enumerate(model.layers):
         suffixes = layer_slots(layer)  # type: ignore[arg-type]
-        names += [f"{family.layer_prefix}{i}.{s}" for s in suffixes
-                  if not (quantized and s in linear)]  # fmt: skip
+        names += [
+            f"{family.layer_prefix}{i}.{s}" for s in suffixes if not (quantized and s in linear)
+        ]
     return names

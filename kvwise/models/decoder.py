@@ -37,74 +37,31 @@ bfloat16 inputs. The quantized LM head's top logits are refined in float32
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvwise.models import checkpoint
 from kvwise.models.arch import ModelArchConfig
 from kvwise.models.family import ModelFamily
-from kvwise.models.layer_ops import LINEAR_NAMES, LayerOps, TorchLayerOps, choose_layer_ops
+from kvwise.models.layer_ops import LayerOps, TorchLayerOps, choose_layer_ops
+from kvwise.models.layer_weights import LINEAR_NAMES, LayerWeights, param
 from kvwise.models.layers import NORMS, rope_table, soft_cap
-from kvwise.models.linear import FloatHead, FloatWeight, HeadWeight, Linear, RefinedHead
+from kvwise.models.linear import FloatHead, HeadWeight, RefinedHead
 from kvwise.models.quant import QuantWeight
 from kvwise.models.registry import family_for
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-class DecoderLayer(nn.Module):
-    """One pre-norm decoder block. Weights are `[in, out]`; see the module docstring."""
+class DecoderLayer(LayerWeights):
+    """One pre-norm decoder block: its weights (``LayerWeights``) and its step, computed by
+    its ``LayerOps``. Weights are `[in, out]`; see the module docstring."""
 
     def __init__(self, arch: ModelArchConfig, family: type[ModelFamily], dtype: torch.dtype):
-        super().__init__()
-        hidden, inter = arch.hidden_size, arch.intermediate_size
-        self.family = family
-        self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
-        self.head_dim = arch.head_dim
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.intermediate_size = inter
-        self.eps = arch.rms_norm_eps
-        qkv_size = self.q_size + 2 * self.kv_size
-        self.input_norm = _param(hidden, dtype=dtype)
-        self.qkv_proj = _param(hidden, qkv_size, dtype=dtype)  # [in, q | k | v]
-        self.qkv_bias = _param(qkv_size, dtype=dtype) if arch.attention_bias else None
-        # q/k norm: q's weight in rows [:num_heads], k's in rows [num_heads:].
-        self.qk_norm = (
-            _param(arch.num_heads + arch.num_kv_heads, arch.head_dim, dtype=dtype)
-            if arch.qk_norm
-            else None
-        )
-        self.o_proj = _param(self.q_size, hidden, dtype=dtype)
-        self.o_bias = _param(hidden, dtype=dtype) if arch.o_proj_bias else None
-        # post-norm families norm the attention and MLP outputs before their residual adds
-        self.attn_out_norm = _param(hidden, dtype=dtype) if family.post_norms else None
-        self.mlp_norm = _param(hidden, dtype=dtype)  # the MLP's input norm
-        self.gate_up_proj = _param(hidden, 2 * inter, dtype=dtype)  # [in, gate | up]
-        self.down_proj = _param(inter, hidden, dtype=dtype)
-        self.mlp_out_norm = _param(hidden, dtype=dtype) if family.post_norms else None
-        self.quant: dict[str, QuantWeight] | None = None  # LINEAR_NAMES name -> weight
+        super().__init__(arch, family, dtype)
         self.ops: LayerOps = choose_layer_ops(self)
-
-    def linear(self, name: str) -> Linear:
-        """The linear weight ``name`` (one of ``LINEAR_NAMES``) as the ops apply it."""
-        if self.quant is not None:
-            return self.quant[name]
-        return FloatWeight(getattr(self, name))
-
-    def part_sizes(self) -> dict[str, tuple[int, ...]]:
-        """Each fused linear weight's output columns per HF part, in the family's order."""
-        q, kv, inter = self.q_size, self.kv_size, self.intermediate_size
-        hidden = self.input_norm.shape[0]
-        return {"qkv_proj": (q, kv, kv), "o_proj": (hidden,),
-                "gate_up_proj": (inter, inter), "down_proj": (hidden,)}  # fmt: skip
 
     def install_quantized(self, weights: dict[str, QuantWeight], ops: str | None = None) -> None:
         """Replace the four linear weights with quantized ones (their float parameters go) and
@@ -114,8 +71,10 @@ class DecoderLayer(nn.Module):
         for name, weight in weights.items():
             expected = tuple(getattr(self, name).shape[::-1])  # [in, out] -> (out, in)
             if (weight.out_features, weight.in_features) != expected:
-                raise ValueError(f"weights: {name} is {weight.out_features}x"
-                                 f"{weight.in_features}, expected {expected[0]}x{expected[1]}")  # fmt: skip
+                raise ValueError(
+                    f"weights: {name} is {weight.out_features}x"
+                    f"{weight.in_features}, expected {expected[0]}x{expected[1]}"
+                )
         for name in weights:
             setattr(self, name, None)
         self.quant = dict(weights)
@@ -153,7 +112,7 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """A causal LM of any registered family. Weights start uninitialized: fill them with
-    `load_weights` (and `install_quantized`)."""
+    ``checkpoint.load_weights`` (and `install_quantized`)."""
 
     def __init__(
         self,
@@ -165,20 +124,22 @@ class CausalLM(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.family = family = family or family_for(arch.architecture)
-        self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)  # [vocab, hidden]
+        self.embed = param(arch.vocab_size, arch.hidden_size, dtype=dtype)  # [vocab, hidden]
         self.layers = nn.ModuleList(
             DecoderLayer(arch, family, dtype) for _ in range(arch.num_layers)
         )
-        self.norm = _param(arch.hidden_size, dtype=dtype)
-        self.lm_head = _param(arch.hidden_size, arch.vocab_size, dtype=dtype)  # [hidden, vocab]
+        self.norm = param(arch.hidden_size, dtype=dtype)
+        self.lm_head = param(arch.hidden_size, arch.vocab_size, dtype=dtype)  # [hidden, vocab]
         self._final_norm = NORMS[family.norm]
         scale = family.embedding_scale(arch)
         self.embed_scale = None if scale is None else torch.tensor(scale, dtype=dtype)
         self.logit_softcap = family.logit_softcap(arch)
         self.attention_kinds = family.attention_kinds(arch)
         if len(self.attention_kinds) != arch.num_layers:
-            raise ValueError(f"family {family.__name__}: {len(self.attention_kinds)} attention "
-                             f"kinds for {arch.num_layers} layers")  # fmt: skip
+            raise ValueError(
+                f"family {family.__name__}: {len(self.attention_kinds)} attention "
+                f"kinds for {arch.num_layers} layers"
+            )
         self._init_rope(arch)
         self.head: FloatHead | RefinedHead = FloatHead(self.lm_head)
         # quantized embedding (its rows) and LM head; tied: the same weight
@@ -263,8 +224,10 @@ class CausalLM(nn.Module):
         vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
         for name, weight in (("embed", embed), ("lm_head", lm_head)):
             if weight is not None and (weight.out_features, weight.in_features) != (vocab, hidden):
-                raise ValueError(f"weights: {name} is {weight.out_features}x"
-                                 f"{weight.in_features}, expected {vocab}x{hidden}")  # fmt: skip
+                raise ValueError(
+                    f"weights: {name} is {weight.out_features}x"
+                    f"{weight.in_features}, expected {vocab}x{hidden}"
+                )
 
     def install_heads(self, embed: HeadWeight | None, lm_head: HeadWeight | None) -> None:
         """The embedding and the LM head as quantized weights with exact rows (``Q8Weight``,
@@ -288,13 +251,3 @@ class CausalLM(nn.Module):
         for head in {id(w): w for w in (self.embed_quant, self.lm_head_quant) if w}.values():
             total += head.nbytes
         return total
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], quantized: bool = False
-    ) -> None:
-        """``checkpoint.load_weights``: HF-named, HF-layout tensors into the parameters."""
-        checkpoint.load_weights(self, weights, quantized)
-
-    def expected_weight_names(self, quantized: bool = False) -> list[str]:
-        """``checkpoint.expected_weight_names``: the HF names ``load_weights`` needs."""
-        return checkpoint.expected_weight_names(self, quantized)

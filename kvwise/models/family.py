@@ -37,14 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-if TYPE_CHECKING:
-    from kvwise.models.arch import ModelArchConfig, RopeScaling
+from kvwise.models.arch import LAYER_TYPES, ModelArchConfig, RopeScaling
 
 NORMS = ("rms", "rms_one_plus")
 ACTIVATIONS = ("silu", "gelu_tanh")
-LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names, config.json layer_types
 
 # reads ``{gguf architecture}.{key}`` of a GGUF's metadata, or the default where it is absent
 GGUFGetter = Callable[[str, Any], Any]
@@ -122,8 +120,10 @@ class ModelFamily:
                 f"family {cls.__name__}: norm must be one of {NORMS}, got {cls.norm!r}"
             )
         if cls.activation not in ACTIVATIONS:
-            raise ValueError(f"family {cls.__name__}: activation must be one of {ACTIVATIONS}, "
-                             f"got {cls.activation!r}")  # fmt: skip
+            raise ValueError(
+                f"family {cls.__name__}: activation must be one of {ACTIVATIONS}, "
+                f"got {cls.activation!r}"
+            )
         slots = {"input_norm", "mlp_norm"} | (
             {"attn_out_norm", "mlp_out_norm"} if cls.post_norms else set()
         )
@@ -177,8 +177,12 @@ class ModelFamily:
         """The ``ModelArchConfig`` flags a config.json of this family sets: attention_bias,
         o_proj_bias, qk_norm, sliding_window."""
         bias = bool(config.get("attention_bias", False))
-        return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=False,
-                    sliding_window=config.get("sliding_window"))  # fmt: skip
+        return dict(
+            attention_bias=bias,
+            o_proj_bias=bias,
+            qk_norm=False,
+            sliding_window=config.get("sliding_window"),
+        )
 
     @classmethod
     def gguf_flags(cls, get: GGUFGetter, fields: dict[str, Any]) -> dict[str, Any]:
@@ -194,8 +198,12 @@ class ModelFamily:
 class LlamaFamily(ModelFamily):
     """Llama (SmolLM2, Llama 2/3), Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k norm)."""
 
-    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                     "Qwen3ForCausalLM")  # fmt: skip
+    architectures = (
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    )
     hf_model_types = {
         "llama": "LlamaForCausalLM",
         "mistral": "MistralForCausalLM",
@@ -234,8 +242,10 @@ def _llama_windows(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     types = config.get("layer_types")
     if types is None and qwen and window is not None:
         first = int(config.get("max_window_layers", 28))
-        types = ["sliding_attention" if i >= first else "full_attention"
-                 for i in range(int(config["num_hidden_layers"]))]  # fmt: skip
+        types = [
+            "sliding_attention" if i >= first else "full_attention"
+            for i in range(int(config["num_hidden_layers"]))
+        ]
     if types is None:
         return dict(sliding_window=window, layer_types=())
     if set(types) <= set(LAYER_TYPES):  # else ModelArchConfig refuses them by name

@@ -29,12 +29,10 @@ absent: 10,000, as llama.cpp assumes) and no query_pre_attn_scalar: llama.cpp's 
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from kvwise.models.arch import ModelArchConfig, RopeScaling
 from kvwise.models.family import GGUFGetter, ModelFamily
-
-if TYPE_CHECKING:
-    from kvwise.models.arch import ModelArchConfig
 
 _27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp: these scale by hidden / heads
 
@@ -165,16 +163,15 @@ def _pattern_types(pattern: int | list, num_layers: int) -> tuple[str, ...]:
             )
         return tuple("sliding_attention" if p else "full_attention" for p in pattern)
     pattern = int(pattern)
-    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
-                 for i in range(num_layers))  # fmt: skip
+    return tuple(
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+    )
 
 
 def _gemma3_rope(config: dict[str, Any]) -> dict[str, Any]:
     """The global and local rotary of a Gemma 3 config.json: transformers 5 nests them in
     rope_parameters (by layer type); 4.x writes rope_theta, rope_local_base_freq and
     rope_scaling (the global layers')."""
-    from kvwise.models.arch import RopeScaling  # NOTE: here, as arch -> registry -> this module
-
     max_pos = int(config.get("max_position_embeddings", 131072))
     params = config.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
@@ -185,8 +182,10 @@ def _gemma3_rope(config: dict[str, Any]) -> dict[str, Any]:
         full.setdefault("rope_theta", config.get("rope_theta", 1e6))
         local = {"rope_theta": config.get("rope_local_base_freq", 1e4)}
     if RopeScaling.from_hf(local, max_pos) is not None:
-        raise ValueError("rope_parameters.sliding_attention: only default rope is supported on "
-                         f"the local layers, got {local!r}")  # fmt: skip
+        raise ValueError(
+            "rope_parameters.sliding_attention: only default rope is supported on "
+            f"the local layers, got {local!r}"
+        )
     return dict(
         rope_theta=float(full.get("rope_theta") or 1e6),
         rope_scaling=RopeScaling.from_hf(full, max_pos),

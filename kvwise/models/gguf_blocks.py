@@ -136,8 +136,9 @@ def _decode_blocks(name: str, b: np.ndarray) -> Decoded:
         codes = _bits(b[:, 16:80].reshape(n * 2, 32), (0, 2, 4, 6), 3).reshape(n, QK_K)
         s = b[:, 0:16]
         sc, mn = (s & 15).astype(np.int8), (s >> 4).astype(np.int8)
-        return Decoded(codes, _f16(b[:, 80:82]), _f16(b[:, 82:84]), sc.reshape(n, 8, 2),
-                       mn.reshape(n, 8, 2))  # fmt: skip
+        return Decoded(
+            codes, _f16(b[:, 80:82]), _f16(b[:, 82:84]), sc.reshape(n, 8, 2), mn.reshape(n, 8, 2)
+        )
     raise ValueError(f"weights: no block kernel for GGUF type {name}")
 
 
@@ -186,8 +187,9 @@ def pack(spec: BlockSpec, d: Decoded) -> torch.Tensor:
         heads = torch.zeros(G, nb, 0, dtype=torch.uint8)
     tail_bytes = torch.cat(tail, dim=-1).contiguous()
     if kernels.available():
-        return torch.ops.kvwise.qk_pack(codes, spec.bits, tail_bytes, heads.contiguous(),
-                                        spec.blocks)  # fmt: skip
+        return torch.ops.kvwise.qk_pack(
+            codes, spec.bits, tail_bytes, heads.contiguous(), spec.blocks
+        )
     blocks = torch.cat((_code_planes(spec, codes), tail_bytes), dim=-1)  # (G, nb, block bytes)
     nsb = nb // spec.blocks
     return torch.cat((heads, blocks.reshape(G, nsb, -1)), dim=-1).contiguous()
@@ -257,8 +259,10 @@ def unpack(spec: BlockSpec, packed: torch.Tensor) -> torch.Tensor:
         d = blocks[..., at : at + 16].contiguous().view(torch.float16).float()  # (G, nb, 8)
         w = d[..., None] * q
         if spec.mins:
-            w = w + blocks[..., at + 16 : at + 32].contiguous().view(torch.float16).float()[
-                ..., None]  # fmt: skip
+            w = (
+                w
+                + blocks[..., at + 16 : at + 32].contiguous().view(torch.float16).float()[..., None]
+            )
     return w.permute(0, 2, 1, 3).reshape(G * 8, nb * QK)
 
 

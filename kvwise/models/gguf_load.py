@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from kvwise.models import checkpoint
 from kvwise.models.gguf_blocks import SPECS, BlockWeight
 from kvwise.models.gguf_pack import fast_pack
 from kvwise.models.gguf_types import FLOATS as _FLOATS
@@ -136,10 +137,13 @@ def _converted_q8(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> Q8
     """Int8 blocks of a tensor of another type, converted a slice of rows at a time."""
     rows, cols = shape
     parts = [
-        Q8Weight.quantize(_dequantized(raw[at : at + _CONVERT_ROWS], gguf_type,
-                                       (min(_CONVERT_ROWS, rows - at), cols))).packed
+        Q8Weight.quantize(
+            _dequantized(
+                raw[at : at + _CONVERT_ROWS], gguf_type, (min(_CONVERT_ROWS, rows - at), cols)
+            )
+        ).packed
         for at in range(0, rows, _CONVERT_ROWS)
-    ]  # fmt: skip
+    ]
     return Q8Weight.from_packed(parts[0] if len(parts) == 1 else torch.cat(parts), rows, cols)
 
 
@@ -153,9 +157,11 @@ def _release(reader: gguf.GGUFReader, tensor: gguf.ReaderTensor | None = None) -
         base = base.base
     if not isinstance(mapped, mmap.mmap):
         return
-    start, end = (0, len(mapped)) if tensor is None else (
-        tensor.data_offset, tensor.data_offset + tensor.n_bytes
-    )  # fmt: skip
+    start, end = (
+        (0, len(mapped))
+        if tensor is None
+        else (tensor.data_offset, tensor.data_offset + tensor.n_bytes)
+    )
     start -= start % mmap.PAGESIZE
     try:
         mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
@@ -215,9 +221,14 @@ class GGUFWeightLoader:
         rows = [WeightRow(t, n, how, self.bytes[t, how]) for (t, how), n in self.report.items()]
         for row in rows:
             if row.runs_as.endswith("(converted)"):
-                logger.warning("weights: %d %s tensors run as %s: no kernel holds %s exactly "
-                               "(never below its precision)", row.tensors, row.gguf_type,
-                               row.runs_as.split()[0], row.gguf_type)  # fmt: skip
+                logger.warning(
+                    "weights: %d %s tensors run as %s: no kernel holds %s exactly "
+                    "(never below its precision)",
+                    row.tensors,
+                    row.gguf_type,
+                    row.runs_as.split()[0],
+                    row.gguf_type,
+                )
         return rows
 
     def _raw(self, name: str, tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -306,7 +317,7 @@ class GGUFWeightLoader:
                 f"layer {i}" for i in self.layers
             )
             raise ValueError(f"weights: the file lacks parts of fused weights, e.g. {missing[:3]}")
-        model.load_weights(self.rest, quantized=True)
+        checkpoint.load_weights(model, self.rest, quantized=True)
         embed = self.heads.get(family.embed_name)
         tied = self.arch.tie_word_embeddings
         head = embed if tied else self.heads.get(family.lm_head_name)

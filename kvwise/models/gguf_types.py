@@ -23,9 +23,17 @@ REFUSED = ("F64", "I8", "I16", "I32", "I64")
 NATIVE_BLOCKS = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")  # gguf_blocks.SPECS
 _Q8_BITS = 8.5  # int8 blocks of 32 with a float16 scale
 RESIDENT_BITS = {
-    "int4": 5.0, "Q8_0": 8.5, "float32": 32.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q4_K": 4.625,
-    "Q5_K": 5.625, "Q6_K": 6.5625, "Q3_K": 4.5625, "Q2_K": 5.125,
-}  # fmt: skip
+    "int4": 5.0,
+    "Q8_0": 8.5,
+    "float32": 32.0,
+    "Q5_0": 5.5,
+    "Q5_1": 6.0,
+    "Q4_K": 4.625,
+    "Q5_K": 5.625,
+    "Q6_K": 6.5625,
+    "Q3_K": 4.5625,
+    "Q2_K": 5.125,
+}
 
 
 def bits_per_weight(gguf_type: str) -> float:
@@ -42,8 +50,10 @@ def runs_as(gguf_type: str, head: bool = False) -> str:
         ValueError: an integer or float64 tensor (no format here holds it without loss).
     """
     if gguf_type in REFUSED:
-        raise ValueError(f"weights: {gguf_type} tensors are not supported (float64 would run "
-                         f"below its precision, integers are no weights); convert the file to F32")  # fmt: skip
+        raise ValueError(
+            f"weights: {gguf_type} tensors are not supported (float64 would run "
+            f"below its precision, integers are no weights); convert the file to F32"
+        )
     if gguf_type in FLOATS:
         return "float32 (exact)"
     if gguf_type in ("Q4_0", "Q4_1"):

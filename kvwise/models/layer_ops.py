@@ -32,19 +32,15 @@ filled in place by the loader; installing other weights chooses the ops again).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from kvwise import kernels
+from kvwise.models.layer_weights import LINEAR_NAMES, LayerWeights
 from kvwise.models.layers import GLUS, NORMS, apply_rope
 from kvwise.models.linear import FUSED
 from kvwise.models.quant import Int4Weight, Int8Weight
-
-if TYPE_CHECKING:
-    from kvwise.models.decoder import DecoderLayer
-
-LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class LayerOps(Protocol):
@@ -67,11 +63,13 @@ class _LayerTensors:
     """What every implementation reads of its layer, as plain attributes (a module's
     parameters cost a ``__getattr__`` each time they are read)."""
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: LayerWeights) -> None:
         self.eps = layer.eps
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            layer.num_heads, layer.num_kv_heads, layer.head_dim
-        )  # fmt: skip
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_dim,
+        )
         self.q_size, self.kv_size, self.inter = layer.q_size, layer.kv_size, layer.intermediate_size
         self.input_norm, self.mlp_norm = layer.input_norm, layer.mlp_norm
         self.attn_out_norm, self.mlp_out_norm = layer.attn_out_norm, layer.mlp_out_norm
@@ -84,10 +82,10 @@ class TorchLayerOps(_LayerTensors):
     name = "torch"
 
     @staticmethod
-    def applies(layer: DecoderLayer) -> bool:
+    def applies(layer: LayerWeights) -> bool:
         return True
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: LayerWeights) -> None:
         super().__init__(layer)
         self.norm = NORMS[layer.family.norm]
         self.glu = GLUS[layer.family.activation]
@@ -141,13 +139,13 @@ class _FusedLayerOps(_LayerTensors):
 
     name = "fused"
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: LayerWeights) -> None:
         super().__init__(layer)
         self.offset = _NORM_OFFSETS[layer.family.norm]
         self._qkv_rope = FUSED.qkv_rope
 
     @staticmethod
-    def _quantized(layer: DecoderLayer, computes_family: bool) -> list | None:
+    def _quantized(layer: LayerWeights, computes_family: bool) -> list | None:
         """The layer's quantized weights where the fused ops may run it (the kernels built,
         weights quantized, a family the ops compute), else None."""
         if not (kernels.available() and computes_family and layer.quant):
@@ -155,26 +153,37 @@ class _FusedLayerOps(_LayerTensors):
         return [layer.quant[name] for name in LINEAR_NAMES]
 
     def qkv_rope(self, qkv, rope_cos, rope_sin):
-        return self._qkv_rope(qkv, self.qkv_bias, self.qk_norm, rope_cos, rope_sin,
-                              self.num_heads, self.num_kv_heads, self.eps, self.offset)  # fmt: skip
+        return self._qkv_rope(
+            qkv,
+            self.qkv_bias,
+            self.qk_norm,
+            rope_cos,
+            rope_sin,
+            self.num_heads,
+            self.num_kv_heads,
+            self.eps,
+            self.offset,
+        )
 
 
 class Int4FusedOps(_FusedLayerOps):
     """int4 weights: their matmuls inside kvwise's fused ops, five op calls a layer."""
 
     @staticmethod
-    def applies(layer: DecoderLayer) -> bool:
+    def applies(layer: LayerWeights) -> bool:
         weights = _FusedLayerOps._quantized(layer, layer.family.fused_ops_apply())
         return weights is not None and all(
             isinstance(w, Int4Weight) and w.out_features % 8 == 0 for w in weights
         )  # no padded output columns
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: LayerWeights) -> None:
         super().__init__(layer)
         self.qkv_w, self.o_w, self.gu_w, self.d_w = (layer.quant[n].packed for n in LINEAR_NAMES)
         self._rms_norm_q4mm, self._q4mm, self._mlp_q4 = (
-            FUSED.rms_norm_q4mm, FUSED.q4mm, FUSED.mlp_q4
-        )  # fmt: skip
+            FUSED.rms_norm_q4mm,
+            FUSED.q4mm,
+            FUSED.mlp_q4,
+        )
 
     def norm_qkv(self, residual: torch.Tensor) -> torch.Tensor:
         return self._rms_norm_q4mm(residual, self.input_norm, self.eps, self.qkv_w)
@@ -193,16 +202,18 @@ class Int8FusedOps(_FusedLayerOps):
     """int8 weights: kvwise's bfloat16 ops between torch's int8 matmuls."""
 
     @staticmethod
-    def applies(layer: DecoderLayer) -> bool:
+    def applies(layer: LayerWeights) -> bool:
         weights = _FusedLayerOps._quantized(layer, layer.family.fused_ops_apply())
         return weights is not None and all(isinstance(w, Int8Weight) for w in weights)
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: LayerWeights) -> None:
         super().__init__(layer)
         self.qkv, self.o, self.gate_up, self.down = (layer.quant[n] for n in LINEAR_NAMES)
         self._rms_norm, self._add_rms_norm, self._silu_mul = (
-            FUSED.rms_norm_bf16, FUSED.add_rms_norm_bf16, FUSED.silu_mul_bf16
-        )  # fmt: skip
+            FUSED.rms_norm_bf16,
+            FUSED.add_rms_norm_bf16,
+            FUSED.silu_mul_bf16,
+        )
 
     def norm_qkv(self, residual: torch.Tensor) -> torch.Tensor:
         x = self._rms_norm(residual, self.input_norm, self.eps)  # (T, hidden) bf16
@@ -229,13 +240,13 @@ class BlockFusedOps(_FusedLayerOps):
     ``1 + w``, post-norms, GeGLU)."""
 
     @staticmethod
-    def applies(layer: DecoderLayer) -> bool:
+    def applies(layer: LayerWeights) -> bool:
         family = layer.family
         computes = family.norm in _NORM_OFFSETS and family.activation in _BLOCK_GLUS
         weights = _FusedLayerOps._quantized(layer, computes)
         return weights is not None and not any(isinstance(w, Int8Weight) for w in weights)
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: LayerWeights) -> None:
         super().__init__(layer)
         self.qkv, self.o, self.gate_up, self.down = (layer.quant[n] for n in LINEAR_NAMES)
         self._rms_norm, self._add_normed = FUSED.rms_norm_f32, FUSED.add_rms_normed_f32
@@ -269,7 +280,7 @@ _CHOICES = {"fused": (Int4FusedOps, Int8FusedOps, BlockFusedOps), "torch": (Torc
 OPS = tuple(_CHOICES)
 
 
-def choose_layer_ops(layer: DecoderLayer, ops: str | None = None) -> LayerOps:
+def choose_layer_ops(layer: LayerWeights, ops: str | None = None) -> LayerOps:
     """The ``LayerOps`` that computes ``layer`` with its current weights.
 
     Args:

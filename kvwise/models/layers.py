@@ -172,9 +172,13 @@ def dense_causal_attention(
             mask &= k_pos > q_pos - sliding_window
         if softcap is not None:
             out = softcapped_attention(
-                qh[None], kh[None], vh[None], head_dim**-0.5 if scale is None else scale,
-                softcap, mask,
-            )[0]  # fmt: skip
+                qh[None],
+                kh[None],
+                vh[None],
+                head_dim**-0.5 if scale is None else scale,
+                softcap,
+                mask,
+            )[0]
         else:
             out = F.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True

@@ -27,13 +27,15 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from kvwise.config import QUANTIZATIONS
+from kvwise.models import checkpoint
 from kvwise.models.arch import ModelArchConfig
+from kvwise.models.arch_load import arch_from_gguf, arch_from_hf_config
 from kvwise.models.decoder import CausalLM
 from kvwise.models.default import default_model_path
 from kvwise.models.family import ModelFamily
 from kvwise.models.gguf_load import GGUFWeightLoader, WeightRow
 from kvwise.models.gguf_weights import iter_gguf_weights, open_gguf
-from kvwise.models.layer_ops import LINEAR_NAMES
+from kvwise.models.layer_weights import LINEAR_NAMES
 from kvwise.models.quant import Int4Weight, Int8Weight, Q8Weight, QuantWeight
 
 _SAMPLE_BYTES = 1 << 20
@@ -104,7 +106,7 @@ def load_model(
 
 def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, quantization: str) -> LoadedModel:
     reader = open_gguf(path)
-    arch = ModelArchConfig.from_gguf(reader)
+    arch = arch_from_gguf(reader)
     model = CausalLM(arch, dtype)
     tensors = _progress(reader.tensors, len(reader.tensors), path.name, progress)
     report: list[WeightRow] = []
@@ -113,12 +115,15 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, quantization: str
         weight_format = _auto_format(model)
     elif quantization == "int4":  # Q4_0 / Q4_1 map onto the kernel as they are
         family = model.family
-        linear = {f"{family.layer_prefix}{i}.{part}" for i in range(arch.num_layers)
-                  for part in _linear_suffixes(family)}  # fmt: skip
+        linear = {
+            f"{family.layer_prefix}{i}.{part}"
+            for i in range(arch.num_layers)
+            for part in _linear_suffixes(family)
+        }
         _load_quantized(model, iter_gguf_weights(reader, arch, tensors, linear), "int4")
         weight_format = "int4"
     else:
-        model.load_weights(iter_gguf_weights(reader, arch, tensors))
+        checkpoint.load_weights(model, iter_gguf_weights(reader, arch, tensors))
         if quantization == "int8":
             _quantize_loaded(model, "int8")
         weight_format = quantization
@@ -126,9 +131,16 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, quantization: str
         f"gguf+{_FORMAT_TAGS.get(weight_format, weight_format)}", dtype, [path], b""
     )
     return LoadedModel(
-        model.eval(), arch, path, fingerprint, {}, is_gguf=True, gguf_reader=reader,
-        weight_format=weight_format, weight_report=report,
-    )  # fmt: skip
+        model.eval(),
+        arch,
+        path,
+        fingerprint,
+        {},
+        is_gguf=True,
+        gguf_reader=reader,
+        weight_format=weight_format,
+        weight_report=report,
+    )
 
 
 def _auto_format(model: CausalLM) -> str:
@@ -157,14 +169,16 @@ def _load_quantized(model: CausalLM, weights, weight_format: str) -> None:
             big[name] = weight
         else:
             rest.append((name, weight))
-    model.load_weights(rest, quantized=True)
+    checkpoint.load_weights(model, rest, quantized=True)
     layers = []
     for i in range(arch.num_layers):
         prefix = f"{family.layer_prefix}{i}."
-        layers.append({
-            target: _fuse([big.pop(prefix + part) for part in parts], weight_format)
-            for target, parts in family.linear_parts.items()
-        })  # fmt: skip
+        layers.append(
+            {
+                target: _fuse([big.pop(prefix + part) for part in parts], weight_format)
+                for target, parts in family.linear_parts.items()
+            }
+        )
     embed = Q8Weight.quantize(big.pop(family.embed_name))
     tied = arch.tie_word_embeddings
     head = embed if tied else Q8Weight.quantize(big.pop(family.lm_head_name))
@@ -207,10 +221,10 @@ def _load_hf_dir(
     directory: Path, dtype: torch.dtype, progress: bool, quantization: str
 ) -> LoadedModel:
     config_bytes = (directory / "config.json").read_bytes()
-    arch = ModelArchConfig.from_hf_config(json.loads(config_bytes))
+    arch = arch_from_hf_config(json.loads(config_bytes))
     files = _safetensors_files(directory)
     model = CausalLM(arch, dtype)
-    model.load_weights(_iter_safetensors(files, directory.name, progress))
+    checkpoint.load_weights(model, _iter_safetensors(files, directory.name, progress))
     weight_format = "none" if quantization == "auto" else quantization  # auto: its own dtype
     if weight_format != "none":
         _quantize_loaded(model, weight_format)
@@ -222,9 +236,14 @@ def _load_hf_dir(
         f"hf+{_FORMAT_TAGS.get(weight_format, weight_format)}", dtype, files, config_bytes
     )
     return LoadedModel(
-        model.eval(), arch, directory, fingerprint, generation_config, False,
+        model.eval(),
+        arch,
+        directory,
+        fingerprint,
+        generation_config,
+        False,
         weight_format=weight_format,
-    )  # fmt: skip
+    )
 
 
 def _safetensors_files(directory: Path) -> list[Path]:

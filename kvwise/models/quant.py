@@ -177,8 +177,9 @@ class Q8Weight:
         llama.cpp makes Q8_0: a weight dequantized from Q8_0 quantizes back to the same blocks."""
         out_features, in_features = weight.shape
         if in_features % QK:
-            raise ValueError(f"weights: int8 blocks need a multiple of {QK} input channels, "
-                             f"got {in_features}")  # fmt: skip
+            raise ValueError(
+                f"weights: int8 blocks need a multiple of {QK} input channels, got {in_features}"
+            )
         blocks = weight.float().reshape(out_features, in_features // QK, QK)
         scale = (blocks.abs().amax(-1) / 127).to(torch.float16).float()
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))

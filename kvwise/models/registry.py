@@ -32,8 +32,11 @@ def register_family(family: type[ModelFamily]) -> type[ModelFamily]:
         for t in family.hf_model_types
         if _HF_MODEL_TYPES.get(t) not in (None, family.hf_model_types[t])
     ]
-    taken += [g for g in family.gguf_architectures
-              if _GGUF_ARCHITECTURES.get(g) not in (None, family.gguf_architectures[g])]  # fmt: skip
+    taken += [
+        g
+        for g in family.gguf_architectures
+        if _GGUF_ARCHITECTURES.get(g) not in (None, family.gguf_architectures[g])
+    ]
     if taken:
         raise ValueError(f"family {family.__name__}: {', '.join(taken)} registered already")
     for name in family.architectures:

@@ -83,10 +83,12 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
     if bad:
         raise ValueError(f"tiers: --calibrate measures host, disk and/or redis, got {bad}")
     # float32 weights, as `kvwise bench breakeven` loads them
-    loaded = load_model(args.model if args.model != "default" else None,
-                        dtype=torch.float32, progress=True)  # fmt: skip
-    model = ModelShape.from_arch(loaded.arch, "the default model" if args.model == "default"
-                                 else str(args.model))  # fmt: skip
+    loaded = load_model(
+        args.model if args.model != "default" else None, dtype=torch.float32, progress=True
+    )
+    model = ModelShape.from_arch(
+        loaded.arch, "the default model" if args.model == "default" else str(args.model)
+    )
     print(f"torch threads: {torch.get_num_threads()}")
     peak = _peak_flops(model.hidden_size, model.intermediate_size)
     mem_bw = measure_read_bandwidth(512 * 2**20, reps=10, best=True)
@@ -95,17 +97,26 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
     result, facts = _measure_engines(args, loaded, tiers, model)
     tier_fits = [_tier_fit(t, result) for t in tiers]
     draft = Hardware(
-        "this machine", peak, mem_bw, None,
+        "this machine",
+        peak,
+        mem_bw,
+        None,
         request_overhead_s=statistics.median(result["request_overheads"]),
-        weight_dtype="float32", kv_dtype=facts["kv_dtype"],
-        prefill_chunk=facts["prefill_chunk"], tiers=tuple(tier_fits),
+        weight_dtype="float32",
+        kv_dtype=facts["kv_dtype"],
+        prefill_chunk=facts["prefill_chunk"],
+        tiers=tuple(tier_fits),
         source=f"measured by `kvwise breakeven --calibrate` ({torch.get_num_threads()} threads)",
-    )  # fmt: skip
+    )
     hw = fit_steps(model, draft, result["prefill_steps"], result["decode_steps"])
     check = step_check(model, hw, result["prefill_steps"], result["decode_steps"])
-    measured = {**result, "model": args.model, "engine_weight_bytes": facts["weight_bytes"],
-                "shape_weight_bytes": Roofline(model, hw).weight_bytes,
-                "step_check": check}  # fmt: skip
+    measured = {
+        **result,
+        "model": args.model,
+        "engine_weight_bytes": facts["weight_bytes"],
+        "shape_weight_bytes": Roofline(model, hw).weight_bytes,
+        "step_check": check,
+    }
     save_machine(path, hw, measured)
     print_fit(hw, check)
     print(f"calibration: {path}")
@@ -133,15 +144,23 @@ def _measure_engines(args, loaded, tiers: list[str], model) -> tuple[dict, dict]
     ns.model = None if args.model == "default" else args.model
     engines = {}
     try:
-        engines = be._engines(ns, loaded, tiers, redis_server.url if redis_server else None,
-                              disk_root, max(STEP_LENGTHS) + 64)  # fmt: skip
+        engines = be._engines(
+            ns,
+            loaded,
+            tiers,
+            redis_server.url if redis_server else None,
+            disk_root,
+            max(STEP_LENGTHS) + 64,
+        )
         result = _measure(args, engines, tiers, model)
         engine = engines["recompute"]
         facts = {
-            "weight_bytes": sum(p.numel() * p.element_size() for p in engine.runner.model.parameters()),
+            "weight_bytes": sum(
+                p.numel() * p.element_size() for p in engine.runner.model.parameters()
+            ),
             "kv_dtype": engine.runner.spec.dtype,
             "prefill_chunk": engine.scheduler.config.prefill_chunk_size,
-        }  # fmt: skip
+        }
     finally:
         for e in engines.values():
             e.close()
@@ -152,16 +171,20 @@ def _measure_engines(args, loaded, tiers: list[str], model) -> tuple[dict, dict]
 
 
 def print_fit(hw, step_check: list[dict]) -> None:
-    print(f"step: {hw.step_overhead_s * 1e3:.1f} ms (+{hw.prefill_overhead_s * 1e3:.1f} ms a "
-          f"prefill step) + matmuls at {hw.mfu:.2f} of peak + "
-          f"attention at {hw.attn_fraction:.2f} ({'overlapped with' if hw.memory_overlap else 'after'}"
-          " the memory time)")  # fmt: skip
+    print(
+        f"step: {hw.step_overhead_s * 1e3:.1f} ms (+{hw.prefill_overhead_s * 1e3:.1f} ms a "
+        f"prefill step) + matmuls at {hw.mfu:.2f} of peak + "
+        f"attention at {hw.attn_fraction:.2f} ({'overlapped with' if hw.memory_overlap else 'after'}"
+        " the memory time)"
+    )
     print(f"request overhead: {hw.request_overhead_s * 1e3:.1f} ms")
     for t in hw.tiers:
         print(f"{t.name}: {t.latency_s * 1e3:.2f} ms + bytes / {t.bandwidth / 1e9:.2f} GB/s")
     for d in step_check:
-        print(f"fit, a step of {d['tokens']} tokens after {d['context']:,}: measured "
-              f"{d['measured_s'] * 1e3:.1f} ms, fitted {d['predicted_s'] * 1e3:.1f} ms")  # fmt: skip
+        print(
+            f"fit, a step of {d['tokens']} tokens after {d['context']:,}: measured "
+            f"{d['measured_s'] * 1e3:.1f} ms, fitted {d['predicted_s'] * 1e3:.1f} ms"
+        )
 
 
 class _TimedLoader:

@@ -46,8 +46,9 @@ class Claim:
             raise ValueError(f"context: expected a positive number of tokens, got {n!r}")
         for name in ("recompute_s", "load_s", "speedup"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0
-                                          and math.isfinite(value)):  # fmt: skip
+            if value is not None and not (
+                isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
+            ):
                 field_name = name.removesuffix("_s")
                 raise ValueError(f"{field_name}: expected a positive number, got {value!r}")
         r, load, s = self.recompute_s, self.load_s, self.speedup
@@ -139,8 +140,10 @@ def report(
     lines.append("implied break-even (recomputing is faster below it; prefill assumed linear, so")
     lines.append("each is a lower bound):")
     took = f"{claim.load_s:g} s" if claim.load_s is not None else "its (unstated) time"
-    lines.append(f"  fixed load      loading takes {took} at any length:"
-                 f" {claim.fixed_load_breakeven():,.0f} tokens (= context / speedup)")  # fmt: skip
+    lines.append(
+        f"  fixed load      loading takes {took} at any length:"
+        f" {claim.fixed_load_breakeven():,.0f} tokens (= context / speedup)"
+    )
     lines.append("  bandwidth       load time proportional to the KV bytes: no break-even; the")
     lines.append(f"                  ratio is {claim.ratio:.1f}x at every length")
     if claim.recompute_s is None:
@@ -148,8 +151,10 @@ def report(
     else:
         for t0 in latencies_s:
             value = claim.latency_breakeven(t0)
-            lines.append(f"  latency + bw    fixed latency {t0 * 1000:g} ms, the rest bandwidth:"
-                         f" {value:,.0f} tokens")  # fmt: skip
+            lines.append(
+                f"  latency + bw    fixed latency {t0 * 1000:g} ms, the rest bandwidth:"
+                f" {value:,.0f} tokens"
+            )
     if kv_bytes_per_token is not None:
         total = claim.context_tokens * kv_bytes_per_token
         bw = implied_bandwidth(claim, kv_bytes_per_token)
@@ -165,20 +170,39 @@ def report(
 # the first seed article's four claims, with only the numbers each states (the article's
 # reading of them in ``notes``)
 EXAMPLES = (
-    Claim(112_000, recompute_s=57.0, load_s=2.1, source="claim #1: 'Traditional recompute "
-          "approach (112K token context): 57 seconds processing time; with KV Cache: 2.1 "
-          "seconds loading time; Over 27X faster'"),
-    Claim(128_000, speedup=75.0, model="70 billion parameters",
-          source="claim #2: 'up to 75X faster prefill times for long-context prompts'",
-          notes=("the article: measured with a 128,000-token prefix, TTFT recompute vs load",)),
-    Claim(128_000, speedup=20.0, source="claim #3: '... TTFT by 20x using KV Cache Offload'",
-          notes=("the article: made with 128K tokens, on a model bigger than claim #2's",)),
-    Claim(128_000, speedup=20.0, model="larger, large context multi-GPU models",
-          source="claim #4: 'up to twenty times and six times respectively for larger, large "
-          "context multi-GPU models'",
-          notes=("the article: the 20x is at 128K tokens; the 6x states no context, so it "
-                 "implies nothing here",)),
-)  # fmt: skip
+    Claim(
+        112_000,
+        recompute_s=57.0,
+        load_s=2.1,
+        source="claim #1: 'Traditional recompute "
+        "approach (112K token context): 57 seconds processing time; with KV Cache: 2.1 "
+        "seconds loading time; Over 27X faster'",
+    ),
+    Claim(
+        128_000,
+        speedup=75.0,
+        model="70 billion parameters",
+        source="claim #2: 'up to 75X faster prefill times for long-context prompts'",
+        notes=("the article: measured with a 128,000-token prefix, TTFT recompute vs load",),
+    ),
+    Claim(
+        128_000,
+        speedup=20.0,
+        source="claim #3: '... TTFT by 20x using KV Cache Offload'",
+        notes=("the article: made with 128K tokens, on a model bigger than claim #2's",),
+    ),
+    Claim(
+        128_000,
+        speedup=20.0,
+        model="larger, large context multi-GPU models",
+        source="claim #4: 'up to twenty times and six times respectively for larger, large "
+        "context multi-GPU models'",
+        notes=(
+            "the article: the 20x is at 128K tokens; the 6x states no context, so it "
+            "implies nothing here",
+        ),
+    ),
+)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -188,12 +212,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=float, default=None, help="recompute / load, if no times")
     p.add_argument("--model", default=None, help="the model the claim names (text)")
     p.add_argument("--hardware", default=None, help="the hardware the claim names (text)")
-    p.add_argument("--load-latency", type=float, action="append", default=None,
-                   metavar="SECONDS", help="fixed load latency for the latency + bandwidth "
-                   "model (repeatable; default 0.1 ms, 1 ms, 10 ms)")  # fmt: skip
-    p.add_argument("--kv-bytes-per-token", type=float, default=None,
-                   help="the model's KV bytes per token (kvwise size prints it): the load's "
-                   "implied bandwidth")  # fmt: skip
+    p.add_argument(
+        "--load-latency",
+        type=float,
+        action="append",
+        default=None,
+        metavar="SECONDS",
+        help="fixed load latency for the latency + bandwidth "
+        "model (repeatable; default 0.1 ms, 1 ms, 10 ms)",
+    )
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=float,
+        default=None,
+        help="the model's KV bytes per token (kvwise size prints it): the load's implied bandwidth",
+    )
     p.add_argument("--examples", action="store_true", help="the seed article's four claims")
 
 

@@ -22,8 +22,19 @@ _MAGIC = b"GGUF"
 _STRING = 8
 _ARRAY = 9
 # GGUF value types: struct format of each fixed-size one (little-endian)
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-            10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 
 
 def read_scalars(path: str | Path) -> dict[str, object] | None:

@@ -35,8 +35,14 @@ from pathlib import Path
 
 from kvwise.core.kv_spec import kv_format, kv_formats
 
-WEIGHT_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0,
-                      "int4": 0.5}  # fmt: skip
+WEIGHT_DTYPE_BYTES = {
+    "float32": 4.0,
+    "bfloat16": 2.0,
+    "float16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5,
+}
 GB = 1e9
 
 
@@ -56,8 +62,15 @@ class ModelShape:
     source: str = ""
 
     def __post_init__(self) -> None:
-        for f in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-                  "head_dim", "vocab_size"):  # fmt: skip
+        for f in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+        ):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{f}: expected a positive integer, got {value!r}")
@@ -102,19 +115,58 @@ class ModelShape:
 
     @classmethod
     def from_arch(cls, arch, name: str, source: str = "") -> ModelShape:
-        return cls(name, arch.num_layers, arch.hidden_size, arch.intermediate_size,
-                   arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.vocab_size,
-                   arch.tie_word_embeddings, source)  # fmt: skip
+        return cls(
+            name,
+            arch.num_layers,
+            arch.hidden_size,
+            arch.intermediate_size,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            arch.vocab_size,
+            arch.tie_word_embeddings,
+            source,
+        )
 
 
 MODELS = {
-    "smollm2-135m": ModelShape("SmolLM2-135M", 30, 576, 1536, 9, 3, 64, 49152, True,
-                               "HuggingFaceTB/SmolLM2-135M config.json (kvwise's default model)"),
-    "llama-3-8b": ModelShape("Llama-3-8B", 32, 4096, 14336, 32, 8, 128, 128256, False,
-                             "meta-llama/Meta-Llama-3-8B config.json"),
-    "llama-3-70b": ModelShape("Llama-3-70B", 80, 8192, 28672, 64, 8, 128, 128256, False,
-                              "meta-llama/Meta-Llama-3-70B config.json"),
-}  # fmt: skip
+    "smollm2-135m": ModelShape(
+        "SmolLM2-135M",
+        30,
+        576,
+        1536,
+        9,
+        3,
+        64,
+        49152,
+        True,
+        "HuggingFaceTB/SmolLM2-135M config.json (kvwise's default model)",
+    ),
+    "llama-3-8b": ModelShape(
+        "Llama-3-8B",
+        32,
+        4096,
+        14336,
+        32,
+        8,
+        128,
+        128256,
+        False,
+        "meta-llama/Meta-Llama-3-8B config.json",
+    ),
+    "llama-3-70b": ModelShape(
+        "Llama-3-70B",
+        80,
+        8192,
+        28672,
+        64,
+        8,
+        128,
+        128256,
+        False,
+        "meta-llama/Meta-Llama-3-70B config.json",
+    ),
+}
 MODEL_ALIASES = {"default": "smollm2-135m"}
 
 
@@ -179,8 +231,9 @@ class Hardware:
                 f"kv_dtype: expected one of {kv_formats('size')}, got {self.kv_dtype!r}"
             )
         if self.prefill_chunk is not None and self.prefill_chunk <= 0:
-            raise ValueError(f"prefill_chunk: expected a positive number of tokens, got "
-                             f"{self.prefill_chunk!r}")  # fmt: skip
+            raise ValueError(
+                f"prefill_chunk: expected a positive number of tokens, got {self.prefill_chunk!r}"
+            )
 
     def replace(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
@@ -188,43 +241,96 @@ class Hardware:
 
 # ---- presets: datasheet figures (dense, no sparsity), with where they come from ------------
 
-_PCIE5 = Tier("host", 10e-6, 63e9, "host RAM over PCIe Gen5 x16: 32 GT/s x 16 lanes, "
-              "128b/130b = 63 GB/s each way (PCI-SIG); latency ~10 us assumed")  # fmt: skip
-_PCIE4 = Tier("host", 10e-6, 31.5e9, "host RAM over PCIe Gen4 x16: 16 GT/s x 16 lanes = "
-              "31.5 GB/s each way (PCI-SIG); latency ~10 us assumed")  # fmt: skip
+_PCIE5 = Tier(
+    "host",
+    10e-6,
+    63e9,
+    "host RAM over PCIe Gen5 x16: 32 GT/s x 16 lanes, "
+    "128b/130b = 63 GB/s each way (PCI-SIG); latency ~10 us assumed",
+)
+_PCIE4 = Tier(
+    "host",
+    10e-6,
+    31.5e9,
+    "host RAM over PCIe Gen4 x16: 16 GT/s x 16 lanes = "
+    "31.5 GB/s each way (PCI-SIG); latency ~10 us assumed",
+)
 TIERS = {
     "host-pcie5": _PCIE5,
     "host-pcie4": _PCIE4,
-    "nvme-gen4": Tier("nvme", 100e-6, 7.0e9, "one PCIe Gen4 x4 NVMe SSD: ~7 GB/s sequential "
-                      "read (e.g. Samsung 990 PRO datasheet 7,450 MB/s); ~100 us read latency "
-                      "(flash, assumed)"),
-    "nvme-gen5": Tier("nvme", 100e-6, 14.0e9, "one PCIe Gen5 x4 NVMe SSD: ~14 GB/s sequential "
-                      "read (e.g. Crucial T705 datasheet 14,500 MB/s); ~100 us (assumed)"),
-    "net-25g": Tier("net-25g", 200e-6, 25e9 / 8, "25 Gb/s Ethernet line rate = 3.1 GB/s; "
-                    "200 us round trip to a cache server in the rack (assumed)"),
-    "net-100g": Tier("net-100g", 100e-6, 100e9 / 8, "100 Gb/s line rate = 12.5 GB/s; 100 us "
-                     "round trip (assumed)"),
-    "net-400g": Tier("net-400g", 50e-6, 400e9 / 8, "400 Gb/s (e.g. NDR InfiniBand) line rate "
-                     "= 50 GB/s; 50 us round trip with RDMA (assumed)"),
-}  # fmt: skip
-_MFU_NOTE = ("mfu 0.5 assumed (well-tuned prefill reaches roughly 40-60% of dense peak); "
-             "--mfu changes it")  # fmt: skip
+    "nvme-gen4": Tier(
+        "nvme",
+        100e-6,
+        7.0e9,
+        "one PCIe Gen4 x4 NVMe SSD: ~7 GB/s sequential "
+        "read (e.g. Samsung 990 PRO datasheet 7,450 MB/s); ~100 us read latency "
+        "(flash, assumed)",
+    ),
+    "nvme-gen5": Tier(
+        "nvme",
+        100e-6,
+        14.0e9,
+        "one PCIe Gen5 x4 NVMe SSD: ~14 GB/s sequential "
+        "read (e.g. Crucial T705 datasheet 14,500 MB/s); ~100 us (assumed)",
+    ),
+    "net-25g": Tier(
+        "net-25g",
+        200e-6,
+        25e9 / 8,
+        "25 Gb/s Ethernet line rate = 3.1 GB/s; "
+        "200 us round trip to a cache server in the rack (assumed)",
+    ),
+    "net-100g": Tier(
+        "net-100g", 100e-6, 100e9 / 8, "100 Gb/s line rate = 12.5 GB/s; 100 us round trip (assumed)"
+    ),
+    "net-400g": Tier(
+        "net-400g",
+        50e-6,
+        400e9 / 8,
+        "400 Gb/s (e.g. NDR InfiniBand) line rate = 50 GB/s; 50 us round trip with RDMA (assumed)",
+    ),
+}
+_MFU_NOTE = (
+    "mfu 0.5 assumed (well-tuned prefill reaches roughly 40-60% of dense peak); --mfu changes it"
+)
 HARDWARE = {
-    "h100-sxm": Hardware("H100 SXM", 989e12, 3.35e12, 80e9,
-                         tiers=(_PCIE5, TIERS["nvme-gen4"]),
-                         source="NVIDIA H100 datasheet: BF16 1,979 TFLOP/s with sparsity = 989 "
-                         f"dense; 80 GB HBM3 at 3.35 TB/s; host link PCIe Gen5 x16. {_MFU_NOTE}"),
-    "h200": Hardware("H200 SXM", 989e12, 4.8e12, 141e9, tiers=(_PCIE5, TIERS["nvme-gen4"]),
-                     source="NVIDIA H200 datasheet: BF16 1,979 TFLOP/s with sparsity = 989 "
-                     f"dense; 141 GB HBM3e at 4.8 TB/s; PCIe Gen5 x16. {_MFU_NOTE}"),
-    "a100-sxm": Hardware("A100 SXM 80GB", 312e12, 2.039e12, 80e9,
-                         tiers=(_PCIE4, TIERS["nvme-gen4"]),
-                         source="NVIDIA A100 datasheet: BF16 312 TFLOP/s dense; 80 GB HBM2e at "
-                         f"2,039 GB/s; PCIe Gen4 x16. {_MFU_NOTE}"),
-    "l4": Hardware("L4", 121e12, 300e9, 24e9, tiers=(_PCIE4, TIERS["nvme-gen4"]),
-                   source="NVIDIA L4 datasheet: BF16 242 TFLOP/s with sparsity = 121 dense; "
-                   f"24 GB GDDR6 at 300 GB/s; PCIe Gen4 x16. {_MFU_NOTE}"),
-}  # fmt: skip
+    "h100-sxm": Hardware(
+        "H100 SXM",
+        989e12,
+        3.35e12,
+        80e9,
+        tiers=(_PCIE5, TIERS["nvme-gen4"]),
+        source="NVIDIA H100 datasheet: BF16 1,979 TFLOP/s with sparsity = 989 "
+        f"dense; 80 GB HBM3 at 3.35 TB/s; host link PCIe Gen5 x16. {_MFU_NOTE}",
+    ),
+    "h200": Hardware(
+        "H200 SXM",
+        989e12,
+        4.8e12,
+        141e9,
+        tiers=(_PCIE5, TIERS["nvme-gen4"]),
+        source="NVIDIA H200 datasheet: BF16 1,979 TFLOP/s with sparsity = 989 "
+        f"dense; 141 GB HBM3e at 4.8 TB/s; PCIe Gen5 x16. {_MFU_NOTE}",
+    ),
+    "a100-sxm": Hardware(
+        "A100 SXM 80GB",
+        312e12,
+        2.039e12,
+        80e9,
+        tiers=(_PCIE4, TIERS["nvme-gen4"]),
+        source="NVIDIA A100 datasheet: BF16 312 TFLOP/s dense; 80 GB HBM2e at "
+        f"2,039 GB/s; PCIe Gen4 x16. {_MFU_NOTE}",
+    ),
+    "l4": Hardware(
+        "L4",
+        121e12,
+        300e9,
+        24e9,
+        tiers=(_PCIE4, TIERS["nvme-gen4"]),
+        source="NVIDIA L4 datasheet: BF16 242 TFLOP/s with sparsity = 121 dense; "
+        f"24 GB GDDR6 at 300 GB/s; PCIe Gen4 x16. {_MFU_NOTE}",
+    ),
+}
 THIS_MACHINE = "this-machine"
 
 
@@ -237,17 +343,25 @@ def model_shape(name_or_path: str | None) -> ModelShape:
     if "=" in key:
         return _shape_from_text(key)
     if not Path(name_or_path).exists():
-        raise ValueError(f"model: unknown preset or missing path {name_or_path!r}; presets: "
-                         f"{', '.join(['default', *MODELS])}")  # fmt: skip
+        raise ValueError(
+            f"model: unknown preset or missing path {name_or_path!r}; presets: "
+            f"{', '.join(['default', *MODELS])}"
+        )
     from kvwise.perf.sizing import arch_from_model
 
     arch, name = arch_from_model(name_or_path)
     return ModelShape.from_arch(arch, name, source=str(name_or_path))
 
 
-_SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "intermediate": "intermediate_size",
-               "heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim",
-               "vocab": "vocab_size"}  # fmt: skip
+_SHAPE_KEYS = {
+    "layers": "num_layers",
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "vocab": "vocab_size",
+}
 
 
 def _shape_from_text(text: str) -> ModelShape:
@@ -261,8 +375,10 @@ def _shape_from_text(text: str) -> ModelShape:
             tied = v not in ("0", "false", "no")
             continue
         if k not in _SHAPE_KEYS:
-            raise ValueError(f"model: unknown dimension {k!r} in {text!r}; expected "
-                             f"{', '.join([*_SHAPE_KEYS, 'tied'])}")  # fmt: skip
+            raise ValueError(
+                f"model: unknown dimension {k!r} in {text!r}; expected "
+                f"{', '.join([*_SHAPE_KEYS, 'tied'])}"
+            )
         try:
             fields[_SHAPE_KEYS[k]] = int(v)
         except ValueError:
@@ -279,8 +395,9 @@ def hardware_preset(name: str, machine_file: str | Path | None = None) -> Hardwa
     if name == THIS_MACHINE:
         return load_machine(machine_file or default_machine_file())
     if name not in HARDWARE:
-        raise ValueError(f"hardware: unknown preset {name!r}; presets: "
-                         f"{', '.join([*HARDWARE, THIS_MACHINE])}")  # fmt: skip
+        raise ValueError(
+            f"hardware: unknown preset {name!r}; presets: {', '.join([*HARDWARE, THIS_MACHINE])}"
+        )
     return HARDWARE[name]
 
 
@@ -296,8 +413,10 @@ def parse_tier(text: str) -> Tier:
         return Tier(name, float(lat) / 1e3, float(bw) * GB, "given on the command line")
     except ValueError as e:
         detail = f" ({e})" if str(e) else ""
-        raise ValueError(f"tier: unknown preset or bad spec {text!r}{detail}; presets: "
-                         f"{', '.join(TIERS)}, or NAME=LATENCY_MS:GB_PER_S") from None  # fmt: skip
+        raise ValueError(
+            f"tier: unknown preset or bad spec {text!r}{detail}; presets: "
+            f"{', '.join(TIERS)}, or NAME=LATENCY_MS:GB_PER_S"
+        ) from None
 
 
 # ---- the model --------------------------------------------------------------------------
@@ -408,8 +527,10 @@ def save_machine(path: str | Path, hw: Hardware, measured: dict) -> None:
 def load_machine(path: str | Path) -> Hardware:
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"machine: no calibration at '{p}': run `kvwise breakeven --calibrate "
-                         f"--machine {p}` first (about two minutes)")  # fmt: skip
+        raise ValueError(
+            f"machine: no calibration at '{p}': run `kvwise breakeven --calibrate "
+            f"--machine {p}` first (about two minutes)"
+        )
     try:
         data = json.loads(p.read_text())["hardware"]
         tiers = tuple(Tier(**t) for t in data.pop("tiers"))

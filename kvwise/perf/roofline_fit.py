@@ -73,23 +73,35 @@ def _fit_fractions(model: ModelShape, hw: Hardware, prefill: list) -> Hardware:
     rows, ys = [], []
     for q, c, s in prefill:
         rest = s - hw.step_overhead_s - (0.0 if hw.memory_overlap else roof.memory_s(q, c))
-        rows.append([1 / s, model.linear_flops(q) / hw.peak_flops / s,
-                     model.attention_flops(q, c) / hw.peak_flops / s])  # fmt: skip
+        rows.append(
+            [
+                1 / s,
+                model.linear_flops(q) / hw.peak_flops / s,
+                model.attention_flops(q, c) / hw.peak_flops / s,
+            ]
+        )
         ys.append(rest / s)
     extra, inv_mfu, inv_af = least_squares(rows, ys)
     if inv_mfu <= 0 or inv_af <= 0:
-        raise ValueError(f"calibration: fitted fractions of peak are not positive "
-                         f"(1/mfu {inv_mfu:.3g}, 1/attn {inv_af:.3g})")  # fmt: skip
-    return hw.replace(prefill_overhead_s=max(0.0, extra), mfu=min(1.0, 1 / inv_mfu),
-                      attn_fraction=min(1.0, 1 / inv_af))  # fmt: skip
+        raise ValueError(
+            f"calibration: fitted fractions of peak are not positive "
+            f"(1/mfu {inv_mfu:.3g}, 1/attn {inv_af:.3g})"
+        )
+    return hw.replace(
+        prefill_overhead_s=max(0.0, extra),
+        mfu=min(1.0, 1 / inv_mfu),
+        attn_fraction=min(1.0, 1 / inv_af),
+    )
 
 
 def step_check(model: ModelShape, hw: Hardware, prefill: list, decode: list) -> list[dict]:
     """Each calibration step, measured and as fitted."""
     roof = Roofline(model, hw)
     rows = [(q, c, s) for q, c, s in prefill] + [(1, c, s) for c, s in decode]
-    return [{"tokens": q, "context": c, "measured_s": s, "predicted_s": roof.forward_s(q, c)}
-            for q, c, s in rows]  # fmt: skip
+    return [
+        {"tokens": q, "context": c, "measured_s": s, "predicted_s": roof.forward_s(q, c)}
+        for q, c, s in rows
+    ]
 
 
 def refit_machine(src: str | Path, dst: str | Path) -> tuple[Hardware, list[dict]]:

@@ -99,16 +99,16 @@ def arch_from_model(path: str | Path | None):
     model), and the file's name."""
     import json
 
-    from kvwise.models.arch import ModelArchConfig
+    from kvwise.models.arch_load import arch_from_gguf, arch_from_hf_config
 
     p = model_file(path)
     if p.suffix == ".gguf":
         from kvwise.models.gguf_weights import open_gguf
 
-        arch = ModelArchConfig.from_gguf(open_gguf(p))
+        arch = arch_from_gguf(open_gguf(p))
     else:
         try:
-            arch = ModelArchConfig.from_hf_config(json.loads(p.read_text()))
+            arch = arch_from_hf_config(json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"model: cannot read '{p}': {e}") from e
     return arch, p.name
@@ -191,9 +191,11 @@ def report(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None
     return "\n".join(lines)
 
 
-_SCALES = {"int8": " + scales (4 B per token and KV head)",
-           "int4": " + scales (4 B per 32 values: keys per channel over 32-token blocks, "
-                   "values per 32 channels)"}  # fmt: skip
+_SCALES = {
+    "int8": " + scales (4 B per token and KV head)",
+    "int4": " + scales (4 B per 32 values: keys per channel over 32-token blocks, "
+    "values per 32 channels)",
+}
 
 # per format: what one element costs and the scales beside it (KVSpec's layouts)
 _FORMAT_NOTES = {
@@ -215,13 +217,15 @@ def format_table(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int 
         + (" tokens in memory |" if memory_bytes else ""),
         "|---|---|---:|---:|---:|---:|" + ("---:|" if memory_bytes else ""),
     ]
-    half = KVShape(shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                   "float16").bytes_per_token  # fmt: skip
+    half = KVShape(
+        shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, "float16"
+    ).bytes_per_token
     for dtype, note in _FORMAT_NOTES.items():
         if dtype == "int4" and shape.head_dim % 2:
             continue
-        b = KVShape(shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                    dtype).bytes_per_token  # fmt: skip
+        b = KVShape(
+            shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, dtype
+        ).bytes_per_token
         row = (
             f"| {dtype} | {note} | {b:,.0f} B | {b * num_tokens / 1e9:,.3f} GB "
             f"| {b * num_tokens * batch / 1e9:,.2f} GB | {b / half:.3f}x |"
@@ -252,6 +256,7 @@ def gguf_weight_report(path: str | Path | None) -> str | None:
     for (kind, how), size in sorted(held.items()):
         lines.append(f"| {kind} | {files[kind] / 1e9:.3f} GB | {how} | {size / 1e9:.3f} GB |")
     total_file, total = sum(files.values()), sum(held.values())
-    lines.append(f"| all | {total_file / 1e9:.3f} GB | | {total / 1e9:.3f} GB "
-                 f"({total / total_file:.2f}x) |")  # fmt: skip
+    lines.append(
+        f"| all | {total_file / 1e9:.3f} GB | | {total / 1e9:.3f} GB ({total / total_file:.2f}x) |"
+    )
     return "\n".join(lines)

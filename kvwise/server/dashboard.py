@@ -259,8 +259,11 @@ class AdminGate:
         )
         if error is not None:
             headers_out = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else {}
-            response = JSONResponse(error.body(), status_code=error.status_code,
-                                    headers={**headers_out, "Cache-Control": "no-store"})  # fmt: skip
+            response = JSONResponse(
+                error.body(),
+                status_code=error.status_code,
+                headers={**headers_out, "Cache-Control": "no-store"},
+            )
             await response(scope, receive, send)
             return
         if query_key is not None and path == "/dashboard" and scope.get("method") == "GET":
@@ -302,8 +305,9 @@ class AdminGate:
             if cookie is not None:
                 if hmac.compare_digest(cookie.encode(), self.cookie.encode()):
                     return None
-                return _unauthorized("dashboard: the session cookie is stale: open "
-                                     "/dashboard?key=ADMIN_KEY again")  # fmt: skip
+                return _unauthorized(
+                    "dashboard: the session cookie is stale: open /dashboard?key=ADMIN_KEY again"
+                )
         if presented is None:
             how = "open /dashboard?key=ADMIN_KEY, or send" if what == "dashboard" else "send"
             return _unauthorized(

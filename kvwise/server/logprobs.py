@@ -20,10 +20,15 @@ def chat_logprobs(out: RequestOutput, start: int, end: int) -> ChatLogprobs | No
     content = []
     for i in range(start, end):
         token = _text(out, out.token_ids[i])
-        tops = [TopLogprob(token=_text(out, t), logprob=lp, bytes=list(_text(out, t).encode()))
-                for t, lp in out.top_logprobs[i]]  # fmt: skip
-        content.append(TokenLogprob(token=token, logprob=out.logprobs[i],
-                                    bytes=list(token.encode()), top_logprobs=tops))  # fmt: skip
+        tops = [
+            TopLogprob(token=_text(out, t), logprob=lp, bytes=list(_text(out, t).encode()))
+            for t, lp in out.top_logprobs[i]
+        ]
+        content.append(
+            TokenLogprob(
+                token=token, logprob=out.logprobs[i], bytes=list(token.encode()), top_logprobs=tops
+            )
+        )
     return ChatLogprobs(content=content)
 
 

@@ -193,5 +193,8 @@ def call_for_template(call: ToolCall) -> dict[str, Any]:
         arguments: Any = json.loads(call.function.arguments)
     except json.JSONDecodeError:
         arguments = call.function.arguments
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.function.name, "arguments": arguments}}  # fmt: skip
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }

@@ -317,8 +317,9 @@ class ChatCompletionRequest(_SamplingRequest):
         function = choice.get("function") if choice.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or name not in {t.function.name for t in self.tools or ()}:
-            raise InvalidRequest("tool_choice", "expected {type: function, function: {name}} "
-                                 "naming one of the tools")  # fmt: skip
+            raise InvalidRequest(
+                "tool_choice", "expected {type: function, function: {name}} naming one of the tools"
+            )
         return name
 
     @property
@@ -341,8 +342,9 @@ class ChatCompletionRequest(_SamplingRequest):
             from kvwise.server.tools import call_grammar
 
             named = self.named_tool()
-            lark = call_grammar([t.function for t in self.tools], named,
-                                self.parallel_tool_calls is not False)  # fmt: skip
+            lark = call_grammar(
+                [t.function for t in self.tools], named, self.parallel_tool_calls is not False
+            )
             called = [i for i, t in enumerate(self.tools) if named in (None, t.function.name)]
             # a grammar of one function's schema: its errors are that schema's
             field = f"tools[{called[0]}].function.parameters" if len(called) == 1 else "tools"
@@ -356,8 +358,9 @@ class ChatCompletionRequest(_SamplingRequest):
         if kind == "json_object":
             return StructuredOutput("json", {"type": "object"}, "response_format")
         if kind != "json_schema":
-            raise InvalidRequest("response_format", f"type must be text, json_object or "
-                                 f"json_schema, got {kind!r}")  # fmt: skip
+            raise InvalidRequest(
+                "response_format", f"type must be text, json_object or json_schema, got {kind!r}"
+            )
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise InvalidRequest("response_format.json_schema", "expected {name, schema, strict}")

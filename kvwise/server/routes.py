@@ -111,8 +111,9 @@ class OpenAIRoutes:
                         _tail(out, start), False, len(out.token_ids) - start
                     )
                 sent[index] = max(sent[index], 1)
-                choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                          finish_reason=_finish(out))  # fmt: skip
+                choice = CompletionChoice(
+                    index=index, text=text, logprobs=logprobs, finish_reason=_finish(out)
+                )
                 return chunk([choice])
 
             last = _usage_event(body.include_usage, n, lambda usage: chunk([], usage))
@@ -125,8 +126,9 @@ class OpenAIRoutes:
             for index, out in enumerate(outs)
         ]
         usage = _usage(outs, n, generated=0 if echo_only else None)
-        return CompletionResponse(id=request_id, created=now, model=model, choices=choices,
-                                  usage=usage)  # fmt: skip
+        return CompletionResponse(
+            id=request_id, created=now, model=model, choices=choices, usage=usage
+        )
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         tenant = request.state.tenant
@@ -161,10 +163,12 @@ class OpenAIRoutes:
                 await self.gen.tool_pause(streams[index].request_id)
             message = AssistantMessage(content=content, tool_calls=calls or None)
             logprobs = chat_logprobs(out, 0, len(out.token_ids)) if body.logprobs else None
-            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
-                                      finish_reason=finish))  # fmt: skip
-        return ChatCompletionResponse(id=request_id, created=now, model=model, choices=choices,
-                                      usage=_usage(outs, body.n))  # fmt: skip
+            choices.append(
+                ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish)
+            )
+        return ChatCompletionResponse(
+            id=request_id, created=now, model=model, choices=choices, usage=_usage(outs, body.n)
+        )
 
     def _chat_stream(self, body, streams, tenant: str, chunk, names: set[str]) -> SSEResponse:
         """A chat answer as events. With tools, each answer is read by a ``ToolCallStream``:
@@ -193,8 +197,13 @@ class OpenAIRoutes:
             start, sent[index] = sent[index], len(out.token_ids)
             logprobs = chat_logprobs(out, start, len(out.token_ids)) if body.logprobs else None
             delta = DeltaMessage(content=text or None, tool_calls=deltas or None)
-            return chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                           finish_reason=finish)])  # fmt: skip
+            return chunk(
+                [
+                    ChatStreamChoice(
+                        index=index, delta=delta, logprobs=logprobs, finish_reason=finish
+                    )
+                ]
+            )
 
         def first() -> str:
             delta = DeltaMessage(role="assistant", content="")
@@ -281,8 +290,9 @@ def _usage(outs: list[RequestOutput], per_prompt: int = 1, generated: int | None
 def _tail(out: RequestOutput, start: int) -> RequestOutput:
     """The output with its first ``start`` tokens left out (a stream's new tokens)."""
     tops = out.top_logprobs[start:] if out.top_logprobs is not None else None
-    return dataclasses.replace(out, token_ids=out.token_ids[start:], logprobs=out.logprobs[start:],
-                               top_logprobs=tops)  # fmt: skip
+    return dataclasses.replace(
+        out, token_ids=out.token_ids[start:], logprobs=out.logprobs[start:], top_logprobs=tops
+    )
 
 
 def _cut(out: RequestOutput) -> bool:

@@ -36,17 +36,26 @@ def call_grammar(functions: list[FunctionDef], named: str | None, parallel: bool
     # refs ("#/$defs/Item", as pydantic writes nested models) resolve within them, not
     # against the wrapper object this grammar puts them in
     schemas = [
-        {"type": "object",
-         "properties": {"name": {"const": f.name},
-                        "arguments": {"$id": f"urn:kvwise:tool:{f.name}", **_arguments(f)}},
-         "required": ["name", "arguments"], "additionalProperties": False}
-        for f in functions if named is None or f.name == named
-    ]  # fmt: skip
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f.name},
+                "arguments": {"$id": f"urn:kvwise:tool:{f.name}", **_arguments(f)},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+        if named is None or f.name == named
+    ]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     # one spelling: no free whitespace, json.dumps' separators (what the next turn's prompt
     # writes back: engine/chat_template.tool_call_text)
-    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ",
-                            "key_separator": ": "}  # fmt: skip
+    schema["x-guidance"] = {
+        "whitespace_flexible": False,
+        "item_separator": ", ",
+        "key_separator": ": ",
+    }
     block = f"{json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}"
     more = f' ("\\n" {block})*' if parallel and named is None else ""
     return f"start: {block}{more}\ncall: %json {json.dumps(schema)}"
@@ -79,15 +88,19 @@ def _call(obj: Any) -> ToolCall | None:
 
 
 def _new_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                    function=FunctionCall(name=name, arguments=arguments))  # fmt: skip
+    return ToolCall(
+        id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments)
+    )
 
 
 def _call_delta(index: int, call: ToolCall) -> DeltaToolCall:
     """A call's first delta in a stream: its id, name and arguments so far."""
-    return DeltaToolCall(index=index, id=call.id, type="function",
-                         function=DeltaFunction(name=call.function.name,
-                                                arguments=call.function.arguments))  # fmt: skip
+    return DeltaToolCall(
+        index=index,
+        id=call.id,
+        type="function",
+        function=DeltaFunction(name=call.function.name, arguments=call.function.arguments),
+    )
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
@@ -272,8 +285,9 @@ class ToolCallStream:
             self.done += at + len(OPEN)
             self.mode = "head"
             return True
-        keep = next((k for k in range(min(len(OPEN) - 1, len(rest)), 0, -1)
-                     if rest.endswith(OPEN[:k])), 0)  # fmt: skip
+        keep = next(
+            (k for k in range(min(len(OPEN) - 1, len(rest)), 0, -1) if rest.endswith(OPEN[:k])), 0
+        )
         sent = rest[: len(rest) - keep].rstrip()
         content.append(sent)
         self.done += len(sent)
@@ -307,8 +321,9 @@ class ToolCallStream:
         if piece:
             call = self.calls[-1]
             call.function.arguments += piece
-            deltas.append(DeltaToolCall(index=len(self.calls) - 1,
-                                        function=DeltaFunction(arguments=piece)))  # fmt: skip
+            deltas.append(
+                DeltaToolCall(index=len(self.calls) - 1, function=DeltaFunction(arguments=piece))
+            )
         self.done += len(piece)
         if end is None:
             return False

@@ -274,39 +274,72 @@ def cost_curves(
     A tier's break-even is the shortest prefix from which loading it is predicted to beat
     recomputing it at every longer prefix scanned.
     """
-    max_blocks = max(0, (max_tokens - 1) // block_size)
-    scan = _log_grid(max_blocks, max_scan)
+    scan, keep = _scan_grid(max(0, (max_tokens - 1) // block_size), max_scan, num_points)
     if not scan:
         return CostCurves((), (), tuple(TierCurve(t, (), None, 0) for t in tiers), 0)
     lengths = [b * block_size for b in scan]
     recompute = cost.recompute_curve([n + 1 for n in lengths])
     last_token = [cost.t_recompute(n, n + 1) for n in lengths]
-    shown = set(_log_grid(len(scan), num_points))  # 1-based positions in ``scan``
-    keep = [i for i in range(len(scan)) if i + 1 in shown]
     updates = cost.num_updates()
     loads = [
-        _prefix_reads(n, block_size, chunk_blocks, entry_bytes, entries_per_chunk,
-                      block_bytes_per_token, extra)
+        _prefix_reads(
+            n,
+            block_size,
+            chunk_blocks,
+            entry_bytes,
+            entries_per_chunk,
+            block_bytes_per_token,
+            extra,
+        )
         for n in scan
-    ]  # fmt: skip
-    curves = []
-    for tier in tiers:
-        ttft = [cost.predict_load(tier, *r) + tail for r, tail in zip(loads, last_token)]
-        break_even = _break_even(lengths, ttft, recompute)
-        kept = tuple(ttft[i] for i in keep)
-        curves.append(TierCurve(tier, kept, break_even, updates.get(f"tier_{tier}", 0)))
+    ]
+    curves = tuple(
+        _tier_curve(cost, tier, loads, last_token, lengths, recompute, keep, updates)
+        for tier in tiers
+    )
     return CostCurves(
         tuple(lengths[i] for i in keep),
         tuple(recompute[i] for i in keep),
-        tuple(curves),
+        curves,
         updates["step"],
     )
 
 
+def _scan_grid(max_blocks: int, max_scan: int, num_points: int) -> tuple[list[int], list[int]]:
+    """The prefix lengths (in blocks) the break-even is looked for at, and the indices in
+    that scan of the about ``num_points`` of them the curves show (log-spaced)."""
+    scan = _log_grid(max_blocks, max_scan)
+    shown = set(_log_grid(len(scan), num_points))  # 1-based positions in ``scan``
+    return scan, [i for i in range(len(scan)) if i + 1 in shown]
+
+
+def _tier_curve(
+    cost: CostModel,
+    tier: str,
+    loads: list,
+    last_token: list[float],
+    lengths: list[int],
+    recompute: list[float],
+    keep: list[int],
+    updates: dict[str, int],
+) -> TierCurve:
+    """One tier's predicted TTFT at each scanned prefix (its reads ``loads``, then the last
+    token computed), its break-even over all of them, the points at ``keep`` shown."""
+    ttft = [cost.predict_load(tier, *r) + tail for r, tail in zip(loads, last_token)]
+    break_even = _break_even(lengths, ttft, recompute)
+    kept = tuple(ttft[i] for i in keep)
+    return TierCurve(tier, kept, break_even, updates.get(f"tier_{tier}", 0))
+
+
 def _prefix_reads(
-    num_blocks: int, block_size: int, chunk_blocks: int, entry_bytes, entries_per_chunk: int,
-    block_bytes_per_token: float, extra,
-) -> tuple[int, int, int]:  # fmt: skip
+    num_blocks: int,
+    block_size: int,
+    chunk_blocks: int,
+    entry_bytes,
+    entries_per_chunk: int,
+    block_bytes_per_token: float,
+    extra,
+) -> tuple[int, int, int]:
     """(entries read, bytes read, bytes copied) of a stored prefix of ``num_blocks`` blocks
     (``cost_curves``' arguments)."""
     full, rest = divmod(num_blocks, chunk_blocks)

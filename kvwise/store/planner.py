@@ -194,7 +194,7 @@ class ChunkPlanner:
                 s.end_block - s.first_block,
                 tuple(block_hashes[s.first_block : s.end_block]),
                 s.tiers,
-            )  # fmt: skip
+            )
             for s in stored[:num_chunks]
         ]
         return LoadPlan(stored[num_chunks - 1].end_block - start, chunks)
@@ -210,10 +210,14 @@ class ChunkPlanner:
         if not stored or stored[-1].end_block != end:
             return None
         chunks = [
-            PlannedChunk(s.first_block, s.end_block - s.first_block,
-                         tuple(block_hashes[s.first_block : s.end_block]), s.tiers)
+            PlannedChunk(
+                s.first_block,
+                s.end_block - s.first_block,
+                tuple(block_hashes[s.first_block : s.end_block]),
+                s.tiers,
+            )
             for s in stored
-        ]  # fmt: skip
+        ]
         return LoadPlan(end - start, chunks)
 
     def _find(self, block_hashes: Sequence[bytes], start: int, max_blocks: int) -> list[_Stored]:
@@ -252,13 +256,25 @@ class ChunkPlanner:
         else:
             extra = other_groups_cost(self.fmt, start, self.chunk_blocks)
             m, t_load, t_rec = self.cost.choose(
-                start_tokens, ends, per_tier, [s.num_bytes for s in stored],
-                self.fmt.block_bytes / bs, num_prompt_tokens, self.fmt.layer_groups,
+                start_tokens,
+                ends,
+                per_tier,
+                [s.num_bytes for s in stored],
+                self.fmt.block_bytes / bs,
+                num_prompt_tokens,
+                self.fmt.layer_groups,
                 extra=None if extra is None else (lambda end: extra(end // bs)),
-            )  # fmt: skip
+            )
         chosen_tokens = ends[m - 1] - start_tokens if m else 0
-        decision = LoadDecision(request_id, start_tokens, ends[-1] - start_tokens, chosen_tokens,
-                                tuple(per_tier), t_load, t_rec)  # fmt: skip
+        decision = LoadDecision(
+            request_id,
+            start_tokens,
+            ends[-1] - start_tokens,
+            chosen_tokens,
+            tuple(per_tier),
+            t_load,
+            t_rec,
+        )
         self.decisions.append(decision)
         logger.debug("load decision: %s", decision)
         if decision.recomputed_instead:
@@ -318,8 +334,10 @@ class ChunkPlanner:
         stored at all (too short, no tiers)."""
         if not self.tiers or n * self.fmt.block_size < self.min_tokens or first >= n:
             return []
-        ends = sorted({*range(self.chunk_blocks, n, self.chunk_blocks), n}
-                      | {x for x in cuts if first < x < n})  # fmt: skip
+        ends = sorted(
+            {*range(self.chunk_blocks, n, self.chunk_blocks), n}
+            | {x for x in cuts if first < x < n}
+        )
         entries = []
         for end in (e for e in ends if e > first):
             entries.append((first, tuple(block_hashes[first:end])))
@@ -338,8 +356,9 @@ class ChunkPlanner:
             todo = [i for i, t in enumerate(located) if t is None]
             if not todo:
                 break
-            found = guarded(faults, "contains", tier.contains,
-                            [keys[i] for i in todo], miss=[False] * len(todo))  # fmt: skip
+            found = guarded(
+                faults, "contains", tier.contains, [keys[i] for i in todo], miss=[False] * len(todo)
+            )
             for i, present in zip(todo, found):
                 if present:
                     located[i] = tier

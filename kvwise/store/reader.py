@@ -154,8 +154,9 @@ class Reader:
             # overlaps reading the next; others get a few batches (one round trip each)
             num_parts = len(idx) if in_place else min(_READ_PARTS, len(idx))
             parts = [idx[p::num_parts] for p in range(num_parts)]
-            futures = [self._pool.submit(self._read, tier_index, keys, part, group, dest)
-                       for part in parts]  # fmt: skip
+            futures = [
+                self._pool.submit(self._read, tier_index, keys, part, group, dest) for part in parts
+            ]
             wait(futures)  # every part, even when one raised: none writes into dest later
             num_bytes = 0
             for part, future in zip(parts, futures):
@@ -192,8 +193,14 @@ class Reader:
                 return make
 
             with writing():  # the read itself lands in dest's buffers
-                got = guarded(faults, "get_into", tier.get_into, [keys[i] for i in part],
-                              [buffers_for(i) for i in part], miss=misses)  # fmt: skip
+                got = guarded(
+                    faults,
+                    "get_into",
+                    tier.get_into,
+                    [keys[i] for i in part],
+                    [buffers_for(i) for i in part],
+                    miss=misses,
+                )
                 return [self._open_parts(keys[i], b, faults) for i, b in zip(part, got)]
         values = guarded(faults, "get", tier.get, [keys[i] for i in part], miss=misses)
         with writing():  # opened into dest's buffers

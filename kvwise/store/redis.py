@@ -285,8 +285,10 @@ class RedisStore:
             node = self._client.get_node_from_key(name)
             entry = by_node.setdefault(node.name, (node, []))
             entry[1].append(i)
-        return [(key, self._client.get_redis_connection(node), indices)
-                for key, (node, indices) in by_node.items()]  # fmt: skip
+        return [
+            (key, self._client.get_redis_connection(node), indices)
+            for key, (node, indices) in by_node.items()
+        ]
 
     def _call(self, op: str, run: Callable[[], Any], node: str = "") -> Any:
         """``run()``'s result, or ``_SKIPPED`` if closed, ``node`` down, or it faulted
@@ -366,8 +368,11 @@ class RedisStore:
                 exc = f"probe: no answer within {self.timeout_s:g} s"  # type: ignore[assignment]
             outage = not isinstance(exc, redis.exceptions.ResponseError)
             kind = "deadline" if isinstance(exc, str) else type(exc).__name__
-            surprise = exc if isinstance(exc, BaseException) and not isinstance(
-                exc, _CLIENT_ERRORS) else None  # fmt: skip
+            surprise = (
+                exc
+                if isinstance(exc, BaseException) and not isinstance(exc, _CLIENT_ERRORS)
+                else None
+            )
             self._fault(op, node, exc, outage, kind, surprise)
             if not outage:
                 with self._lock:
@@ -391,8 +396,15 @@ class RedisStore:
             self._fault(op, "", exc, False, type(exc).__name__, surprise)
             return _SKIPPED
 
-    def _fault(self, op: str, node: str, detail: object, outage: bool, kind: str = "deadline",
-               exc: BaseException | None = None) -> None:  # fmt: skip
+    def _fault(
+        self,
+        op: str,
+        node: str,
+        detail: object,
+        outage: bool,
+        kind: str = "deadline",
+        exc: BaseException | None = None,
+    ) -> None:
         """Count a fault of a call to ``node``; an outage also closes the node's connections
         (ending any read stuck on them) and takes it down for ``retry_after_s``."""
         where = f" (node {node})" if node else ""

@@ -211,13 +211,13 @@ class Writer:
                     if self._thread is None or not self._thread.is_alive():
                         return True
                     seen = self._num_finished
-                    if not self._done.wait_for(lambda s=seen: self._num_finished > s,
-                                               self.stall_s):  # fmt: skip
+                    if not self._done.wait_for(lambda s=seen: self._num_finished > s, self.stall_s):
                         logger.warning(
                             "kv writer: no write finished for %.1f s (a tier stuck past its "
-                            "deadline?): not waiting for the %d queued", self.stall_s,
+                            "deadline?): not waiting for the %d queued",
+                            self.stall_s,
                             target - self._num_finished,
-                        )  # fmt: skip
+                        )
                         return False
             finally:
                 self._flushing -= 1

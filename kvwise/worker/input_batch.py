@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
-from kvwise.worker.attention import AttentionMetadata, PrefillChunk
+from kvwise.worker.attention_metadata import AttentionMetadata, PrefillChunk
 from kvwise.worker.kv_cache import first_if_consecutive
 
 
@@ -57,10 +57,13 @@ def build_input_batch(
     if num_groups > 1:
         metas = [meta]
         for g in range(num_groups - 1):
-            d, p = ([replace(s, block_ids=s.group_block_ids[g]) for s in part]
-                    for part in (decodes, prefills))  # fmt: skip
-            metas.append(replace(_metadata(d, p, _flatten(d + p, block_size), block_size),
-                                 group=g + 1))  # fmt: skip
+            d, p = (
+                [replace(s, block_ids=s.group_block_ids[g]) for s in part]
+                for part in (decodes, prefills)
+            )
+            metas.append(
+                replace(_metadata(d, p, _flatten(d + p, block_size), block_size), group=g + 1)
+            )
     return InputBatch(
         input_ids=torch.tensor(rows.input_ids, dtype=torch.long),
         positions=torch.tensor(rows.positions, dtype=torch.long),
@@ -149,10 +152,12 @@ def _decode_tables(
     max_blocks = -(-decode_ctx_len // block_size)
     open_index = torch.tensor([d.start_pos // block_size for d in decodes], dtype=torch.long)
     table = torch.tensor(
-        [d.block_ids[:max_blocks] + [0] * (max_blocks - len(d.block_ids[:max_blocks]))
-         for d in decodes],
+        [
+            d.block_ids[:max_blocks] + [0] * (max_blocks - len(d.block_ids[:max_blocks]))
+            for d in decodes
+        ],
         dtype=torch.long,
-    )  # fmt: skip
+    )
     mask = None
     if min(ctx_lens) != decode_ctx_len:
         lens = torch.tensor(ctx_lens).unsqueeze(1)  # (Bd, 1)

@@ -87,8 +87,9 @@ class ModelRunner:
                 kept.append((item, row))
         if kept:
             done = {id(item) for item, _ in kept}
-            sched_out = replace(sched_out, scheduled=[s for s in sched_out.scheduled
-                                                      if id(s) not in done])  # fmt: skip
+            sched_out = replace(
+                sched_out, scheduled=[s for s in sched_out.scheduled if id(s) not in done]
+            )
         out = ModelOutput(last_rows_reused=len(kept))
         if sched_out.is_empty:
             self.kv_cache.begin_step(sched_out.released_block_ids)
@@ -104,8 +105,13 @@ class ModelRunner:
         bitmask = bitmask_words(reqs, sched_out.token_bitmasks, self.vocab_size)
         logits = self.model.compute_logits(rows, bitmask)  # (S, vocab)
         histories = [None if r.history is None else (r.history, r.num_prompt_tokens) for r in reqs]
-        picked = sample(logits, [r.sampling_params for r in reqs], [r.output_index for r in reqs],
-                        histories, bitmask)  # fmt: skip
+        picked = sample(
+            logits,
+            [r.sampling_params for r in reqs],
+            [r.output_index for r in reqs],
+            histories,
+            bitmask,
+        )
         for i, r in enumerate(reqs):
             if i in picked.errors:
                 out.failed[r.request_id] = picked.errors[i]
@@ -165,8 +171,10 @@ def layer_attention(model, arch) -> list[LayerAttention] | None:
         return None
     default = arch.head_dim**-0.5
     return [
-        LayerAttention(k.sliding_window or 0,
-                       default if k.softmax_scale is None else k.softmax_scale,
-                       k.softcap or 0.0)
+        LayerAttention(
+            k.sliding_window or 0,
+            default if k.softmax_scale is None else k.softmax_scale,
+            k.softcap or 0.0,
+        )
         for k in kinds
-    ]  # fmt: skip
+    ]

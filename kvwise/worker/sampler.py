@@ -107,8 +107,9 @@ def sample(
     with a penalty; ``bitmask``: the rows' grammar masks ``(S, W)`` (``bitmask_words``)."""
     num_rows = len(params)
     histories = histories or [None] * num_rows
-    plain = all(p.temperature < _MIN_TEMPERATURE and not p.processed and p.logprobs is None
-                for p in params)  # fmt: skip
+    plain = all(
+        p.temperature < _MIN_TEMPERATURE and not p.processed and p.logprobs is None for p in params
+    )
     if plain and kernels.available():
         # all greedy: the argmax and its logprob in one C++ pass a row (no (S, V) log-softmax)
         if bitmask is None:
@@ -134,8 +135,10 @@ def sample(
             errors[row] = f"sampling failed: {exc}"
             token_ids[row] = 0
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (S,)
-    top = [top_logprobs(logprobs[row : row + 1], p.logprobs)[0] if p.logprobs else None
-           for row, p in enumerate(params)]  # fmt: skip
+    top = [
+        top_logprobs(logprobs[row : row + 1], p.logprobs)[0] if p.logprobs else None
+        for row, p in enumerate(params)
+    ]
     return Sampled(token_ids.tolist(), chosen.tolist(), top, errors)
 
 

@@ -33,8 +33,9 @@ from safetensors.torch import load_file  # noqa: E402
 from kvwise import LLM, SamplingParams, kernels  # noqa: E402
 from kvwise.config import EngineConfig  # noqa: E402
 from kvwise.engine.builder import build_engine  # noqa: E402
-from kvwise.models import registry  # noqa: E402
-from kvwise.models.arch import ModelArchConfig, RopeScaling  # noqa: E402
+from kvwise.models import checkpoint, registry  # noqa: E402
+from kvwise.models.arch import RopeScaling  # noqa: E402
+from kvwise.models.arch_load import arch_from_gguf, arch_from_hf_config  # noqa: E402
 from kvwise.models.decoder import CausalLM  # noqa: E402
 from kvwise.models.layer_ops import TorchLayerOps  # noqa: E402
 from kvwise.models.layers import dense_causal_attention  # noqa: E402
@@ -234,9 +235,9 @@ def test_tied_gemma2_matches_transformers(tmp_path):
 )
 def test_the_checks_can_fail(tmp_path, case, changes):
     hf = _save_random_gemma(*CASES[case], tmp_path)
-    arch = ModelArchConfig.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    arch = arch_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
     model = CausalLM(arch.replace(**changes))
-    model.load_weights(load_file(str(tmp_path / "model.safetensors")).items())
+    checkpoint.load_weights(model, load_file(str(tmp_path / "model.safetensors")).items())
     input_ids = torch.arange(2, 40)
     assert (_logits(model, input_ids) - _hf_logits(hf, input_ids)).abs().max().item() > 1e-2
 
@@ -343,7 +344,7 @@ GEMMA2_HF = dict(
 
 
 def test_a_transformers_4_gemma3_config():
-    arch = ModelArchConfig.from_hf_config(GEMMA3_4X)
+    arch = arch_from_hf_config(GEMMA3_4X)
     kinds = registry.family_for(arch.architecture).attention_kinds(arch)
     assert [k.sliding_window for k in kinds] == ([512] * 5 + [None]) * 3
     scaled = RopeScaling("linear", factor=8.0)
@@ -376,24 +377,22 @@ def _gguf_reader(arch: str, layers: int, **metadata):
 
 
 def test_gguf_metadata_of_each_gemma():
-    gemma2 = ModelArchConfig.from_gguf(_gguf_reader("gemma2", 26))
+    gemma2 = arch_from_gguf(_gguf_reader("gemma2", 26))
     assert gemma2.layer_types == ("sliding_attention", "full_attention") * 13
     assert (gemma2.sliding_window, gemma2.final_logit_softcap) == (4096, 30.0)  # llama.cpp's
     assert gemma2.attn_logit_softcap == 50.0  # llama.cpp's default too
     assert gemma2.query_pre_attn_scalar == 256 and gemma2.sliding_rope_theta is None
     flags = [True, False, True, True] * 6 + [True, False]  # one flag a layer
-    gemma3 = ModelArchConfig.from_gguf(_gguf_reader(
+    gemma3 = arch_from_gguf(_gguf_reader(
         "gemma3", 26, **{"attention.sliding_window": 512,
                          "attention.sliding_window_pattern": flags}))  # fmt: skip
     assert [t == "sliding_attention" for t in gemma3.layer_types] == flags
     assert gemma3.sliding_rope_theta == 10000.0 and gemma3.final_logit_softcap is None
     assert gemma3.attn_logit_softcap is None
     # llama.cpp scales the 27B models by hidden / heads (query_pre_attn_scalar 144 / 168)
-    big = ModelArchConfig.from_gguf(
-        _gguf_reader("gemma3", 62, **{"attention.sliding_window": 1024})
-    )
+    big = arch_from_gguf(_gguf_reader("gemma3", 62, **{"attention.sliding_window": 1024}))
     assert big.query_pre_attn_scalar == 2304 // 8
-    full = ModelArchConfig.from_gguf(_gguf_reader("gemma3", 26))  # no window: every layer full
+    full = arch_from_gguf(_gguf_reader("gemma3", 26))  # no window: every layer full
     assert full.layer_types == () and full.sliding_window is None
 
 
@@ -414,7 +413,7 @@ def test_gguf_metadata_of_each_gemma():
 )  # fmt: skip
 def test_unsupported_values_are_refused_by_name(config, field):
     with pytest.raises(ValueError, match=f"^{field}"):
-        ModelArchConfig.from_hf_config(config)
+        arch_from_hf_config(config)
 
 
 _NO_ATTN_CAP = {k: v for k, v in GEMMA2_HF.items() if k != "attn_logit_softcapping"}
@@ -431,7 +430,7 @@ _NO_ATTN_CAP = {k: v for k, v in GEMMA2_HF.items() if k != "attn_logit_softcappi
     ],
 )
 def test_a_config_json_soft_caps_every_layers_attention(config, cap):
-    arch = ModelArchConfig.from_hf_config(config)
+    arch = arch_from_hf_config(config)
     kinds = registry.family_for(arch.architecture).attention_kinds(arch)
     assert arch.attn_logit_softcap == cap and {k.softcap for k in kinds} == {cap}
 
@@ -442,6 +441,6 @@ def test_a_config_json_soft_caps_every_layers_attention(config, cap):
      ({"attn_logit_softcapping": 10.0}, 10.0), ({"attn_logit_softcapping": 0.0}, None)],
 )  # fmt: skip
 def test_a_gemma2_gguf_soft_caps_every_layers_attention(metadata, cap):
-    arch = ModelArchConfig.from_gguf(_gguf_reader("gemma2", 26, **metadata))
+    arch = arch_from_gguf(_gguf_reader("gemma2", 26, **metadata))
     kinds = registry.family_for(arch.architecture).attention_kinds(arch)
     assert arch.attn_logit_softcap == cap and {k.softcap for k in kinds} == {cap}

@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from kvwise import LLM, SamplingParams, kernels  # noqa: E402
+from kvwise.models import checkpoint, layers, registry  # noqa: E402
 from kvwise.models import family as family_module  # noqa: E402
-from kvwise.models import layers, registry  # noqa: E402
 from kvwise.models.arch import ModelArchConfig  # noqa: E402
 from kvwise.models.decoder import CausalLM  # noqa: E402
 from kvwise.models.family import LlamaFamily  # noqa: E402
@@ -183,7 +183,7 @@ def test_a_post_norm_geglu_family_needs_only_its_declaration():
     try:
         arch = ModelArchConfig("ToyPostNormForCausalLM", 128, 64, 96, 2, 4, 2, 16)
         model = CausalLM(arch)
-        names = model.expected_weight_names()
+        names = checkpoint.expected_weight_names(model)
         assert "model.layers.1.post_feedforward_layernorm.weight" in names
         assert "model.layers.0.pre_feedforward_layernorm.weight" in names
         torch.manual_seed(0)

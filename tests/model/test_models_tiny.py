@@ -15,7 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kvwise.core.kv_spec import KVSpec  # noqa: E402
-from kvwise.models.arch import ModelArchConfig, RopeScaling  # noqa: E402
+from kvwise.models.arch import RopeScaling  # noqa: E402
+from kvwise.models.arch_load import arch_from_hf_config  # noqa: E402
 from kvwise.models.layers import dense_causal_attention  # noqa: E402
 from kvwise.models.loader import load_model  # noqa: E402
 
@@ -238,7 +239,7 @@ def _hf_dict(**overrides):
 
 
 def test_arch_from_hf_config_defaults_and_kv_bytes():
-    arch = ModelArchConfig.from_hf_config(_hf_dict(eos_token_id=[2, 3], rope_theta=1e6))
+    arch = arch_from_hf_config(_hf_dict(eos_token_id=[2, 3], rope_theta=1e6))
     assert arch.architecture == "LlamaForCausalLM"
     assert arch.head_dim == 16 and arch.rope_theta == 1e6 and arch.rope_scaling is None
     assert arch.eos_token_ids == (2, 3)
@@ -248,7 +249,7 @@ def test_arch_from_hf_config_defaults_and_kv_bytes():
 
 def test_arch_old_style_rope_scaling():
     scaling = dict(type="linear", factor=2.0)
-    arch = ModelArchConfig.from_hf_config(_hf_dict(rope_scaling=scaling))
+    arch = arch_from_hf_config(_hf_dict(rope_scaling=scaling))
     assert arch.rope_scaling == RopeScaling("linear", factor=2.0)
 
 
@@ -264,11 +265,11 @@ def test_arch_old_style_rope_scaling():
 )
 def test_arch_rejects_bad_configs(overrides, match):
     with pytest.raises(ValueError, match=match):
-        ModelArchConfig.from_hf_config(_hf_dict(**overrides))
+        arch_from_hf_config(_hf_dict(**overrides))
 
 
 def test_arch_missing_field_is_value_error():
     config = _hf_dict()
     del config["intermediate_size"]
     with pytest.raises(ValueError, match="intermediate_size"):
-        ModelArchConfig.from_hf_config(config)
+        arch_from_hf_config(config)

@@ -23,6 +23,7 @@ from kvwise.config import EngineConfig  # noqa: E402
 from kvwise.engine.builder import build_engine  # noqa: E402
 from kvwise.models import registry  # noqa: E402
 from kvwise.models.arch import ModelArchConfig  # noqa: E402
+from kvwise.models.arch_load import arch_from_hf_config  # noqa: E402
 from kvwise.models.loader import load_model  # noqa: E402
 from kvwise.worker.attention import LayerAttention  # noqa: E402
 from tests.model.test_engine_vs_hf import hf_greedy, run, run_outputs  # noqa: E402
@@ -183,7 +184,7 @@ def test_a_qwen2_config_windows_the_layers_transformers_windows(fields):
                                      if k not in ("architectures", "model_type")})  # fmt: skip
     want = [WINDOW if t == "sliding_attention" and hf.sliding_window else None
             for t in hf.layer_types]  # fmt: skip
-    assert _windows(ModelArchConfig.from_hf_config(config)) == want
+    assert _windows(arch_from_hf_config(config)) == want
 
 
 def test_an_explicit_layer_types_in_a_mistral_config_is_honoured():
@@ -192,10 +193,10 @@ def test_an_explicit_layer_types_in_a_mistral_config_is_honoured():
     types = ["sliding_attention", "full_attention"] * 2
     config = dict(QWEN2_CONFIG, architectures=["MistralForCausalLM"], model_type="mistral",
                   num_hidden_layers=4, layer_types=types)  # fmt: skip
-    arch = ModelArchConfig.from_hf_config(config)
+    arch = arch_from_hf_config(config)
     assert arch.layer_types == tuple(types) and arch.sliding_window == WINDOW
     assert _windows(arch) == [WINDOW, None] * 2
-    everything = ModelArchConfig.from_hf_config(dict(config, layer_types=None))
+    everything = arch_from_hf_config(dict(config, layer_types=None))
     assert everything.layer_types == () and everything.sliding_window == WINDOW  # every layer
     with pytest.raises(ValueError, match="^layer_types"):
-        ModelArchConfig.from_hf_config(dict(config, layer_types=["chunked_attention"] * 4))
+        arch_from_hf_config(dict(config, layer_types=["chunked_attention"] * 4))

@@ -1,9 +1,13 @@
-"""The layout stays easy to see (docs/ARCHITECTURE.md): small functions and modules, and no
+"""The layout stays easy to see (docs/ARCHITECTURE.md): small functions and modules, no
+``# fmt: skip`` (a limit is met by splitting along a seam, not by packing lines), and no
 import cycle, neither between modules nor between the packages that stand for layers.
 
-Only module-level imports count (an import inside a function, or under ``TYPE_CHECKING``, runs
-later, or never); importing ``kvwise.core.kv_spec`` counts as importing the package
-``kvwise.core`` too, which is how a package-level cycle bites."""
+Between modules and layers, module-level imports count (an import inside a function, or under
+``TYPE_CHECKING``, runs later, or never); importing ``kvwise.core.kv_spec`` counts as
+importing the package ``kvwise.core`` too, which is how a package-level cycle bites. Inside
+one package every import counts, ``TYPE_CHECKING`` and function-level ones too: a circle
+hidden that way is still a circle to a reader. The deliberate lazy imports are listed by name
+(``LAZY``)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "kvwise"
 MAX_FUNCTION_LINES = 60
 FUNCTION_LIMITED = ("core", "engine", "store", "server", "worker", "models")
-MAX_MODULE_LINES = 450
+MAX_MODULE_LINES = 600
 
 
 def _modules() -> dict[str, Path]:
@@ -25,8 +29,21 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _module_imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The kvwise modules ``name`` imports at module level."""
+# (importer, imported): imports inside a package deliberately made late, and why
+LAZY: dict[tuple[str, str], str] = {}
+
+
+def _imported(node: ast.Import | ast.ImportFrom, package: list[str]) -> set[str]:
+    """What one import statement names: modules, and names that may be modules."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    base = package[: len(package) - node.level + 1] if node.level else []
+    module = ".".join(base + ([node.module] if node.module else []))
+    return {module} | {f"{module}.{alias.name}" for alias in node.names}
+
+
+def _module_imports(name: str, path: Path, known: dict[str, Path], every: bool = False) -> set[str]:
+    """The kvwise modules ``name`` imports at module level (``every``: anywhere in it)."""
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found: set[str] = set()
 
@@ -41,15 +58,16 @@ def _module_imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 visit(node.body)
                 for handler in node.handlers:
                     visit(handler.body)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = package[: len(package) - node.level + 1] if node.level else []
-                module = ".".join(base + ([node.module] if node.module else []))
-                found.add(module)
-                found.update(f"{module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                found.update(_imported(node, package))
 
-    visit(ast.parse(path.read_text()).body)
+    tree = ast.parse(path.read_text())
+    if every:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                found.update(_imported(node, package))
+    else:
+        visit(tree.body)
     deps = set()
     for module in found:
         parts = module.split(".")
@@ -122,6 +140,42 @@ def test_no_import_cycle_between_layers():
             _layer(d) for d in deps if _layer(d) != _layer(module)
         )
     assert _cycles(layers) == []
+
+
+def _child(module: str, package: str) -> str | None:
+    """The member of ``package`` (a module or a subpackage) that ``module`` lies in."""
+    if not module.startswith(package + "."):
+        return None
+    return ".".join(module.split(".")[: package.count(".") + 2])
+
+
+def test_no_import_circle_inside_a_package():
+    """Each package's members (modules and subpackages) as nodes, every import counted."""
+    known = _modules()
+    imports = {n: _module_imports(n, p, known, every=True) for n, p in known.items()}
+    packages = {n for n, p in known.items() if p.name == "__init__.py"}
+    circles = []
+    for package in sorted(packages - {"kvwise"}):  # between layers: module-level imports
+        graph: dict[str, set[str]] = {}
+        for name, deps in imports.items():
+            member = _child(name, package)
+            if member is None:
+                continue
+            for dep in deps:
+                other = _child(dep, package)
+                if other is not None and other != member and (name, dep) not in LAZY:
+                    graph.setdefault(member, set()).add(other)
+        circles += _cycles(graph)
+    assert circles == []
+
+
+def test_no_fmt_skip():
+    marked = [
+        str(path.relative_to(PACKAGE))
+        for path in _modules().values()
+        if "# fmt: skip" in path.read_text()
+    ]
+    assert marked == []
 
 
 def test_the_cycle_finder_finds_cycles():

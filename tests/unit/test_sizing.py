@@ -120,7 +120,7 @@ def test_gguf_shape_read_from_metadata_alone_equals_the_full_readers(tmp_path, k
     # it must be the shape ModelArchConfig.from_gguf reads from gguf's own reader
     import gguf
 
-    from kvwise.models.arch import ModelArchConfig
+    from kvwise.models.arch_load import arch_from_gguf
     from kvwise.perf.gguf_meta import ARRAY, read_scalars
 
     path = _tiny_gguf(tmp_path / "tiny.gguf", key_length=key_length)
@@ -128,7 +128,7 @@ def test_gguf_shape_read_from_metadata_alone_equals_the_full_readers(tmp_path, k
     assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 6
     assert meta["tokenizer.ggml.tokens"] is ARRAY
     assert meta["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
-    arch = ModelArchConfig.from_gguf(gguf.GGUFReader(path))
+    arch = arch_from_gguf(gguf.GGUFReader(path))
     shape, name = shape_from_model(path, "int8")
     assert name == "tiny.gguf"
     assert shape == KVShape(arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim,

@@ -32,15 +32,12 @@ import math
 import mmap
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
-
-if TYPE_CHECKING:
-    from kvwise.worker.attention import AttentionMetadata, PrefillChunk
+from kvwise.worker.attention_metadata import AttentionMetadata, PrefillChunk
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

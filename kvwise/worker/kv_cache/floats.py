@@ -99,6 +99,13 @@ class FloatKVCache(PagedKVCache):
         else:
             self.write(layer, slots, k, v)
             new = ()
-        return self._rows_op(q, self.k_blocks[layer], self.v_blocks[layer], meta.row_block_table,
-                             meta.row_ctx_lens, scale, *new,
-                             **kind_args(window, softcap))  # fmt: skip
+        return self._rows_op(
+            q,
+            self.k_blocks[layer],
+            self.v_blocks[layer],
+            meta.row_block_table,
+            meta.row_ctx_lens,
+            scale,
+            *new,
+            **kind_args(window, softcap),
+        )

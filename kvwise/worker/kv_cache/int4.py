@@ -141,8 +141,16 @@ class Int4KVCache(QuantizedKVCache):
         k = k.float()
         staged = self.staged[layer]  # (slots, block_size, kv_heads, head_dim)
         if self._write_op is not None:  # values and staging in one C++ call, same bytes
-            self._write_op(self.v_blocks[layer], staged, k, v, slot_mapping, plan.stage_index,
-                           self.block_size, self.spec.group_size)  # fmt: skip
+            self._write_op(
+                self.v_blocks[layer],
+                staged,
+                k,
+                v,
+                slot_mapping,
+                plan.stage_index,
+                self.block_size,
+                self.spec.group_size,
+            )
         else:
             blocks = slot_mapping // self.block_size
             offsets = slot_mapping % self.block_size
@@ -202,26 +210,33 @@ class Int4KVCache(QuantizedKVCache):
         full-precision keys built from their chunk's rows; ``window``, ``softcap``: the
         layer's (0: none)."""
         self.write(layer, meta.slot_mapping, k, v, group=meta.group)
-        op, plan = self._rows_op, self._plans[meta.group]
-        kc, vc, bs, group = (
-            self.k_blocks[layer],
-            self.v_blocks[layer],
-            self.block_size,
-            self.spec.group_size,
-        )
+        plan, kc, vc = self._plans[meta.group], self.k_blocks[layer], self.v_blocks[layer]
+
+        def attend(rows: slice, open_keys, open_slots):
+            """The kernel over ``rows``, whose open blocks' keys are ``open_keys``."""
+            return self._rows_op(
+                q[rows],
+                kc,
+                vc,
+                open_keys,
+                meta.row_block_table[rows],
+                meta.row_ctx_lens[rows],
+                open_slots,
+                scale,
+                self.block_size,
+                self.spec.group_size,
+                window,
+                softcap,
+            )
+
         if not meta.prefills:
-            return op(q, kc, vc, self.staged[layer], meta.row_block_table, meta.row_ctx_lens,
-                      plan.row_slots, scale, bs, group, window, softcap)  # fmt: skip
+            return attend(slice(None), self.staged[layer], plan.row_slots)
         nd = meta.num_decodes
         out = q.new_empty(q.shape[0], q.shape[1], q.shape[2])
         if nd:
-            out[:nd] = op(q[:nd], kc, vc, self.staged[layer], meta.row_block_table[:nd],
-                          meta.row_ctx_lens[:nd], plan.row_slots[:nd], scale, bs, group,
-                          window, softcap)  # fmt: skip
+            out[:nd] = attend(slice(None, nd), self.staged[layer], plan.row_slots[:nd])
         open_keys, open_index = self._prefill_open_keys(layer, k, meta.prefills)
-        out[nd:] = op(q[nd:], kc, vc, open_keys, meta.row_block_table[nd:],
-                      meta.row_ctx_lens[nd:], open_index, scale, bs, group, window,
-                      softcap)  # fmt: skip
+        out[nd:] = attend(slice(nd, None), open_keys, open_index)
         return out
 
     def _prefill_open_keys(self, layer: int, k: torch.Tensor, chunks) -> tuple:

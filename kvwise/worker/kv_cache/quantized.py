@@ -29,8 +29,10 @@ class QuantizedKVCache(PagedKVCache):
         super().__init__(spec, num_blocks, compute_dtype or torch.float32, use_kernels)
         self.raw = zeroed_pool((spec.num_layers, 2, num_blocks, spec.half_block_bytes), torch.uint8)
         # [layer][0 = K, 1 = V]: typed views of the codes and the scales of every block
-        halves = [[self._typed_views(self.raw[i, kv], kv) for kv in (0, 1)]
-                  for i in range(spec.num_layers)]  # fmt: skip
+        halves = [
+            [self._typed_views(self.raw[i, kv], kv) for kv in (0, 1)]
+            for i in range(spec.num_layers)
+        ]
         self.codes = [[h[0] for h in layer] for layer in halves]
         self.scales = [[h[1] for h in layer] for layer in halves]
         self.k_blocks = [self.raw[i, 0] for i in range(spec.num_layers)]
@@ -98,8 +100,9 @@ class Int8KVCache(QuantizedKVCache):
         group: int = 0,
     ):
         if self._write_op is not None:
-            self._write_op(self.k_blocks[layer], self.v_blocks[layer], k, v, slot_mapping,
-                           self.block_size)  # fmt: skip
+            self._write_op(
+                self.k_blocks[layer], self.v_blocks[layer], k, v, slot_mapping, self.block_size
+            )
             return
         blocks = slot_mapping // self.block_size
         offsets = slot_mapping % self.block_size
@@ -119,6 +122,14 @@ class Int8KVCache(QuantizedKVCache):
             new = ()
         else:  # decodes only: write and attend at once
             new = (k, v, slots)
-        return self._rows_op(q, self.k_blocks[layer], self.v_blocks[layer], meta.row_block_table,
-                             meta.row_ctx_lens, scale, self.block_size, *new,
-                             **kind_args(window, softcap))  # fmt: skip
+        return self._rows_op(
+            q,
+            self.k_blocks[layer],
+            self.v_blocks[layer],
+            meta.row_block_table,
+            meta.row_ctx_lens,
+            scale,
+            self.block_size,
+            *new,
+            **kind_args(window, softcap),
+        )
