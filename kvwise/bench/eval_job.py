@@ -23,7 +23,7 @@ from kvwise.bench.eval_windows import (
     token_ids_sha256,
 )
 from kvwise.bench.evaluate import EvalResult, check_comparable, evaluate
-from kvwise.core.kv_spec import kv_formats
+from kvwise.core.kv_spec import kv_format, kv_formats
 from kvwise.models.loader import LoadedModel, load_model
 from kvwise.worker.kv_quant import KEY_BLOCK
 
@@ -259,11 +259,17 @@ def format_table(result: EvalResult, record: dict) -> str:
         block = record.get("kv_block_size") or 32
 
         def kv_label(name: str) -> str:
-            if name == "int4":
-                return f", KV int4 (keys per channel over {block} tokens, values g{group})"
-            if name == "int4-pt":
-                return f", KV int4-pt (keys and values per token, g{group})"
-            return f", KV {name}"
+            fmt = kv_format(name)
+            if not fmt.grouped:
+                return f", KV {name}"
+            halves = [
+                f"{half} per channel over {block} tokens"
+                if scales.per == "channel"
+                else f"{half} per token"
+                for half, scales in (("keys", fmt.key_scales), ("values", fmt.value_scales))
+                if scales is not None
+            ]
+            return f", KV {name} ({', '.join(halves)}, g{group})"
 
         q += kv_label(kv)
         ref_q += kv_label(ref_kv)

@@ -358,6 +358,11 @@ class RemoteEngine:
         spec = await self.ensure_spec()
         return await asyncio.to_thread(detokenize_ids, self.tokenizer, token_ids, spec.vocab_size)
 
+    async def tool_pause(self, request_id: str) -> int:
+        """``EngineClient.tool_pause``: nothing is kept across replicas (each replica's own
+        prefix cache and the router's affinity keep the turn's blocks warm): 0."""
+        return 0
+
     async def park(self, session_id: str, tenant: str = "default") -> int:
         """Park a session on the replica that served its last turn (404 when none did)."""
         replica = self._sessions.get((tenant, session_id))

@@ -75,6 +75,15 @@ class Scales:
         if self.per not in SCALE_UNITS:
             raise ValueError(f"per: expected one of {SCALE_UNITS}, got {self.per!r}")
 
+    def describe(self) -> str:
+        """In words, e.g. "4 B per token and KV head"."""
+        per = {
+            "token": "token and KV head",
+            "channel": "KV head and channel over a block",
+            "group": "token, KV head and group of channels",
+        }[self.per]
+        return f"{self.nbytes} B per {per}"
+
     def bytes_in(self, spec: KVSpec) -> int:
         """Bytes of these scales in one block half of ``spec``."""
         if self.per == "token":
@@ -99,6 +108,7 @@ class KVFormat:
     grouped: bool = False  # takes a group size (KVSpec.group_size; default min(32, head_dim))
     block_multiple: int = 1  # block sizes must be multiples of this (int4: two tokens a byte)
     default_block_size: int = DEFAULT_BLOCK_SIZE
+    note: str = ""  # what ``describe`` adds (e.g. "size only")
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -116,6 +126,17 @@ class KVFormat:
     def quantized(self) -> bool:
         """Codes with scales beside them (a lossy format; attention reads back what it stores)."""
         return self.key_scales is not None or self.value_scales is not None
+
+    def describe(self) -> str:
+        """What one value costs, with the scales beside the codes, in words (``kvwise
+        size``'s table), e.g. "1 B + scales: keys 4 B per token and KV head, values ..."."""
+        text = f"{self.bytes_per_value:g} B"
+        if self.quantized:
+            halves = (("keys", self.key_scales), ("values", self.value_scales))
+            text += " + scales: " + ", ".join(
+                f"{half} {scales.describe()}" for half, scales in halves if scales is not None
+            )
+        return f"{text} ({self.note})" if self.note else text
 
     def layout_tag(self, group_size: int) -> str:
         return self.tag.replace("{group}", str(group_size))
@@ -182,6 +203,7 @@ for _fmt in (
         key_scales=Scales("channel", 4),  # a float16 scale and minimum per head and channel
         value_scales=Scales("group", 4),  # ... per token, head and group of channels
         sealed_keys=True,
+        note="a float16 scale and minimum",
         grouped=True,
         block_multiple=2,
         default_block_size=INT4_BLOCK_SIZE,
@@ -196,7 +218,7 @@ for _fmt in (
         value_scales=Scales("group", 4),
         grouped=True,
     ),
-    KVFormat("fp8", 1, uses=("size",)),
+    KVFormat("fp8", 1, uses=("size",), note="one scale per tensor; size only, not stored"),
 ):
     register_kv_format(_fmt)
 del _fmt

@@ -66,6 +66,10 @@ class Request:
         # structured outputs: the engine's matcher (engine/structured.Grammar: bitmask(),
         # accept(token), finished), opaque here
         self.grammar = None
+        # the parts of its stop policy the engine attached (core/stopping.StopPart: its
+        # grammar, its stop strings), told every sampled token; why it failed, if it did
+        self.stop_parts: list = []
+        self.error: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,20 +96,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token_id: int, logprob: float) -> FinishReason | None:
-        """Add a sampled token; return why the request should stop, if it should."""
+    def append_token(self, token_id: int, logprob: float) -> None:
+        """Add a sampled token (whether it ends the request: ``core/stopping.stop_reason``)."""
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
-        params = self.sampling_params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return FinishReason.STOP
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if self.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH
-        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def __repr__(self) -> str:
         return (

@@ -15,8 +15,8 @@ a device prefix hit from the slower tiers when the tiers' plan says loading beat
 (``SchedulerOutput.kv_loads``); a load that comes up short is rolled back (``update``); and
 the full blocks of every finished or preempted request are handed out as ``KVSave`` items
 (``take_saves``), which the engine copies out before the next step can reuse the blocks. The
-scheduler owns the load plans: one per waiting request (kept while it waits for blocks) and
-one per request admitted with a load in the current step.
+plans, loads, rollbacks and saves are the ``TierCoordinator``'s (``core/tier_coordinator.py``):
+the scheduler says when.
 
 With ``enable_kv_cache=False`` every step recomputes each request's whole sequence (the seed
 article's "no cache" baseline): after each step the computed count is reset to zero.
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from kvwise.core.admission import WaitingScan
 from kvwise.core.kv_cache_manager import KVCacheManager
 from kvwise.core.kv_tiers import KVTierPlanner
-from kvwise.core.load_plans import GroupLoad, plan_group_loads
-from kvwise.core.outputs import KVLoad, KVSave, ModelOutput, ScheduledRequest, SchedulerOutput
+from kvwise.core.outputs import KVSave, ModelOutput, ScheduledRequest, SchedulerOutput
 from kvwise.core.request import Request, RequestStatus
-from kvwise.core.save_plans import plan_saves
 from kvwise.core.scheduler_config import SchedulerConfig
+from kvwise.core.stopping import stop_reason
+from kvwise.core.tier_coordinator import TierCoordinator
 from kvwise.errors import ContextLengthExceeded, InvalidRequest, QueueFullError
 from kvwise.types import FinishReason
 
@@ -61,11 +61,7 @@ class Scheduler:
         step = config.max_num_batched_tokens  # (the most prompt tokens of one step: a chunk)
         self._chunk = min(config.prefill_chunk_size or step, step)
         self.tiers = tiers if kv_manager.enable_caching else None
-        self._pending_saves: list[KVSave] = []
-        # request id -> (device blocks it was planned for, loads): kept while it waits
-        self._waiting_loads: dict[str, tuple[int, list[GroupLoad]]] = {}
-        # admitted with a load in this step: (device blocks, loads)
-        self._step_loads: dict[str, tuple[int, list[GroupLoad]]] = {}
+        self.tier_coordinator = TierCoordinator(self.tiers, kv_manager)
         self.kv = kv_manager
         self._windowed = any(kv_manager.windows)  # the tiers get windowed groups' prompts
         self.max_model_len = max_model_len
@@ -77,7 +73,6 @@ class Scheduler:
         self.num_prefill_waits = 0  # admissions put off a step: their prompt was being computed
         self.num_admission_skips = 0  # admissions past a waiting request that did not fit
         self.num_admission_aged = 0  # requests skipped max_admission_skips times (then FIFO)
-        self.num_load_rollbacks = 0
         self._finished_while_scheduling: list[Request] = []  # reported by the next update()
 
     # ---- admission ----------------------------------------------------------------------
@@ -126,10 +121,14 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self._plan_saves(request)
+        self.tier_coordinator.plan_saves(request)
         self.kv.free(request)
-        self._waiting_loads.pop(request.request_id, None)
+        self.tier_coordinator.forget(request.request_id)
         del self.requests[request.request_id]
+
+    @property
+    def num_load_rollbacks(self) -> int:
+        return self.tier_coordinator.num_load_rollbacks
 
     @property
     def num_unfinished(self) -> int:
@@ -137,8 +136,12 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int, computed: int | None = None) -> int:
+        """Tokens to compute for ``request`` this step (``computed``: its computed tokens, when
+        they are not ``num_computed_tokens`` yet: at admission)."""
+        if computed is None:
+            computed = request.num_computed_tokens
+        num_new = request.num_tokens - computed
         if num_new > 1 and self.config.prefill_chunk_size is not None:
             num_new = min(num_new, self.config.prefill_chunk_size)
         return min(num_new, budget)
@@ -156,7 +159,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(released_block_ids=self.kv.take_released())
-        self._step_loads = {}
+        self.tier_coordinator.begin_step()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[list[int]], int]] = []
         budget = self._schedule_running(out, scheduled, budget)
@@ -260,7 +263,7 @@ class Scheduler:
         in_pool = 1 if num_cached == request.num_tokens else 0
         num_cached -= in_pool
         num_device = num_cached // bs
-        loads = [] if in_pool else self._plan_load(request, num_device)
+        loads = [] if in_pool else self.tier_coordinator.plan_load(request, num_device)
         room = None if committed is None else self.kv.pool.num_free_blocks - committed
         if (
             room is not None
@@ -270,9 +273,7 @@ class Scheduler:
         # loaded: the tokens after the device hit up to the end of group 0's load (a windowed
         # group's table holds the null block before its window's first loaded block)
         num_loaded = (loads[0][2] + loads[0][1].num_blocks - num_device) * bs if loads else 0
-        request.num_computed_tokens = num_cached + num_loaded
-        num_new = self._num_new_tokens(request, budget)
-        request.num_computed_tokens = 0
+        num_new = self._num_new_tokens(request, budget, num_cached + num_loaded)
         tables = self.kv.allocate_slots(
             request, num_loaded + num_new - in_pool, computed_blocks, num_loaded_tokens=num_loaded
         )
@@ -285,17 +286,8 @@ class Scheduler:
             self._finished_while_scheduling.append(request)
             return ()
         self.waiting.remove(request)
-        self._waiting_loads.pop(request.request_id, None)
-        if loads:
-            self._step_loads[request.request_id] = (num_device, loads)
-            for group, plan, first in loads:
-                ids = tables[group]
-                for chunk in plan.chunks:
-                    out.kv_loads.append(
-                        KVLoad(request.request_id, ids[first : first + chunk.num_blocks], chunk)
-                    )
-                    first += chunk.num_blocks
-            request.num_loaded_tokens += num_loaded
+        self.tier_coordinator.admitted(request, num_device, loads, tables, out)
+        request.num_loaded_tokens += num_loaded
         num_cached += num_loaded
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens < 0:
@@ -304,42 +296,13 @@ class Scheduler:
         self.running.append(request)
         return request, num_new, tables, in_pool
 
-    def _plan_load(self, request: Request, num_device_blocks: int) -> list[GroupLoad]:
-        """The stored continuation of a device prefix hit that is worth loading, if any: a
-        ``(group, plan, first block)`` per KV group, group 0's first (its plan chose how far
-        to load; ``first``: where group 0's starts, past the device hit, for a windowed
-        group 0 whose load starts at its window). Empty: nothing to load.
-
-        NOTE: a request that waits for blocks keeps its plan, so that the tiers are not asked
-        again at every step while it waits.
-        """
-        if self.tiers is None or request.sampling_params.prompt_logprobs is not None:
-            return []  # (prompt logprobs: every prompt row is computed)
-        kept = self._waiting_loads.get(request.request_id)
-        if kept is not None and kept[0] == num_device_blocks:
-            return kept[1]
-        loads = plan_group_loads(self.tiers, self.kv, request, num_device_blocks)
-        self._waiting_loads[request.request_id] = (num_device_blocks, loads)
-        return loads
-
-    def _plan_saves(
-        self, request: Request, windowed_only: bool = False, soon: bool = False
-    ) -> None:
-        """Queue the blocks of a request leaving the pool for the tiers (``save_plans``);
-        ``windowed_only``: its windowed groups' now, as its prompt is done; ``soon``: it was
-        preempted and will load them back."""
-        if self.tiers is not None:
-            saves = plan_saves(self.tiers, self.kv, request, windowed_only, soon)
-            self._pending_saves.extend(saves)
-
     def take_saves(self) -> list[KVSave]:
         """Blocks to copy out for the tiers; copy them before the next step runs."""
-        saves, self._pending_saves = self._pending_saves, []
-        return saves
+        return self.tier_coordinator.take_saves()
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self._plan_saves(request, soon=True)
+        self.tier_coordinator.plan_saves(request, soon=True)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -367,7 +330,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_tokens_projected += item.num_tokens
             if item.request_id in short_loads:
-                self._roll_back_load(request, item, short_loads[item.request_id])
+                self.tier_coordinator.roll_back(request, item, short_loads[item.request_id])
                 continue
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_full_blocks(request)
@@ -376,11 +339,12 @@ class Scheduler:
             if not item.sample:
                 continue
             if self._windowed and not request.num_output_tokens:
-                self._plan_saves(request, windowed_only=True)  # its prompt is done
+                self.tier_coordinator.plan_saves(request, windowed_only=True)  # its prompt is done
             token_id, logprob = model_out.sampled[item.request_id]
-            reason = request.append_token(token_id, logprob)
+            request.append_token(token_id, logprob)
             if request.sampling_params.logprobs is not None:
                 request.output_top_logprobs.append(model_out.top_logprobs.get(item.request_id, []))
+            reason = stop_reason(request, token_id)  # the one place a request's end is decided
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
@@ -388,34 +352,6 @@ class Scheduler:
                 request.num_computed_tokens = 0  # recompute everything next step
             updates.append(RequestUpdate(request, [token_id], reason is not None))
         return updates
-
-    def _roll_back_load(self, request: Request, item: ScheduledRequest, num_loaded: int) -> None:
-        """A planned load delivered fewer blocks than planned (a miss, a fault or an entry
-        that stopped matching): what this step computed for the request rests on KV that is
-        not there, so keep only what was verified and recompute the rest from there (a
-        hybrid or windowed model: from the device hit, since a group's verified blocks need
-        the others' and their window's).
-
-        ::
-
-            | device hit | loaded ok | missing ... | this step's tokens |   (before)
-            | device hit | loaded ok |<- recomputed from here, next steps ->|
-        """
-        num_device, loads = self._step_loads.pop(request.request_id)
-        _, plan, first = loads[0]
-        if len(loads) > 1 or first != num_device:
-            num_loaded = 0
-        planned = first + plan.num_blocks - num_device
-        missing_tokens = (planned - num_loaded) * self.kv.block_size
-        request.num_computed_tokens = item.start_pos - missing_tokens
-        # NOTE: clamped: after a preemption these counts may predate this admission
-        request.num_loaded_tokens = max(0, request.num_loaded_tokens - missing_tokens)
-        request.num_cached_tokens = max(0, request.num_cached_tokens - missing_tokens)
-        self.kv.cache_full_blocks(request)
-        self.num_load_rollbacks += 1
-        if self.tiers is not None:
-            for _, group_plan, _ in loads:
-                self.tiers.roll_back(group_plan, num_loaded)
 
 
 def _reads_history(request: Request) -> bool:

@@ -150,6 +150,12 @@ class EngineClient(Protocol):
         """
         ...
 
+    async def tool_pause(self, request_id: str) -> int:
+        """A finished turn (``request_id``) ended in tool calls: keep its KV ahead of other
+        cached blocks until the turn with the tool's result. Returns the tokens kept (0: the
+        turn is not remembered, or this client keeps nothing more: a router over replicas)."""
+        ...
+
     async def tokenize(self, prompt: Prompt, tenant: str = "default") -> list[int]:
         """The prompt's token ids as ``add_request`` computes them for ``tenant`` (chat
         messages rendered with the model's template and the generation prompt, unless a

@@ -33,6 +33,7 @@ from kvwise.engine.prompts import (
 )
 from kvwise.engine.sessions import SessionMap
 from kvwise.engine.stats import EngineStats, grammar_stats, tool_pause_stats
+from kvwise.engine.stop_parts import GrammarStop, TextStop
 from kvwise.engine.structured import Grammar
 from kvwise.engine.tool_pauses import ToolPauses
 from kvwise.errors import InvalidRequest, SessionBusy, SessionNotFound
@@ -145,8 +146,12 @@ class LLMEngine:
             arrival_time=now,
         )
         request.grammar = grammar
+        # its stop policy's parts beyond its token limits (core/stopping.py): its grammar,
+        # then its text and stop strings (the text its outputs carry, too)
+        text = TextStop(self.tokenizer, params.stop)
+        request.stop_parts = [GrammarStop(grammar), text] if grammar is not None else [text]
         self.scheduler.add_request(request)
-        self.outputs.add(request, now)
+        self.outputs.add(request, now, text)
         return request_id
 
     def abort(self, request_ids: list[str]) -> None:
@@ -184,12 +189,10 @@ class LLMEngine:
         self.num_last_rows_reused += model_out.last_rows_reused
         failed.update(model_out.failed)
         failed_updates = self._fail_rows(failed)
+        # every request's end is decided in here, once per sampled token (core/stopping.py)
         updates = self.scheduler.update(sched_out, model_out, short_loads)
         self.num_generated_tokens += sum(len(u.new_token_ids) for u in updates)
-        completed = self._grammar_accept(updates, failed)
         processed = self.outputs.process(failed_updates + updates)
-        if processed.stopped_ids or completed:
-            self.scheduler.finish_requests(processed.stopped_ids + completed, FinishReason.STOP)
         if processed.failed:
             failed.update(processed.failed)
             self.scheduler.finish_requests(list(processed.failed), FinishReason.ERROR)
@@ -250,28 +253,6 @@ class LLMEngine:
             )
         self.scheduler.finish_requests([r.request_id for r in requests], FinishReason.ERROR)
         return [RequestUpdate(r, [], True) for r in requests]
-
-    def _grammar_accept(self, updates, failed: dict[str, str]) -> list[str]:
-        """Feed the sampled tokens to their grammars; returns the requests a grammar ended
-        (complete, or in error), their updates marked finished; a grammar that raises: its
-        request into ``failed``, ended with FinishReason.ERROR."""
-        completed = []
-        for update in updates:
-            grammar = update.request.grammar
-            if grammar is None or not update.new_token_ids:
-                continue
-            try:
-                accepted = all(grammar.accept(t) for t in update.new_token_ids)
-            except Exception as exc:  # noqa: BLE001 - this request fails alone
-                failed[update.request.request_id] = f"the grammar failed: {exc}"
-                update.finished = True
-                self.scheduler.finish_requests([update.request.request_id], FinishReason.ERROR)
-                continue
-            if (grammar.finished or not accepted) and not update.finished:
-                update.finished = True
-                update.request.finish_reason = FinishReason.STOP
-                completed.append(update.request.request_id)
-        return completed
 
     def _execute(self, sched_out: SchedulerOutput) -> tuple[ModelOutput, dict[str, int]]:
         """Run the model, streaming the step's planned loads in on a loader thread. Returns

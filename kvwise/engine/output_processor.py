@@ -1,10 +1,10 @@
-"""Token ids → text for every request in flight: incremental detokenizing, stop strings,
-timing, and the ``RequestOutput``s the engine returns. No torch.
+"""The ``RequestOutput``s the engine returns for every request in flight: text deltas,
+timing, counts. No torch.
 
-The scheduler reports what a step did to each request (``RequestUpdate``); this turns that
-into outputs with text deltas. A stop string found in the text finishes a request the
-scheduler thinks is still running: ``process`` returns its id, and the engine finishes it in
-the scheduler.
+The scheduler reports what a step did to each request (``RequestUpdate``), having decided
+already whether it ended (``core/stopping.py``: stop strings included). The text is made by
+the request's ``stop_parts.TextStop`` as the stop policy hands it each token; this takes what
+it made since the last output (at the end, its tail) and turns the update into an output.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from kvwise.core.breakpoints import created_tokens
 from kvwise.core.request import Request
 from kvwise.core.scheduler import RequestUpdate
-from kvwise.engine.detokenize import Decoder, IncrementalDetokenizer, StopStringMatcher
+from kvwise.engine.detokenize import Decoder
+from kvwise.engine.stop_parts import TextStop
 from kvwise.types import FinishReason, RequestMetrics, RequestOutput
 
 
@@ -24,8 +25,7 @@ class _RequestState:
     """Engine-side state of one request: text assembly and timing."""
 
     request: Request
-    detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher | None
+    text_stop: TextStop  # makes the text (and matches its stop strings)
     metrics: RequestMetrics
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -35,9 +35,8 @@ class _RequestState:
 @dataclass
 class ProcessedStep:
     outputs: list[RequestOutput]
-    stopped_ids: list[str]  # finished here by a stop string: finish them in the scheduler
     finished: list[Request]  # every request that finished in this step
-    # detokenizing failed (request id → why): finish them in the scheduler (FinishReason.ERROR)
+    # its text's tail failed (request id → why): it ended with FinishReason.ERROR
     failed: dict[str, str] = field(default_factory=dict)
 
 
@@ -52,12 +51,11 @@ class OutputProcessor:
         self.num_layers = num_layers
         self._states: dict[str, _RequestState] = {}
 
-    def add(self, request: Request, arrival_time: float) -> None:
-        stop = request.sampling_params.stop
+    def add(self, request: Request, arrival_time: float, text_stop: TextStop) -> None:
+        """Follow ``request``, whose text ``text_stop`` (one of its stop parts) makes."""
         self._states[request.request_id] = _RequestState(
             request=request,
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
-            stop_matcher=StopStringMatcher(stop) if stop else None,
+            text_stop=text_stop,
             metrics=RequestMetrics(arrival_time=arrival_time),
         )
 
@@ -71,16 +69,14 @@ class OutputProcessor:
 
     def process(self, updates: list[RequestUpdate]) -> ProcessedStep:
         now = time.perf_counter()
-        step = ProcessedStep([], [], [])
+        step = ProcessedStep([], [])
         for update in updates:
             state = self._states.get(update.request.request_id)
             if state is None:
                 continue
             try:  # one request's text failing ends that request alone
-                stopped: list[str] = []
-                delta_text, finished = self._advance(state, update, now, stopped)
+                delta_text, finished = self._advance(state, update, now)
                 out = self._output(state, delta_text, update.new_token_ids, finished)
-                step.stopped_ids += stopped
             except Exception as exc:  # noqa: BLE001 - the other requests' text goes on
                 step.failed[state.request.request_id] = f"detokenizing failed: {exc}"
                 state.request.finish_reason = FinishReason.ERROR
@@ -118,33 +114,20 @@ class OutputProcessor:
         )
 
     def _advance(
-        self, state: _RequestState, update: RequestUpdate, now: float, stopped: list[str]
+        self, state: _RequestState, update: RequestUpdate, now: float
     ) -> tuple[str, bool]:
         """Append the update's tokens; returns the new text and whether the request ended."""
-        request, metrics = state.request, state.metrics
+        metrics = state.metrics
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = now
-        delta_text = ""
-        finished = update.finished
         for token_id in update.new_token_ids:
             state.token_ids.append(token_id)
             metrics.token_times.append(now)
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
-            delta_text += state.detokenizer.add(token_id)
-        if finished:
-            delta_text += state.detokenizer.flush()
-        if state.stop_matcher is not None:
-            check = state.stop_matcher.feed(delta_text)
-            delta_text = check.text
-            if check.stopped and not finished:
-                finished = True
-                stopped.append(request.request_id)
-                request.finish_reason = FinishReason.STOP
-            elif finished:
-                delta_text += state.stop_matcher.flush()
+        delta_text = state.text_stop.take(ended=update.finished)
         state.text += delta_text
-        return delta_text, finished
+        return delta_text, update.finished
 
     def _output(
         self, state: _RequestState, delta_text: str, delta_ids: list[int], finished: bool
@@ -154,7 +137,8 @@ class OutputProcessor:
             **self._so_far(state),
             finished=finished,
             finish_reason=request.finish_reason if finished else None,
-            stop_string=state.stop_matcher.matched if finished and state.stop_matcher else None,
+            error=request.error if finished else None,
+            stop_string=state.text_stop.matched if finished else None,
             delta_text=delta_text,
             delta_token_ids=list(delta_ids),
             top_logprobs=_tops(request),

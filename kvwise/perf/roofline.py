@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwise.core.kv_spec import kv_format, kv_formats
+from kvwise.core.kv_spec import KVSpec, default_block_size, kv_formats
 
 WEIGHT_DTYPE_BYTES = {
     "float32": 4.0,
@@ -102,8 +102,16 @@ class ModelShape:
         return self.linear_params + embeddings
 
     def kv_bytes_per_token(self, kv_dtype: str) -> float:
-        per_value = kv_format(kv_dtype).bytes_per_value
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * per_value
+        """K and V of one token in every layer as the format stores them, scales included
+        (``KVSpec``; at the format's default block size)."""
+        spec = KVSpec(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            default_block_size(kv_dtype),
+            kv_dtype,
+        )
+        return spec.bytes_per_token
 
     def linear_flops(self, q: int) -> float:
         """FLOPs of one forward's matmuls over ``q`` tokens and one token's LM head."""

@@ -159,7 +159,7 @@ def report(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None
         f"{shape.num_layers} layers, {shape.num_heads} query heads, {shape.num_kv_heads} KV "
         f"heads ({shape.attention_kind}), head_dim {shape.head_dim}, {shape.dtype}",
         f"KV per token:   2 x {shape.num_layers} x {shape.num_kv_heads} x {shape.head_dim} x "
-        f"{kv_format(shape.dtype).bytes_per_value:g} B{_SCALES.get(shape.dtype, '')} = {per_token:,.0f} B "
+        f"{kv_format(shape.dtype).describe()} = {per_token:,.0f} B "
         f"({per_token / 1024:,.1f} KiB)",
         f"per request:    {num_tokens:,} tokens = {_gb(per_token * num_tokens)}",
         f"per batch:      {batch} x {num_tokens:,} tokens = {_gb(per_token * num_tokens * batch)}",
@@ -191,24 +191,6 @@ def report(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None
     return "\n".join(lines)
 
 
-_SCALES = {
-    "int8": " + scales (4 B per token and KV head)",
-    "int4": " + scales (4 B per 32 values: keys per channel over 32-token blocks, "
-    "values per 32 channels)",
-}
-
-# per format: what one element costs and the scales beside it (KVSpec's layouts)
-_FORMAT_NOTES = {
-    "float32": "4 B",
-    "float16": "2 B",
-    "bfloat16": "2 B",
-    "fp8": "1 B (one scale per tensor; size only, kvwise does not store it)",
-    "int8": "1 B + a float32 scale per token and KV head",
-    "int4": "0.5 B + a float16 scale and minimum per 32 values (keys: per channel over a "
-    "32-token block; values: per token and 32 channels)",
-}
-
-
 def format_table(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None) -> str:
     """Every KV format at this shape: bytes per token with their scales, per request, per
     batch, and the tokens ``memory_bytes`` holds."""
@@ -220,14 +202,15 @@ def format_table(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int 
     half = KVShape(
         shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, "float16"
     ).bytes_per_token
-    for dtype, note in _FORMAT_NOTES.items():
-        if dtype == "int4" and shape.head_dim % 2:
+    for dtype in kv_formats("size"):
+        try:
+            b = KVShape(
+                shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, dtype
+            ).bytes_per_token
+        except ValueError:  # a format this shape cannot hold (int4: an odd head_dim)
             continue
-        b = KVShape(
-            shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, dtype
-        ).bytes_per_token
         row = (
-            f"| {dtype} | {note} | {b:,.0f} B | {b * num_tokens / 1e9:,.3f} GB "
+            f"| {dtype} | {kv_format(dtype).describe()} | {b:,.0f} B | {b * num_tokens / 1e9:,.3f} GB "
             f"| {b * num_tokens * batch / 1e9:,.2f} GB | {b / half:.3f}x |"
         )
         if memory_bytes:

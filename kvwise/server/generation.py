@@ -258,8 +258,6 @@ class Generation:
         return outs
 
     async def tool_pause(self, request_id: str) -> None:
-        """A turn ended in tool calls: the engine keeps its KV for the tool's pause (an
-        engine without ``tool_pause``, a router over replicas say, keeps nothing more)."""
-        pause = getattr(self.engine, "tool_pause", None)
-        if pause is not None:
-            await pause(request_id)
+        """A turn ended in tool calls: the engine keeps its KV for the tool's pause
+        (``EngineClient.tool_pause``)."""
+        await self.engine.tool_pause(request_id)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from kvwise.core.kv_spec import INT4_BLOCK_SIZE, kv_format
+
 INV_127 = 1.0 / 127.0
 _F16_MAX = 65504.0  # int4's scale and minimum are float16: K/V beyond this saturate
 
@@ -57,18 +59,6 @@ def dequantize_int4(packed: torch.Tensor, scale_min: torch.Tensor, group: int) -
     return (q.float() * sm[..., 0:1] + sm[..., 1:2]).reshape(*lead, half * 2)
 
 
-def quantize(x: torch.Tensor, dtype: str, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales of ``x`` float32 in the quantized format ``dtype`` (int8 or int4)."""
-    return quantize_int8(x) if dtype == "int8" else quantize_int4(x, group)
-
-
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: str, group: int = 0):
-    """``quantize``'s inverse, float32."""
-    if dtype == "int8":
-        return dequantize_int8(codes, scales)
-    return dequantize_int4(codes, scales, group)
-
-
 def quantize_int4_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Full blocks of keys ``(n, block_size, heads, D)`` float32 -> codes ``(n, heads, D,
     block_size // 2)`` uint8 (two tokens a byte) and ``(n, heads, D, 2)`` float16 (scale, min):
@@ -85,7 +75,7 @@ def dequantize_int4_keys(codes: torch.Tensor, scale_min: torch.Tensor) -> torch.
     return x.permute(0, 3, 1, 2)
 
 
-KEY_BLOCK = 32  # int4: tokens per key block (the pool's block size for int4)
+KEY_BLOCK = INT4_BLOCK_SIZE  # int4: tokens per key block (the pool's block size for int4)
 
 
 def round_trip(
@@ -96,26 +86,36 @@ def round_trip(
     ``"int4-pt"`` (the formats the pool stores it measures through the pool itself), and the
     tests' reference of what a format keeps.
 
-    ``"int4"`` is the pool's: keys (``keys``) per channel over each full block of
-    ``key_block`` tokens (the last, partial block is returned as it is: the pool keeps an
-    unsealed block in full precision), values per token in groups of ``group`` channels.
-    ``"int4-pt"`` is measured only, never stored: keys per token like values (what 4-bit
-    costs without KIVI's per-channel keys)."""
-    if dtype == "int4" and keys:
-        if key_block < 2 or key_block % 2:
-            raise ValueError(f"kv_key_block: expected an even number of tokens, got {key_block}")
-        full = x.shape[0] // key_block * key_block
-        if full == 0:
-            return x
-        blocks = x[:full].reshape(full // key_block, key_block, *x.shape[1:])
-        back = dequantize_int4_keys(*quantize_int4_keys(blocks))
-        return torch.cat([back.reshape(full, *x.shape[1:]), x[full:]])
-    if dtype == "float32":
-        return x
-    if dtype in ("bfloat16", "float16"):
+    The registered format says how (``core/kv_spec.KVFormat``): a float format's values as
+    its torch dtype holds them; a quantized one's by the scales of the half (``keys`` or
+    values): one per token (8-bit codes: int8), per group of ``group`` channels (4-bit), or
+    per channel over each full block of ``key_block`` tokens (4-bit sealed keys: the last,
+    partial block is returned as it is, as the pool keeps an unsealed block in full
+    precision). ``"int4-pt"`` is measured only, never stored: keys per token like values
+    (what 4-bit costs without KIVI's per-channel keys)."""
+    fmt = kv_format(dtype)
+    scales = fmt.key_scales if keys else fmt.value_scales
+    if scales is None:
+        if fmt.quantized or not hasattr(torch, dtype):
+            raise ValueError(f"kv_cache_dtype: no round trip for {dtype!r}")
         return x.to(getattr(torch, dtype)).float()
-    if dtype in ("int8", "int4", "int4-pt"):
+    if scales.per == "channel" and fmt.bytes_per_value == 0.5:
+        return _round_trip_sealed(x, key_block)
+    if scales.per == "group" and fmt.bytes_per_value == 0.5:
         group = group or min(32, x.shape[-1])
-        dtype = dtype[:4]
-        return dequantize(*quantize(x, dtype, group), dtype, group)
-    raise ValueError(f"kv_cache_dtype: no round trip for {dtype!r} (the built-in formats have one)")
+        return dequantize_int4(*quantize_int4(x, group), group)
+    if scales.per == "token" and fmt.bytes_per_value == 1:
+        return dequantize_int8(*quantize_int8(x))
+    raise ValueError(f"kv_cache_dtype: no round trip for {dtype!r} ({scales.describe()})")
+
+
+def _round_trip_sealed(x: torch.Tensor, key_block: int) -> torch.Tensor:
+    """Keys per channel over each full block of ``key_block`` tokens; the rest as it is."""
+    if key_block < 2 or key_block % 2:
+        raise ValueError(f"kv_key_block: expected an even number of tokens, got {key_block}")
+    full = x.shape[0] // key_block * key_block
+    if full == 0:
+        return x
+    blocks = x[:full].reshape(full // key_block, key_block, *x.shape[1:])
+    back = dequantize_int4_keys(*quantize_int4_keys(blocks))
+    return torch.cat([back.reshape(full, *x.shape[1:]), x[full:]])

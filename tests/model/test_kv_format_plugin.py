@@ -24,6 +24,7 @@ from kvwise.core.kv_spec import (  # noqa: E402
     register_kv_format,
     unregister_kv_format,
 )
+from kvwise.perf.sizing import KVShape, format_table  # noqa: E402
 from kvwise.worker.kv_cache import (  # noqa: E402
     FloatKVCache,
     make_kv_cache,
@@ -91,6 +92,11 @@ def test_the_toy_format_is_registered_and_built(f16x):
     assert spec.layout.endswith(".f16x") and not spec.quantized
     cache = make_kv_cache(spec, 4, torch.float32)
     assert type(cache) is Float16xKVCache and cache.kv.dtype == torch.float16 and cache.lossy
+    # ``kvwise size`` lists it, at float16's bytes (it asks the registry, not a list of its own)
+    table = format_table(KVShape(2, 4, 2, 16, "float16"), 1024, 1, None)
+    assert [row.split(" | ")[:3] for row in table.splitlines() if "f16x" in row] == [
+        ["| f16x", "2 B", "256 B"]
+    ]
 
 
 def test_it_answers_as_float16_cold_cached_and_from_the_host_tier(f16x, tiny_model):

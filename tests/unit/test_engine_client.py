@@ -16,7 +16,9 @@ from kvwise.cluster.remote import RemoteEngine, ReplicaSpec
 from kvwise.core.hashing import BlockHasher
 from kvwise.engine.async_engine import AsyncEngine
 from kvwise.engine.client import EngineClient, RequestStream
+from kvwise.server import routes
 from kvwise.server.app import create_app
+from kvwise.server.tools import _new_call
 from tests.fakes import ByteTokenizer, fake_engine
 
 
@@ -100,6 +102,7 @@ class Minimal:
     def stop(self) -> None: ...
     async def add_request(self, prompt, params, options=None, *, request_id=None): ...
     async def park(self, session_id: str, tenant: str = "default") -> int: ...
+    async def tool_pause(self, request_id: str) -> int: ...
     async def tokenize(self, prompt, tenant: str = "default") -> list[int]: ...
     async def detokenize(self, token_ids) -> str: ...
     def stats(self): ...
@@ -148,7 +151,11 @@ class OnlyTheProtocol:
         return getattr(self._engine, name)
 
 
-def test_the_server_calls_only_the_protocol():
+def test_the_server_calls_only_the_protocol(monkeypatch):
+    # the fake model writes no tool call: its answers are read as one, so that the turn
+    # ends in tool calls and the server asks for a tool pause
+    monkeypatch.setattr(routes, "_answer", lambda out, names: (None, [_new_call("look", "{}")]))
+    monkeypatch.setattr(routes, "_cut", lambda out: False)  # (not cut by max_tokens)
     engine = AsyncEngine(fake_engine(kv_host_memory="1MiB"))
     only = OnlyTheProtocol(engine)
     app = create_app(only)
@@ -159,7 +166,8 @@ def test_the_server_calls_only_the_protocol():
             streamed = client.post("/v1/completions", json={**body, "stream": True})
             assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
             chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-            assert client.post("/v1/chat/completions", json=chat).status_code == 200
+            answer = client.post("/v1/chat/completions", json=chat).json()
+            assert answer["choices"][0]["finish_reason"] == "tool_calls"
             park = client.post("/v1/kvwise/park", json={"prompt_cache_key": "s1"})
             assert park.status_code == 200, park.text
             tokens = client.post("/tokenize", json={"prompt": "hello"}).json()["tokens"]

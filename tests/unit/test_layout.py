@@ -204,3 +204,21 @@ def test_functions_are_small():
                 if lines > MAX_FUNCTION_LINES:
                     too_long[f"{path.relative_to(PACKAGE)}:{node.name}"] = lines
     assert too_long == {}
+
+
+DOCS = PACKAGE.parent / "docs"
+MAX_MAP_LINES = 150
+
+
+def test_the_module_map_fits_a_page_and_every_module_is_described():
+    architecture = (DOCS / "ARCHITECTURE.md").read_text()
+    start = architecture.index("## Module map")
+    end = architecture.index("\n## ", start + 1)
+    assert architecture[start:end].count("\n") <= MAX_MAP_LINES
+    detailed = (DOCS / "MODULES.md").read_text()
+    undescribed = [
+        str(path.relative_to(PACKAGE))
+        for path in _modules().values()
+        if path.name not in ("__init__.py", "__main__.py") and path.name not in detailed
+    ]
+    assert undescribed == []

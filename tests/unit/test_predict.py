@@ -35,6 +35,8 @@ def test_model_shapes_count_what_their_papers_say():
     assert SMOL.total_params == pytest.approx(134.5e6, rel=0.01)  # tied embeddings: 135M
     assert SMOL.kv_bytes_per_token("float16") == 23_040
     assert SMOL.kv_bytes_per_token("float32") == 46_080  # what kvwise's pool holds by default
+    # a quantized format with its scales, as the pool stores it (kvwise size's figure)
+    assert SMOL.kv_bytes_per_token("int8") == 11_520 + 2 * 30 * 3 * 4 == 12_240
     assert model_shape("default") is SMOL
     assert model_shape("Llama-3-70B") is LLAMA70
     given = model_shape("layers=80,hidden=8192,intermediate=28672,heads=64,kv_heads=8,vocab=128256")

@@ -102,7 +102,7 @@ def test_a_failed_detokenizer_ends_its_request_alone(alone):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return ""
 
-    state.detokenizer.add = broken_add
+    state.text_stop.detokenizer.add = broken_add
     done = _run_batch(engine, ids)
     _check(engine, done, ids, alone, "detokenizing failed")
 

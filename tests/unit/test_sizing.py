@@ -79,7 +79,11 @@ def test_every_kv_format_is_reported_with_its_scales(capsys):
     assert main(["size", "--layers", "30", "--heads", "9", "--kv-heads", "3", "--head-dim", "64",
                  "--memory", "1GiB", "--dtype", "int8"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "1 B + scales (4 B per token and KV head) = 12,240 B" in out
+    # the format's own description (KVFormat.describe), not a list kept by ``kvwise size``
+    assert (
+        "1 B + scales: keys 4 B per token and KV head, values 4 B per token and KV head "
+        "= 12,240 B"
+    ) in out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert "46,080 B" in rows["float32"] and "12,240 B" in rows["int8"]
     assert "7,200 B" in rows["int4"]  # 2 x 30 x 3 x (32 + 8) B

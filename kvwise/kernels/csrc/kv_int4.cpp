@@ -16,9 +16,7 @@
 // every element: q . k = sum_d (q_d * scale_d) * code_d + sum_d q_d * min_d, and
 // sum_t p_t v_t = sum_t (p_t * scale_t) * code_t + sum_t p_t * min_t per group. Same maths as
 // the torch path (gather, dequantize, SDPA), another rounding order.
-// Per call, a layer's kind, as in paged_attention.cpp: window = W > 0, a row sees its last W
-// keys only (the blocks before them never read); softcap = c > 0, each score (after the scale)
-// becomes c * tanh(score / c) before the softmax, by `cap_scores`, a function of the score alone.
+// Per call, a layer's kind (window, softcap), as attention_kind.h defines it for both kernels.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,6 +26,7 @@
 #include <cmath>
 #include <vector>
 
+#include "attention_kind.h"
 #include "vec.h"
 #include "parallel.h"
 
@@ -150,8 +149,7 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
                                        const at::Tensor& open_slots, double scale_in,
                                        int64_t block_size, int64_t group, int64_t window,
                                        double softcap_in) {
-  TORCH_CHECK(window >= 0, "paged_decode_attention_int4: window must be >= 0 (0: none)");
-  TORCH_CHECK(softcap_in >= 0, "paged_decode_attention_int4: softcap must be >= 0 (0: none)");
+  check_attention_kind("paged_decode_attention_int4", window, softcap_in);
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "paged_decode_attention_int4: q must be float32 (B, H, D)");
   TORCH_CHECK(staged.dim() == 4 && staged.scalar_type() == at::kFloat && staged.is_contiguous(),
@@ -193,9 +191,7 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
   // scores are kept from the start of that key's block (`from(b)`, `span(b)` of them), the
   // blocks before it never read (they may be gone from the table), the keys of the first
   // block before first_key(b) weighted 0.
-  auto first_key = [&](int64_t b) {
-    return window > 0 ? std::max<int64_t>(0, lens[b] - window) : int64_t{0};
-  };
+  auto first_key = [&](int64_t b) { return window_first_key(lens[b], window); };
   auto from = [&](int64_t b) { return first_key(b) / bs * bs; };
   auto span = [&](int64_t b) { return lens[b] - from(b); };
   at::Tensor out = at::empty({B, H, D}, q.options());

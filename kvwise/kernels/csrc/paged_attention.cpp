@@ -15,10 +15,8 @@
 // (tests/unit/test_kernels.py, tests/model/test_batch_invariance.py). The query heads of one
 // kv head (GQA) are handled together, so each K/V row is read once.
 //
-// Per call, a layer's kind: `window` = W > 0, a row sees its last W keys only (the spans before
-// them skipped); `softcap` = c > 0, every score (after the scale) becomes c * tanh(score / c)
-// before the softmax (Gemma 2), by one function of the score alone (`cap_scores`). 0: neither,
-// and the bits are those of a kernel without them.
+// Per call, a layer's kind (`window`, `softcap`), as attention_kind.h defines it for both
+// kernels: the spans before a row's window are skipped.
 //
 // Registered as torch.ops.kvwise.paged_decode_attention (float pools) and
 // paged_decode_attention_int8; kvwise/worker/kernels.py builds them.
@@ -33,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_kind.h"
 #include "vec.h"
 #include "parallel.h"
 
@@ -851,7 +850,7 @@ Sharing find_shared(const int64_t* tables, int64_t max_blocks, const int64_t* le
     if (group_start[gi + 1] - group_start[gi] != 1) continue;
     const int64_t b = group_start[gi], len = lens[b];
     const int64_t* table = tables + b * max_blocks;
-    const int64_t key0 = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t key0 = window_first_key(len, window);
     for (int64_t s = (key0 + kSpan - 1) / kSpan; (s + 1) * kSpan <= len; ++s) {
       uint64_t key = static_cast<uint64_t>(s) * 0x9E3779B97F4A7C15ull;
       for (int64_t j = first_block(s); j <= last_block(s); ++j)
@@ -905,9 +904,7 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
   // `window`; its spans are still the fixed partition from key 0, the first one cut at
   // first_key(b), and the spans before it are skipped (their blocks are never read, so they
   // may be gone from the table)
-  auto first_key = [&](int64_t b) {
-    return window > 0 ? std::max<int64_t>(0, lens[b] - window) : int64_t{0};
-  };
+  auto first_key = [&](int64_t b) { return window_first_key(lens[b], window); };
   auto first_span = [&](int64_t b) { return first_key(b) / kSpan; };
   auto spans_of = [&](int64_t b) { return (lens[b] + kSpan - 1) / kSpan; };
   int64_t total = 0, max_len = 0;
@@ -1172,8 +1169,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, a
                                   const c10::optional<at::Tensor>& v_new,
                                   const c10::optional<at::Tensor>& slots, int64_t window,
                                   double softcap) {
-  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: none)");
-  TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be >= 0 (0: none)");
+  check_attention_kind("paged_decode_attention", window, softcap);
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "paged_decode_attention: q (T, H, D), caches (blocks, block_size, KVH, D)");
   const auto dtype = k_cache.scalar_type();
@@ -1230,8 +1226,7 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q_in, at::Tensor& k_raw
                                        const c10::optional<at::Tensor>& v_new,
                                        const c10::optional<at::Tensor>& slots, int64_t window,
                                        double softcap) {
-  TORCH_CHECK(window >= 0, "paged_decode_attention_int8: window must be >= 0 (0: none)");
-  TORCH_CHECK(softcap >= 0, "paged_decode_attention_int8: softcap must be >= 0 (0: none)");
+  check_attention_kind("paged_decode_attention_int8", window, softcap);
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "paged_decode_attention_int8: q must be float32 (T, H, D)");
   TORCH_CHECK(k_raw.scalar_type() == at::kByte && v_raw.scalar_type() == at::kByte &&
