@@ -113,9 +113,7 @@ class OutputProcessor:
             metrics=state.metrics,
         )
 
-    def _advance(
-        self, state: _RequestState, update: RequestUpdate, now: float
-    ) -> tuple[str, bool]:
+    def _advance(self, state: _RequestState, update: RequestUpdate, now: float) -> tuple[str, bool]:
         """Append the update's tokens; returns the new text and whether the request ended."""
         metrics = state.metrics
         if metrics.first_scheduled_time is None:

@@ -81,8 +81,7 @@ def test_every_kv_format_is_reported_with_its_scales(capsys):
     out = capsys.readouterr().out
     # the format's own description (KVFormat.describe), not a list kept by ``kvwise size``
     assert (
-        "1 B + scales: keys 4 B per token and KV head, values 4 B per token and KV head "
-        "= 12,240 B"
+        "1 B + scales: keys 4 B per token and KV head, values 4 B per token and KV head = 12,240 B"
     ) in out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert "46,080 B" in rows["float32"] and "12,240 B" in rows["int8"]
