@@ -28,7 +28,7 @@ from kvwise.core.block_pool import BlockPool, KVBlock
 from kvwise.core.breakpoints import BreakpointKeeper, BreakpointPolicy
 from kvwise.core.hashing import BlockHash, BlockHasher, group_hash
 from kvwise.core.kv_events import KVEvent, KVEventLog
-from kvwise.core.kv_spec import first_window_block, held_blocks
+from kvwise.core.kv_groups import make_group
 from kvwise.core.kv_stats import KVCacheStats, kv_utilization
 from kvwise.core.request import Request
 
@@ -77,6 +77,8 @@ class KVCacheManager:
         # a windowed group's table points here where its blocks fell out of the window: a
         # block never freed, written or read (the kernels skip the blocks before the window)
         self.null_block = self.pool.null_block
+        # one manager per KV group, by its kind of attention (core/kv_groups.py)
+        self.groups = [make_group(self.pool, block_size, w) for w in self.windows]
         # cache breakpoints: keep runs, keeps at free, expiry at lookup (core/breakpoints.py)
         self.keeper = BreakpointKeeper(self.pool, block_size, breakpoints or BreakpointPolicy())
         self.req_to_blocks: dict[str, list[list[KVBlock]]] = {}  # one table per group
@@ -144,7 +146,7 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int, step_tokens: int) -> int:
         """Blocks of every group one sequence of ``num_tokens`` holds while computing its last
         ``step_tokens``."""
-        return sum(held_blocks(w, self.block_size, num_tokens, step_tokens) for w in self.windows)
+        return sum(group.blocks_held(num_tokens, step_tokens) for group in self.groups)
 
     def blocks_to_come(
         self, request: Request, step_tokens: int, hit: list[list[KVBlock]] | None = None
@@ -159,8 +161,8 @@ class KVCacheManager:
         if hit is not None:
             return need - sum(1 for t in hit for b in t if b is not null and b.ref_cnt > 0)
         held = sum(
-            len(t) if not w else sum(1 for b in t if b is not null)
-            for t, w in zip(self.req_to_blocks.get(request.request_id, ()), self.windows)
+            group.held(t, null)
+            for t, group in zip(self.req_to_blocks.get(request.request_id, ()), self.groups)
         )
         return max(0, need - held)
 
@@ -254,6 +256,9 @@ class KVCacheManager:
         return len(self._find_hit(request)[0]) * self.block_size
 
     def _find_hit(self, request: Request) -> list[list[KVBlock]]:
+        """Each group's table of the longest hit every group can serve: a full group's cached
+        prefix bounds the hit; each windowed group then shortens it until the next token's
+        window is cached (``kv_groups``)."""
         last = request.num_tokens if self.whole_hits else request.num_tokens - 1
         max_blocks = last // self.block_size
         if request.hit_limit_blocks is not None:  # a breakpoint's keep ran out there
@@ -262,45 +267,18 @@ class KVCacheManager:
         get = self.pool.get_cached_block
         found: list[list[KVBlock | None]] = []
         n = max_blocks
-        for g, window in enumerate(self.windows):
-            hashes = self.group_hashes(request, g)
-            if window:  # every block: the hit's window may lie anywhere
-                found.append([get(h) for h in hashes[:max_blocks]])
-                continue
-            blocks = []  # a full group: its cached prefix
-            for h in hashes[:n]:
-                block = get(h)
-                if block is None:
-                    break
-                blocks.append(block)
-            found.append(blocks)
-            n = len(blocks)
-        windowed = [g for g, w in enumerate(self.windows) if w]
+        for g, group in enumerate(self.groups):
+            found.append(group.found(self.group_hashes(request, g), n, get))
+            n = group.longest_hit(found[g], n) if not group.window else n
+        windowed = [(g, group) for g, group in enumerate(self.groups) if group.window]
         while windowed:  # windowed groups: the longest hit whose window is cached
-            shorter = min(self._window_hit(found[g], self.windows[g], n) for g in windowed)
+            shorter = min(group.longest_hit(found[g], n) for g, group in windowed)
             if shorter == n:
                 break
             n = shorter
-        null = self.null_block
         return [
-            [null] * (first := first_window_block(w, self.block_size, n * self.block_size))
-            + found[g][first:n]
-            for g, w in enumerate(self.windows)
+            group.hit_table(found[g], n, self.null_block) for g, group in enumerate(self.groups)
         ]
-
-    def _window_hit(self, found: list[KVBlock | None], window: int, n: int) -> int:
-        """The most blocks m <= n whose next token's window (blocks ``first .. m - 1``) is
-        all in ``found``."""
-        bs = self.block_size
-        run = 0  # cached blocks in a row ending at block m - 1
-        runs = [0] * (n + 1)
-        for m in range(1, n + 1):
-            run = run + 1 if found[m - 1] is not None else 0
-            runs[m] = run
-        for m in range(n, 0, -1):
-            if runs[m] >= m - first_window_block(window, bs, m * bs):
-                return m
-        return 0
 
     def allocate_slots(
         self,
@@ -324,64 +302,26 @@ class KVCacheManager:
         num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
         computed = request.num_computed_tokens + num_hit * self.block_size
         num_required = self.blocks_needed(computed + num_new_tokens)
-        bs, null = self.block_size, self.null_block
         num_old = len(tables[0]) - num_hit  # blocks it held before this call, per group
-        wanted = 0  # fresh blocks to take: new ones, and real ones where the null block is
-        for table, window in zip(tables, self.windows):
-            first = first_window_block(window, bs, computed + num_loaded_tokens)
-            wanted += max(0, num_required - max(len(table), first))
-            wanted += sum(1 for b in table[first:num_required] if b is null)
-            # NOTE: the blocks it lets go first (a windowed group's, before the window) join the
-            # free ones, unless another request holds them too (a revived one: back where it was)
-            gone = table[: first_window_block(window, bs, computed)]
-            wanted -= sum(b is not null and b.ref_cnt == (i < num_old) for i, b in enumerate(gone))
-        # reviving a free cached block also takes it out of the free queue
+        # fresh blocks to take: each group's (its manager's count), and reviving a free cached
+        # block also takes it out of the free queue
+        wanted = sum(
+            group.wanted(table, computed, num_loaded_tokens, num_required, num_old)
+            for table, group in zip(tables, self.groups)
+        )
         if new_computed_blocks:
             wanted += sum(1 for t in new_computed_blocks for b in t if b.ref_cnt == 0)
         if wanted > self.pool.num_free_blocks:
             return None
+        null = self.null_block
         if new_computed_blocks:
             self.pool.touch(b for t in new_computed_blocks for b in t if b is not null)
-        for table, window in zip(tables, self.windows):
-            self._let_go(table, first_window_block(window, bs, computed))  # before any fill
-        out = []
-        for g, window in enumerate(self.windows):
-            table = tables[g]
-            if window:
-                first = first_window_block(window, bs, computed + num_loaded_tokens)
-                table = self._fill(table, first, num_required)
-            elif num_required > len(table):
-                table = table + self.pool.get_new_blocks(num_required - len(table))
-            tables[g] = table
-            out.append([b.block_id for b in table])
+        for table, group in zip(tables, self.groups):
+            group.let_go(table, computed, self.released)  # before any group grows
+        start = computed + num_loaded_tokens
+        tables = [group.grow(t, start, num_required) for t, group in zip(tables, self.groups)]
         self.req_to_blocks[request.request_id] = tables
-        return out
-
-    def _let_go(self, table: list[KVBlock], first: int) -> None:
-        """Free a windowed group's blocks before ``first`` (its window's first block) and
-        point the table at the null block there. They join the free queue in LRU order, as
-        vLLM's do: freed before the rest of their sequence, they are evicted before it, and
-        until then they still serve a hit whose window they lie in."""
-        null = self.null_block
-        gone = [b for b in table[:first] if b is not null]
-        if not gone:
-            return
-        self.released.extend(b.block_id for b in gone if b.block_hash is None)
-        k = min(first, len(table))
-        table[:k] = [null] * k
-        self.pool.free_blocks(reversed(gone))
-
-    def _fill(self, table: list[KVBlock], first: int, num_required: int) -> list[KVBlock]:
-        """A windowed group's table grown to ``num_required`` blocks: the null block before
-        ``first``, fresh blocks from there (also where the null block was)."""
-        null = self.null_block
-        table = table + [null] * max(0, min(first, num_required) - len(table))
-        holes = [i for i in range(first, min(len(table), num_required)) if table[i] is null]
-        num_new = max(0, num_required - len(table))
-        fresh = self.pool.get_new_blocks(len(holes) + num_new) if holes or num_new else []
-        for i, block in zip(holes, fresh):
-            table[i] = block
-        return table + fresh[len(holes) :]
+        return [[b.block_id for b in table] for table in tables]
 
     def cache_full_blocks(self, request: Request) -> None:
         """Record the request's computed full blocks in the prefix index (each group's under
