@@ -34,14 +34,13 @@ import json
 import math
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from kvwise.bench import agent_apis, llamacpp, vllm_peer
 from kvwise.bench.chat import _CHARS_PER_TOKEN, _slices
-from kvwise.bench.common import percentile, serve_process, sse_chunks
+from kvwise.bench.common import kvwise_serve_cmd, percentile, serve_process, sse_chunks
 from kvwise.bench.progress import bar
 
 TOOL = {
@@ -253,20 +252,7 @@ def _cross_tenant_hits(turns, primed: dict[str, int]) -> int | None:
 def _kvwise_cmd(
     gguf: str, port: int, config: str, pool: str, disk: str, tenants: int, kv_dtype: str = "auto"
 ) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvwise.cli",
-        "serve",
-        "--model",
-        gguf,
-        "--port",
-        str(port),
-        "--kv-cache-memory",
-        pool,
-        "--kv-cache-dtype",
-        kv_dtype,
-    ]
+    cmd = kvwise_serve_cmd(gguf, port, "--kv-cache-memory", pool, "--kv-cache-dtype", kv_dtype)
     for t in range(abs(tenants) if abs(tenants) > 1 else 0):  # < 0: the keys share one tenant
         cmd += ["--api-key", f"key-{t}=tenant-{t if tenants > 0 else 0}"]
     if config == "tiers":

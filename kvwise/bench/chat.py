@@ -23,13 +23,12 @@ import asyncio
 import functools
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from kvwise.bench import llamacpp, vllm_peer
-from kvwise.bench.common import serve_process, sse_chunks
+from kvwise.bench.common import kvwise_serve_cmd, serve_process, sse_chunks
 from kvwise.bench.progress import bar
 
 # characters per token of the reference text under the default model's tokenizer (measured:
@@ -129,20 +128,7 @@ def main(args: argparse.Namespace) -> int:
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory() as disk:  # a fresh disk tier: nothing stored before
             port = llamacpp.free_port()
-            cmd = [
-                sys.executable,
-                "-m",
-                "kvwise.cli",
-                "serve",
-                "--model",
-                gguf,
-                "--port",
-                str(port),
-                "--kv-cache-memory",
-                "2GiB",
-                "--kv-disk-path",
-                disk,
-            ]
+            cmd = kvwise_serve_cmd(gguf, port, "--kv-cache-memory", "2GiB", "--kv-disk-path", disk)
             work = functools.partial(_chat_load, args=args, label="chat kvwise")
             runs["kvwise"].append(
                 serve_process(cmd, f"http://127.0.0.1:{port}", work, name="kvwise serve")

@@ -8,6 +8,7 @@ import os
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -30,6 +31,22 @@ async def sse_chunks(resp) -> AsyncIterator[dict]:
     async for line in resp.aiter_lines():
         if line.startswith("data: ") and line != "data: [DONE]":
             yield json.loads(line[6:])
+
+
+def kvwise_serve_cmd(gguf: str, port: int, *flags: str) -> list[str]:
+    """The command line of ``kvwise serve`` on ``gguf`` at ``port`` in this Python, with
+    ``flags``."""
+    return [
+        sys.executable,
+        "-m",
+        "kvwise.cli",
+        "serve",
+        "--model",
+        gguf,
+        "--port",
+        str(port),
+        *flags,
+    ]
 
 
 def serve_process(

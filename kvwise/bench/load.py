@@ -27,12 +27,11 @@ import asyncio
 import functools
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 from kvwise.bench import llamacpp, vllm_peer
-from kvwise.bench.common import percentile, serve_process, sse_chunks
+from kvwise.bench.common import kvwise_serve_cmd, percentile, serve_process, sse_chunks
 from kvwise.bench.progress import TimedBar
 
 SYSTEM_PROMPT = (
@@ -212,20 +211,9 @@ def main(args: argparse.Namespace) -> int:
     port = llamacpp.free_port()
     url = f"http://127.0.0.1:{port}"
     results["kvwise"] = _serve(
-        [
-            sys.executable,
-            "-m",
-            "kvwise.cli",
-            "serve",
-            "--model",
-            gguf,
-            "--port",
-            str(port),
-            "--max-waiting",
-            str(args.max_waiting),
-            "--kv-cache-memory",
-            "2GiB",
-        ],
+        kvwise_serve_cmd(
+            gguf, port, "--max-waiting", str(args.max_waiting), "--kv-cache-memory", "2GiB"
+        ),
         url,
         args,
         after=_kvwise_after,
