@@ -52,6 +52,9 @@ class ModelConfig:
     # a Jinja chat template that replaces (or supplies) the model's: a file's path, or the
     # template itself when the text holds "{%" or "{{"; None: the model's own
     chat_template: str | None = None
+    # where the weights and the KV pool live ("cpu", or a torch device such as "cuda:0";
+    # "meta" builds the engine with no memory): worker/device.py says what runs elsewhere
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -70,6 +73,13 @@ class ModelConfig:
             )
         check_positive_or_none("max_model_len", self.max_model_len)
         check_positive_or_none("num_threads", self.num_threads)
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device: expected a device name such as 'cpu', got {self.device!r}")
+        if self.device != "cpu" and self.quantization in ("int8", "int4"):
+            raise ValueError(
+                f"quantization: {self.quantization!r} runs on kvwise's CPU kernels only; "
+                f"on device {self.device!r} use 'none' or 'auto' (float weights)"
+            )
         if self.chat_template is not None:
             from kvwise.engine.chat_template import load_chat_template  # jinja2: only when used
 

@@ -95,6 +95,13 @@ def _add_scheduling_args(g) -> None:
     )
     _add_prefix_cache_args(g)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument(
+        "--device",
+        default="cpu",
+        help="where the weights and the KV pool live (default: cpu, where kvwise's kernels "
+        "run; another torch device runs float weights through plain torch, with "
+        "--kv-cache-memory given)",
+    )
     _add_grammar_args(g)
 
 
@@ -330,6 +337,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "cache_min_tokens": args.cache_min_tokens,
         "cache_ttl_scale": args.cache_ttl_scale,
         "num_threads": args.threads,
+        "device": args.device,
         "chat_template": args.chat_template,
         "grammar_compile_timeout_s": args.grammar_compile_timeout,
         "grammar_workers": args.grammar_workers,

@@ -26,11 +26,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvwise.core.block_pool import BlockPool, KVBlock
 from kvwise.core.breakpoints import BreakpointKeeper, BreakpointPolicy
-from kvwise.core.hashing import BlockHash, BlockHasher, group_hash
+from kvwise.core.hashing import BlockHash, BlockHasher
 from kvwise.core.kv_events import KVEvent, KVEventLog
 from kvwise.core.kv_groups import make_group
 from kvwise.core.kv_stats import KVCacheStats, kv_utilization
 from kvwise.core.request import Request
+from kvwise.core.request_hashes import RequestHashes
 
 
 class KVCacheManager:
@@ -86,6 +87,7 @@ class KVCacheManager:
         self.hasher = BlockHasher(
             model_fingerprint, block_size, self.public_prefixes, public_min_tokens
         )
+        self.hashes = RequestHashes(self.hasher)  # each request's chains (request_hashes.py)
         # prefix-cache statistics, in tokens
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
@@ -108,7 +110,9 @@ class KVCacheManager:
         on ``tenant``'s account (a conversation waiting for a tool). Returns how many."""
         blocks = [
             b
-            for b in map(self.pool.get_cached_block, self._every_group(block_hashes))
+            for b in map(
+                self.pool.get_cached_block, self.hashes.every_group(block_hashes, self.num_groups)
+            )
             if b is not None
         ]
         return self.pool.retain(blocks, tenant, self.pool.clock() + seconds)
@@ -117,11 +121,7 @@ class KVCacheManager:
         """Forget the cached blocks with these (group 0) hashes, and every group's copy of
         them, where they are free (their KV is safe in a slower tier); blocks in use stay.
         Returns how many were dropped."""
-        return self.pool.drop_cached(self._every_group(list(block_hashes)))
-
-    def _every_group(self, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """Group 0's hashes, then each other group's copy of them."""
-        return [group_hash(h, g) if g else h for g in range(self.num_groups) for h in block_hashes]
+        return self.pool.drop_cached(self.hashes.every_group(list(block_hashes), self.num_groups))
 
     def stats(self, running: Sequence[Request] = ()) -> KVCacheStats:
         """The pool now; ``running``: the live sequences whose utilisation to report."""
@@ -172,36 +172,6 @@ class KVCacheManager:
         tables = self.req_to_blocks.get(request_id)
         return [b.block_id for b in tables[group]] if tables else []
 
-    def group_hashes(self, request: Request, group: int) -> list[BlockHash]:
-        """The chain hashes of group ``group``'s blocks of a request, as far as its
-        ``block_hashes`` go (group 0: those; the others: ``hashing.group_hash`` of them)."""
-        if group == 0:
-            return request.block_hashes
-        while len(request.group_hashes) < group:
-            request.group_hashes.append([])
-        hashes = request.group_hashes[group - 1]
-        for h in request.block_hashes[len(hashes) :]:
-            hashes.append(group_hash(h, group))
-        return hashes
-
-    def num_public_blocks(self, token_ids: Sequence[int]) -> int:
-        """Leading blocks of ``token_ids`` shared as a public prefix (whole chunks only)."""
-        return self.hasher.num_public_blocks(token_ids)
-
-    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
-        """Extend ``request.block_hashes`` to cover the full blocks of the first tokens."""
-        if request.num_public_blocks is None:
-            prompt = request.token_ids[: request.num_prompt_tokens]
-            request.num_public_blocks = self.num_public_blocks(prompt)
-        self.hasher.extend(
-            request.block_hashes,
-            request.token_ids,
-            num_tokens,
-            request.tenant,
-            request.cache_salt,
-            request.num_public_blocks,
-        )
-
     def get_computed_blocks(self, request: Request) -> tuple[list[list[KVBlock]], int]:
         """The longest cached prefix of a new request: (each group's blocks, number of tokens
         they hold). A hit of n blocks needs every block of each full group and, of each
@@ -212,7 +182,7 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [[] for _ in self.windows], 0  # (prompt logprobs: every row computed)
-        self._update_block_hashes(request, request.num_tokens)
+        self.hashes.extend(request, request.num_tokens)
         self.drop_cached(self.keeper.expire(request, request.block_hashes))  # ran out: not read
         tables = self._find_hit(request)
         self.num_prefix_query_tokens += request.num_tokens
@@ -220,33 +190,16 @@ class KVCacheManager:
         return tables, len(tables[0]) * self.block_size
 
     def last_row_key(self, request: Request, end: int) -> BlockHash | None:
-        """``ScheduledRequest.last_row_key`` of the chunk of ``request`` ending at ``end``."""
+        """``ScheduledRequest.last_row_key`` of the chunk of ``request`` ending at ``end``:
+        kept where a whole-prompt hit may later read it (``whole_hits``)."""
         n, lp = request.num_prompt_tokens, request.sampling_params.prompt_logprobs
         if end != n or n % self.block_size or lp is not None or not self.whole_hits:
             return None
-        self._update_block_hashes(request, n)
-        return request.block_hashes[n // self.block_size - 1]
+        return self.hashes.last_row_key(request, n)
 
-    def shared_prefill(self, request: Request, running: list[Request]) -> Request | None:
-        """A running request prefilling now the blocks of most of ``request``'s prompt (the
-        same tokens, same namespace: n choices of one prompt), or None: the caller waits for
-        them to be cached rather than compute them twice."""
-        num_full = (request.num_tokens - 1) // self.block_size
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return None
-        self._update_block_hashes(request, num_full * self.block_size)
-        mine = request.block_hashes[:num_full]
-        for other in running:
-            computed, theirs = other.num_computed_tokens // self.block_size, other.block_hashes
-            if other.num_computed_tokens >= other.num_prompt_tokens or computed >= num_full:
-                continue
-            shared = 0
-            while shared < min(num_full, len(theirs)) and theirs[shared] == mine[shared]:
-                shared += 1
-            # worth waiting for: most of the prompt, and more than what is cached already
-            if shared > computed and 2 * shared * self.block_size >= request.num_prompt_tokens:
-                return other
-        return None
+    def group_hashes(self, request: Request, group: int) -> list[BlockHash]:
+        """``RequestHashes.of_group``: the hashes group ``group``'s blocks are cached under."""
+        return self.hashes.of_group(request, group)
 
     def cached_prefix_tokens(self, request: Request) -> int:
         """Tokens of a waiting request's prompt its pool holds now (a load estimate: counts
@@ -263,7 +216,7 @@ class KVCacheManager:
         max_blocks = last // self.block_size
         if request.hit_limit_blocks is not None:  # a breakpoint's keep ran out there
             max_blocks = min(max_blocks, request.hit_limit_blocks)
-        self._update_block_hashes(request, max_blocks * self.block_size)
+        self.hashes.extend(request, max_blocks * self.block_size)
         get = self.pool.get_cached_block
         found: list[list[KVBlock | None]] = []
         n = max_blocks
@@ -328,7 +281,7 @@ class KVCacheManager:
         its own hashes)."""
         if not self.enable_caching:
             return
-        self._update_block_hashes(request, request.num_computed_tokens)
+        self.hashes.extend(request, request.num_computed_tokens)
         num_full = request.num_computed_tokens // self.block_size
         tables = self.req_to_blocks.get(request.request_id)
         if not tables:

@@ -41,6 +41,9 @@ class ModelRunner(Protocol):
     # True: ``execute`` leaves a chunk's first ``kv_in_pool`` rows unwritten (their K/V is in
     # the pool: a prompt cached whole, its last token computed for its logits alone)
     skips_cached_writes: bool
+    # True: ``payload_views`` may be used (the pool is host memory); False: the tiers' reads
+    # land in host buffers and ``write_kv`` copies them over (a pool on another device)
+    reads_in_place: bool
 
     def execute(
         self, sched_out: SchedulerOutput, layer_ready: LayerReady | None = None

@@ -33,6 +33,7 @@ from kvwise.core.kv_tiers import KVTierPlanner
 from kvwise.core.outputs import KVSave, ModelOutput, ScheduledRequest, SchedulerOutput
 from kvwise.core.request import Request, RequestStatus
 from kvwise.core.scheduler_config import SchedulerConfig
+from kvwise.core.shared_prefill import shared_prefill
 from kvwise.core.stopping import stop_reason
 from kvwise.core.tier_coordinator import TierCoordinator
 from kvwise.errors import ContextLengthExceeded, InvalidRequest, QueueFullError
@@ -198,7 +199,7 @@ class Scheduler:
             request = scan.next()
             if request is None:
                 break
-            if self.kv.shared_prefill(request, self.running) is not None:
+            if self.kv.enable_caching and shared_prefill(request, self.running, self.kv.hashes):
                 self.num_prefill_waits += 1
                 break  # its prompt is being computed now: one prefill, then a prefix hit
             if committed is None and self.running and self.config.admit_whole_prompts:

@@ -26,6 +26,7 @@ from kvwise.machine import (
 )
 from kvwise.models.loader import LoadedModel, load_model
 from kvwise.utils import format_bytes
+from kvwise.worker.device import is_host, resolve_device
 from kvwise.worker.kv_cache import TORCH_DTYPES
 from kvwise.worker.model_runner import ModelRunner
 
@@ -33,13 +34,14 @@ logger = logging.getLogger("kvwise")
 
 
 def load_for(config: EngineConfig, progress: bool = True) -> LoadedModel:
-    """The weights ``config`` names, in its compute dtype (share them across engines with
-    ``build_engine(..., loaded=)``)."""
+    """The weights ``config`` names, in its compute dtype, on its device (share them across
+    engines with ``build_engine(..., loaded=)``)."""
     return load_model(
         config.model.model,
         dtype=TORCH_DTYPES[config.model.dtype],
         progress=progress,
         quantization=config.model.quantization,
+        device=resolve_device(config.model.device),
     )
 
 
@@ -79,7 +81,7 @@ def build_model_parts(
         torch.set_num_threads(config.model.num_threads)
     available = available_memory_bytes()  # NOTE: before these weights take their share
     shared = loaded is not None  # weights in memory already: not in `available`
-    check_before_load(config, available, estimate_weights=not shared)
+    device = check_before_load(config, available, estimate_weights=not shared)
     loaded = loaded or load_for(config, progress)
     logger.info(
         "weights: %s; %s resident",
@@ -101,7 +103,7 @@ def build_model_parts(
         logger.info("chat template: %s", _template_name(config.model.chat_template))
     spec = _kv_spec(config, loaded)
     max_model_len = _max_model_len(config, arch)
-    if config.cache.kv_cache_memory is not None and not shared:
+    if config.cache.kv_cache_memory is not None and not shared and is_host(device):
         check_pool_fits(
             config.cache.kv_cache_memory, available, loaded.model.weight_bytes(), estimated=False
         )
@@ -114,22 +116,33 @@ def build_model_parts(
         )
     _log_sizes(config, format_bytes(num_blocks * spec.block_bytes), pool.how)
     compute_dtype = TORCH_DTYPES[config.model.dtype]
+    # another device computes other bits (torch's kernels, not kvwise's): other KV
+    where = "" if is_host(device) else f"/{device.type}"
     return ModelParts(
-        runner=ModelRunner(loaded.model, arch, spec, num_blocks, compute_dtype),
+        runner=ModelRunner(loaded.model, arch, spec, num_blocks, compute_dtype, device),
         tokenizer=tokenizer,
-        model_fingerprint=f"{loaded.fingerprint}/{config.model.dtype}",
+        model_fingerprint=f"{loaded.fingerprint}/{config.model.dtype}{where}",
         max_model_len=max_model_len,
     )
 
 
-def check_before_load(config: EngineConfig, available: int, estimate_weights: bool) -> None:
-    """What can fail before the model loads: a ``kv_cache_memory`` that cannot fit beside the
+def check_before_load(config: EngineConfig, available: int, estimate_weights: bool) -> torch.device:
+    """What can fail before the model loads: a device this machine lacks (or one other than
+    the CPU with no ``kv_cache_memory``), a ``kv_cache_memory`` that cannot fit beside the
     weights (``estimate_weights``: by their files' size; else they are in memory already), a
-    disk tier directory another engine holds. ValueError naming the option."""
-    if config.cache.kv_cache_memory is not None:
+    disk tier directory another engine holds. ValueError naming the option. Returns the
+    device."""
+    device = resolve_device(config.model.device)
+    if not is_host(device) and config.cache.kv_cache_memory is None:
+        raise ValueError(
+            f"kv_cache_memory: give the KV pool's size on device {device} (the default is "
+            "sized from the host's RAM)"
+        )
+    if config.cache.kv_cache_memory is not None and is_host(device):
         weights = model_file_bytes(_model_path(config)) if estimate_weights else 0
         check_pool_fits(config.cache.kv_cache_memory, available, weights, estimated=True)
     check_kv_disk_path_free(config.store.kv_disk_path)
+    return device
 
 
 def _model_path(config: EngineConfig) -> str:

@@ -154,8 +154,11 @@ class KVLoader:
         # model needs first (with every group in flight at once, each finished late)
         pool = ThreadPoolExecutor(_READ_AHEAD, thread_name_prefix="kvwise-kv-load")
 
+        in_place = self.runner.reads_in_place  # else host buffers, copied by write_kv
+
         def submit(g: int):
-            return pool.submit(self.store.read_group, chunks, g, _Dest(self, g))
+            dest = _Dest(self, g) if in_place else None
+            return pool.submit(self.store.read_group, chunks, g, dest)
 
         try:
             pending = {g: submit(g) for g in groups[:_READ_AHEAD]}

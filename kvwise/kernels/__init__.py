@@ -189,6 +189,12 @@ def available() -> bool:
     return _state["ok"]
 
 
+def runs_on(t: torch.Tensor) -> bool:
+    """True where the kernels can compute with ``t``: built, and ``t`` on the CPU (they are
+    registered for the CPU dispatch key only; another device keeps the plain-torch paths)."""
+    return t.is_cpu and available()
+
+
 def _build() -> bool:
     if os.environ.get("KVWISE_KERNELS", "1") == "0":
         log.info("kvwise kernels off (KVWISE_KERNELS=0): plain torch attention")

@@ -132,7 +132,8 @@ class CausalLM(nn.Module):
         self.lm_head = param(arch.hidden_size, arch.vocab_size, dtype=dtype)  # [hidden, vocab]
         self._final_norm = NORMS[family.norm]
         scale = family.embedding_scale(arch)
-        self.embed_scale = None if scale is None else torch.tensor(scale, dtype=dtype)
+        embed_scale = None if scale is None else torch.tensor(scale, dtype=dtype)
+        self.register_buffer("embed_scale", embed_scale, persistent=False)  # moves with .to
         self.logit_softcap = family.logit_softcap(arch)
         self.attention_kinds = family.attention_kinds(arch)
         if len(self.attention_kinds) != arch.num_layers:
@@ -196,6 +197,17 @@ class CausalLM(nn.Module):
         if self.logit_softcap is not None:
             logits = soft_cap(logits, self.logit_softcap)
         return logits
+
+    def to_device(self, device: torch.device) -> CausalLM:
+        """Move the weights to ``device`` and bind what holds them again (each layer's ops,
+        the LM head): ``Module.to`` may give a parameter a new tensor. Float weights only:
+        the quantized ones are the CPU kernels' (``worker/device.py``)."""
+        if self.embed_quant is not None or any(layer.quant for layer in self.layers):
+            raise ValueError(f"quantization: quantized weights run on the CPU only, not {device}")
+        self.to(device)
+        self.head = FloatHead(self.lm_head)
+        self.use_ops()
+        return self
 
     def use_ops(self, ops: str | None = None) -> None:
         """``DecoderLayer.use_ops`` for every layer (raises before changing any)."""

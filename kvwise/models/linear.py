@@ -54,7 +54,7 @@ def float_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w`` for float weights: float32 on kvwise's ``f32mm`` where the kernels are built
     (each output one fma chain down k: a row's bits do not depend on the other rows, where a
     BLAS picks other kernels for other row counts), else ``torch.mm``."""
-    if w.dtype == torch.float32 and x.dtype == torch.float32 and kernels.available():
+    if w.dtype == torch.float32 and x.dtype == torch.float32 and kernels.runs_on(x):
         return FUSED.f32mm(x, w)
     return torch.mm(x, w)
 
@@ -117,7 +117,7 @@ class RefinedHead:
         logits = head.mm(hidden)  # (N, vocab), int8-activation precision
         k = min(EXACT_TOP_K, logits.shape[-1])
         ranked = logits if bitmask is None else mask_logits(logits, bitmask)
-        if kernels.available():
+        if kernels.runs_on(ranked):
             top = FUSED.top_k_ids(ranked.contiguous(), k)  # (N, k), one pass a row
         else:
             top = ranked.topk(k, dim=-1).indices  # (N, k)
@@ -129,10 +129,11 @@ def mask_logits(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """``logits`` ``(S, V)`` float32 with every token its row's mask forbids at -inf (a new
     tensor)."""
     out = logits.float().contiguous().clone()
-    if kernels.available():
+    if kernels.runs_on(out):
         torch.ops.kvwise.mask_logits(out, words)
         return out
-    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # (S, W, 32)
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # (S, W, 32)
     allowed = bits.view(words.shape[0], -1)[:, : out.shape[1]].bool()
     if allowed.shape[1] < out.shape[1]:
         pad = allowed.new_zeros(allowed.shape[0], out.shape[1] - allowed.shape[1])

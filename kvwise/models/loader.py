@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,6 +67,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     quantization: str | None = "none",
+    device: torch.device | None = None,
 ) -> LoadedModel:
     """Load the weights at `path` into a `CausalLM` of the architecture's family, in eval mode.
 
@@ -78,6 +79,8 @@ def load_model(
         quantization: "none" (or None) dequantizes every weight to `dtype`; "auto" runs a
             quantized GGUF on quantized kernels and an HF checkpoint in `dtype`; "int8" /
             "int4" quantize the linear weights at load.
+        device: where the weights live (None: the CPU); read on the host, then moved. Off
+            the CPU they are float (``worker/device.py``): "auto" means "none" there.
 
     Raises:
         ValueError: the path does not exist or holds no model; the architecture, rope type
@@ -88,6 +91,11 @@ def load_model(
     quantization = "none" if quantization is None else quantization
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: expected one of {QUANTIZATIONS}, got {quantization!r}")
+    if device is not None and device.type != "cpu":
+        if quantization not in ("none", "auto"):
+            raise ValueError(f"quantization: {quantization!r} runs on the CPU only, not {device}")
+        loaded = load_model(path, dtype, progress, "none")
+        return replace(loaded, model=loaded.model.to_device(device))
     source = default_model_path() if path is None else Path(path).expanduser()
     if not source.exists():
         raise ValueError(f"model: path '{source}' does not exist")

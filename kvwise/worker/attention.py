@@ -1,11 +1,12 @@
-"""Attention over the paged KV cache: the torch SDPA reference backend (runs on CPU).
+"""Attention over the paged KV cache: the torch SDPA reference backend (any device).
 
 The model calls ``attn(layer, q, k, v)`` once per layer with the new tokens of every
 scheduled request flattened into one dimension. The backend first writes all new K/V rows into
-their slots, then attends.
+their slots, then attends. ``attention_backend.py`` holds the protocol both backends meet, the
+paged kernels' backend and ``make_attention``, which chooses.
 
-Where kvwise's kernels are built (and the compute dtype is float32), EVERY row, decode or
-prefill, goes through one call of its format's paged kernel (the cache's ``rows_attention``:
+Where kvwise's kernels are built (the pool on the CPU, the compute dtype float32), EVERY row,
+decode or prefill, goes through one call of its format's paged kernel (the cache's ``rows_attention``:
 ``csrc/paged_attention.cpp`` for float32, bfloat16, float16 and int8 pools, ``csrc/kv_int4.cpp``
 for int4), which reads K/V where they lie in the pool: a prefill row at position p is a query
 over the p + 1 keys its sequence has in the pool, as a decode of that token would be. The
@@ -15,7 +16,7 @@ was decoded, prefilled, recomputed after a preemption or read from a cached pref
 decoding is batch-invariant (tests/model/test_batch_invariance.py).
 
 Without the kernels (no compiler, ``use_kernels=False`` or ``paged_kernel=False``, a 16-bit
-compute dtype), the torch reference: decode rows in one batched SDPA call over their gathered
+compute dtype, a device other than the CPU), the torch reference (``TorchSDPAAttention``): decode rows in one batched SDPA call over their gathered
 (dequantized) blocks, with a padding mask when their context lengths differ; each prefill chunk
 in its own call: a chunk starting at position 0 attends to its own K/V with a causal mask; a
 later chunk attends to its gathered blocks with an offset causal mask. When the pool stores K/V
@@ -43,97 +44,24 @@ cached: the sealed bytes of a block are the same whichever way it was computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
 from kvwise.models.layers import softcapped_attention
-from kvwise.worker.attention_metadata import AttentionMetadata, LayerAttention, PrefillChunk
-from kvwise.worker.kv_cache import PagedKVCache
+from kvwise.worker.attention_metadata import (
+    AttentionLayers,
+    AttentionMetadata,
+    LayerAttention,
+    PrefillChunk,
+)
 
 
-class TorchSDPAAttention:
-    """The reference paged-attention backend. Stateless apart from the cache it is given.
-
-    ``paged_kernel=False`` keeps the torch path even where the cache's format has a kernel
-    (its writes still use the cache's ops, unless it was built with ``use_kernels=False``).
-    ``layers``: each layer's ``LayerAttention``; None: every layer full, scale
-    ``head_dim ** -0.5``. ``places``: a hybrid KV cache's (group, slot) of each layer: the
-    layer reads its group's metadata and the slot of the group's pages (None: layer i is
-    slot i, one group)."""
-
-    def __init__(
-        self,
-        kv_cache: PagedKVCache,
-        num_heads: int,
-        head_dim: int,
-        paged_kernel: bool = True,
-        layers: list[LayerAttention] | None = None,
-        places: list[tuple[int, int]] | None = None,
-    ) -> None:
-        self.kv_cache = kv_cache
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
-        full = LayerAttention(0, self.scale)
-        self.layers = list(layers) if layers is not None else None
-        self._layer = (lambda i: self.layers[i]) if layers is not None else (lambda i: full)
-        self.places = places
-        self.sealed_keys = kv_cache.spec.sealed_keys
-        # every row through the format's paged kernel, chosen once
-        self._rows = kv_cache.rows_attention if paged_kernel else None
-        self.paged_kernel = self._rows is not None
-
-    def bind(
-        self,
-        meta: AttentionMetadata,
-        layer_ready: Callable[[int], None] | None = None,
-        group_metas: list[AttentionMetadata] | None = None,
-    ):
-        """Return the ``attn(layer, q, k, v)`` callable for one step.
-
-        ``layer_ready(slot)``, when given, is called before a layer reads the cache: it
-        blocks until K/V still being loaded for that slot of the pages are in place (the
-        layer itself, with one KV group). ``group_metas``: each hybrid KV group's metadata.
-        """
-        if self.places is not None:
-            return self._bind_groups(group_metas or [meta], layer_ready)
-        rows, scale, width = self._rows, self.scale, self.num_heads * self.head_dim
-        if rows is not None and layer_ready is None and self.layers is None:  # the hot path
-
-            def attn_rows(layer: int, q, k, v) -> torch.Tensor:
-                return rows(layer, q, k, v, meta, scale).view(q.shape[0], width)
-
-            return attn_rows
-        if rows is not None and layer_ready is None:  # each layer its own window and scale
-            kinds = self.layers
-
-            def attn_kinds(layer: int, q, k, v) -> torch.Tensor:
-                kind = kinds[layer]
-                out = rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap)
-                return out.view(q.shape[0], width)
-
-            return attn_kinds
-
-        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if layer_ready is not None:
-                layer_ready(layer)
-            return self.forward(layer, q, k, v, meta)
-
-        return attn
-
-    def _bind_groups(self, metas: list[AttentionMetadata], layer_ready):
-        """``bind`` for a hybrid KV cache: each layer at its (group, slot)."""
-        places, kinds = self.places, self.layers
-
-        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            group, slot = places[layer]
-            if layer_ready is not None:
-                layer_ready(slot)
-            return self.forward(slot, q, k, v, metas[group], kinds[layer])
-
-        return attn
+class TorchSDPAAttention(AttentionLayers):
+    """The reference paged-attention backend, in plain torch: it runs on any device and with
+    any format (the kernels' backend is ``attention_backend.PagedKernelAttention``; choose
+    with ``attention_backend.make_attention``). Stateless apart from the cache it is given.
+    Writes still use the cache's ops where it was built with its kernels. ``bind``: the
+    base's, each layer through ``forward``."""
 
     def forward(
         self,
@@ -147,10 +75,7 @@ class TorchSDPAAttention:
         """One layer's attention; ``layer`` indexes the cache (a hybrid cache's slot, whose
         ``kind`` is then given)."""
         num_tokens = q.shape[0]
-        kind = kind or self._layer(layer)
-        if self._rows is not None:  # every row through the paged kernel (it writes first)
-            out = self._rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap)
-            return out.view(num_tokens, self.num_heads * self.head_dim)
+        kind = kind or self.kind(layer)
         self.kv_cache.write(layer, *meta.writes(k, v), group=meta.group)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         nd = meta.num_decodes
@@ -173,7 +98,7 @@ class TorchSDPAAttention:
         mask = None if meta.decode_mask is None else meta.decode_mask[..., :ctx]
         if kind.window and ctx > kind.window:  # keys j >= len - W, len = the row's context
             lens = meta.row_ctx_lens[: qd.shape[0]].view(-1, 1, 1, 1)
-            inside = torch.arange(ctx) >= lens - kind.window  # (Bd, 1, 1, ctx)
+            inside = torch.arange(ctx, device=qd.device) >= lens - kind.window  # (Bd, 1, 1, ctx)
             mask = inside if mask is None else mask & inside
         od = _sdpa(qd.unsqueeze(2), kc, vc, kind, mask)  # (Bd, num_heads, 1, head_dim)
         return od.squeeze(2)
@@ -194,7 +119,7 @@ class TorchSDPAAttention:
         # NOTE: the CPU flash kernel is ~1.5x faster on contiguous (1, heads, n, head_dim)
         # inputs than on strided views of the (T, heads, head_dim) rows.
         qp = q[s:e].transpose(0, 1).contiguous().unsqueeze(0)  # (1, num_heads, n, head_dim)
-        if self.sealed_keys:
+        if cache.spec.sealed_keys:
             kc, vc = cache.gather(layer, chunk.block_table, chunk.first_block)
             open_k = cache.open_block_keys(layer, chunk, k)
             return attend_open_blocks(
@@ -209,10 +134,11 @@ class TorchSDPAAttention:
             kc, vc = cache.gather(layer, chunk.block_table, chunk.first_block)
             kp = kc[:, :ctx].transpose(1, 2)  # (1, kv_heads, ctx, head_dim)
             vp = vc[:, :ctx].transpose(1, 2)
-            q_pos = torch.arange(chunk.start_pos, ctx).unsqueeze(1)  # (n, 1)
-            mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # (n, ctx)
+            q_pos = torch.arange(chunk.start_pos, ctx, device=q.device).unsqueeze(1)  # (n, 1)
+            keys = torch.arange(ctx, device=q.device).unsqueeze(0)  # (1, ctx)
+            mask = keys <= q_pos  # (n, ctx)
             if window:
-                mask &= torch.arange(ctx).unsqueeze(0) > q_pos - window
+                mask &= keys > q_pos - window
             op = _sdpa(qp, kp, vp, kind, mask)
         return op.squeeze(0).transpose(0, 1)
 
@@ -259,7 +185,8 @@ def attend_open_blocks(
         q_lo = max(start, lo)
         sealed = kt[:, lo:hi].clone()
         kt[:, lo:hi] = open_t[:, lo - first_open : hi - first_open]
-        keys, q_pos = torch.arange(hi).unsqueeze(0), torch.arange(q_lo, hi).unsqueeze(1)
+        keys = torch.arange(hi, device=qp.device).unsqueeze(0)
+        q_pos = torch.arange(q_lo, hi, device=qp.device).unsqueeze(1)
         mask = keys <= q_pos
         if kind.window:
             mask &= keys > q_pos - kind.window

@@ -35,6 +35,7 @@ class FakeModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.reads_in_place = True
         # (layers, 2, num_blocks, block_size) float32 slots
         self.kv = bytearray(num_blocks * self.spec.block_bytes)
         self._slots = memoryview(self.kv).cast("f")

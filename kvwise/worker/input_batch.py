@@ -31,6 +31,18 @@ class InputBatch:
     # requests asking for prompt logprobs: (item, the row of its first token)
     prompt_items: list[tuple[ScheduledRequest, int]] | None = None
 
+    def to(self, device: torch.device) -> InputBatch:
+        """The batch's tensors on ``device`` (the pool's, where it is not the host)."""
+        metas = None if self.group_metas is None else [m.to(device) for m in self.group_metas]
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            positions=self.positions.to(device),
+            attn_meta=metas[0] if metas else self.attn_meta.to(device),
+            sample_rows=self.sample_rows.to(device),
+            group_metas=metas,
+        )
+
 
 @dataclass
 class _Rows:

@@ -9,7 +9,13 @@ both implement the runner contract the engine relies on:
 - ``save_kv(block_ids)``: a host copy of device blocks, laid out like a stored payload;
 - ``write_kv(block_ids, payload, num_entry_blocks, skip, layers)``: copy one stored layer
   group into device blocks (any thread); ``payload_views(...)``: buffers to read one into;
-- ``spec`` (the ``KVSpec``), ``num_blocks``, ``num_layers`` and ``vocab_size``.
+- ``spec`` (the ``KVSpec``), ``num_blocks``, ``num_layers`` and ``vocab_size``;
+- ``reads_in_place``: ``payload_views`` can be used (the pool is in host memory); else the
+  tiers read into host buffers that ``write_kv`` copies over (``worker/device.py``).
+
+The device: the pool and the weights live on ``device`` (the CPU unless the config names
+another); the step's tables are built on the host and moved there once, and the logits come
+back to the host to sample.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import torch
 
 from kvwise.core.kv_spec import KVSpec
 from kvwise.core.outputs import ModelOutput, SchedulerOutput
-from kvwise.worker.attention import LayerAttention, TorchSDPAAttention
+from kvwise.worker.attention_backend import make_attention
+from kvwise.worker.attention_metadata import LayerAttention
+from kvwise.worker.device import HOST, is_host
 from kvwise.worker.input_batch import build_input_batch
 from kvwise.worker.kv_cache import make_kv_cache
 from kvwise.worker.last_rows import LastRows
@@ -30,15 +38,27 @@ PROMPT_LOGITS_ROWS = 64  # prompt logprobs: rows of logits computed at a time
 
 
 class ModelRunner:
-    def __init__(self, model, arch, spec: KVSpec, num_blocks: int, compute_dtype: torch.dtype):
+    def __init__(
+        self,
+        model,
+        arch,
+        spec: KVSpec,
+        num_blocks: int,
+        compute_dtype: torch.dtype,
+        device: torch.device = HOST,
+    ):
         self.model = model
+        self.device = device
+        self.on_host = is_host(device)
+        self.reads_in_place = self.on_host
         self.arch = arch
         self.spec = spec
         self.num_layers = arch.num_layers
         self.vocab_size = arch.vocab_size
         self.block_size = spec.block_size
         self.num_blocks = num_blocks
-        self.kv_cache = make_kv_cache(spec, num_blocks, compute_dtype)  # the format's class
+        # the format's class, on the device
+        self.kv_cache = make_kv_cache(spec, num_blocks, compute_dtype, device=device)
         places = None
         layers = layer_attention(model, arch)
         if spec.groups:  # a hybrid KV cache: each layer at its group's slot
@@ -51,7 +71,7 @@ class ModelRunner:
         self.num_groups = len(spec.groups) or 1
         # a row whose K/V the pool holds can be left unwritten (core/runner.py)
         self.skips_cached_writes = self.kv_cache.skips_writes and self.num_groups == 1
-        self.attention = TorchSDPAAttention(
+        self.attention = make_attention(
             self.kv_cache, arch.num_heads, arch.head_dim, layers=layers, places=places
         )
         self.last_rows = LastRows()  # whole hits' first tokens (worker/last_rows.py)
@@ -73,7 +93,7 @@ class ModelRunner:
     @torch.inference_mode()
     def save_kv(self, block_ids: list[int]):
         """A host copy of device blocks, as a buffer (a numpy array) for the tiers."""
-        return self.kv_cache.read_blocks(block_ids).view(torch.uint8).numpy()
+        return self.kv_cache.read_blocks(block_ids).view(torch.uint8).cpu().numpy()
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput, layer_ready=None) -> ModelOutput:
@@ -103,7 +123,11 @@ class ModelRunner:
         if not reqs:
             return out
         bitmask = bitmask_words(reqs, sched_out.token_bitmasks, self.vocab_size)
-        logits = self.model.compute_logits(rows, bitmask)  # (S, vocab)
+        if self.on_host:
+            logits = self.model.compute_logits(rows, bitmask)  # (S, vocab)
+        else:  # sampled on the host
+            on_device = None if bitmask is None else bitmask.to(self.device)
+            logits = self.model.compute_logits(rows, on_device).cpu()
         histories = [None if r.history is None else (r.history, r.num_prompt_tokens) for r in reqs]
         picked = sample(
             logits,
@@ -125,6 +149,8 @@ class ModelRunner:
         """Run the model over the step's rows: the requests that sample and their rows'
         final hidden states; prompt logprobs into ``out``; prompts' last rows kept."""
         batch = build_input_batch(sched_out, self.block_size, self.num_groups)
+        if not self.on_host:
+            batch = batch.to(self.device)
         # the releases, then the step's slots (each KV group's): a format with per-step state
         # (int4's staging) plans its writes once for every layer of a group
         metas = batch.group_metas
@@ -152,7 +178,8 @@ class ModelRunner:
             for lo in range(start, last, PROMPT_LOGITS_ROWS):
                 hi = min(last, lo + PROMPT_LOGITS_ROWS)
                 h = hidden[first_row + lo - start : first_row + hi - start]
-                logprobs = torch.log_softmax(self.model.compute_logits(h).float(), dim=-1)
+                logits = self.model.compute_logits(h).float().cpu()  # on the host already: as is
+                logprobs = torch.log_softmax(logits, dim=-1)
                 targets = torch.tensor(item.history[lo + 1 : hi + 1], dtype=torch.long)
                 chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
                 tops = top_logprobs(logprobs, k) if k else [[]] * (hi - lo)

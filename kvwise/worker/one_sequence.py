@@ -18,7 +18,8 @@ import torch
 from kvwise.core.kv_spec import KVSpec
 from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
 from kvwise.types import SamplingParams
-from kvwise.worker.attention import LayerAttention, TorchSDPAAttention
+from kvwise.worker.attention_backend import make_attention
+from kvwise.worker.attention_metadata import LayerAttention
 from kvwise.worker.input_batch import build_input_batch
 from kvwise.worker.kv_cache import make_kv_cache
 
@@ -33,7 +34,7 @@ def sequence_attention(
 ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """``attn(layer, q, k, v) -> (T, num_heads * head_dim)`` for ``num_tokens`` rows at
     positions ``0 .. num_tokens - 1`` of one sequence, each layer of ``spec`` called once;
-    ``layers``: each layer's window and scale (``TorchSDPAAttention``)."""
+    ``layers``: each layer's window and scale (``LayerAttention``)."""
     num_blocks = -(-num_tokens // spec.block_size)
     cache = make_kv_cache(spec, num_blocks, compute_dtype, use_kernels)
     request = ScheduledRequest(
@@ -41,4 +42,4 @@ def sequence_attention(
     )
     meta = build_input_batch(SchedulerOutput(scheduled=[request]), spec.block_size).attn_meta
     cache.begin_step([], meta.slot_mapping)
-    return TorchSDPAAttention(cache, num_heads, spec.head_dim, layers=layers).bind(meta)
+    return make_attention(cache, num_heads, spec.head_dim, layers=layers).bind(meta)

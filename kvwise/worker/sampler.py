@@ -110,7 +110,7 @@ def sample(
     plain = all(
         p.temperature < _MIN_TEMPERATURE and not p.processed and p.logprobs is None for p in params
     )
-    if plain and kernels.available():
+    if plain and kernels.runs_on(logits):
         # all greedy: the argmax and its logprob in one C++ pass a row (no (S, V) log-softmax)
         if bitmask is None:
             ids, chosen = torch.ops.kvwise.greedy_pick(logits.float().contiguous())

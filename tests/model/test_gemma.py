@@ -40,7 +40,8 @@ from kvwise.models.decoder import CausalLM  # noqa: E402
 from kvwise.models.layer_ops import TorchLayerOps  # noqa: E402
 from kvwise.models.layers import dense_causal_attention  # noqa: E402
 from kvwise.models.loader import load_model  # noqa: E402
-from kvwise.worker.attention import LayerAttention, TorchSDPAAttention  # noqa: E402
+from kvwise.worker.attention import LayerAttention  # noqa: E402
+from kvwise.worker.attention_backend import make_attention  # noqa: E402
 from tests.model.test_engine_vs_hf import hf_greedy, run  # noqa: E402
 from tests.model.test_model_family import _write_tokenizer  # noqa: E402
 
@@ -168,7 +169,7 @@ def test_without_the_attention_soft_cap_the_tokens_are_not_transformers(tmp_path
     assert run(engine, PROMPTS, GREEDY) == reference
     torch_path = build_engine(config, progress=False, loaded=loaded)
     attention = torch_path.runner.attention
-    torch_path.runner.attention = TorchSDPAAttention(attention.kv_cache, attention.num_heads,
+    torch_path.runner.attention = make_attention(attention.kv_cache, attention.num_heads,
                                                      attention.head_dim, paged_kernel=False,
                                                      layers=attention.layers,
                                                      places=attention.places)  # fmt: skip

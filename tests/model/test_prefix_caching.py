@@ -172,13 +172,13 @@ def test_a_whole_hit_leaves_the_cached_block_unwritten(make_engine, paged_kernel
     """The last row reads its K/V from the pool: poisoned there, it stays poisoned (a row that
     were written would overwrite it) and the answer sees the poison; the paged kernel's path
     and the torch path alike."""
-    from kvwise.worker.attention import TorchSDPAAttention
+    from kvwise.worker.attention_backend import make_attention
 
     engine = make_engine()
     engine.runner.last_rows = LastRows(0)  # the row is computed, not taken from a kept one
     if not paged_kernel:
         a = engine.runner.attention
-        engine.runner.attention = TorchSDPAAttention(a.kv_cache, a.num_heads, a.head_dim,
+        engine.runner.attention = make_attention(a.kv_cache, a.num_heads, a.head_dim,
                                                      paged_kernel=False, layers=a.layers,
                                                      places=a.places)  # fmt: skip
     ids = _aligned_prompt(engine)

@@ -165,7 +165,8 @@ def test_sequence_attention_is_the_engines_step_for_a_cold_prompt(dtype):
     same sealed keys."""
     from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
     from kvwise.types import SamplingParams
-    from kvwise.worker.attention import LayerAttention, TorchSDPAAttention, attend_open_blocks
+    from kvwise.worker.attention import LayerAttention, attend_open_blocks
+    from kvwise.worker.attention_backend import make_attention
     from kvwise.worker.input_batch import build_input_batch
     from kvwise.worker.kv_quant import round_trip
     from kvwise.worker.one_sequence import sequence_attention
@@ -182,7 +183,7 @@ def test_sequence_attention_is_the_engines_step_for_a_cold_prompt(dtype):
         "r", list(range(n)), 0, [4, 0, 2], True, SamplingParams(), 0)])  # fmt: skip
     meta = build_input_batch(sched, block_size).attn_meta
     cache.begin_step([], meta.slot_mapping)
-    assert torch.equal(got, TorchSDPAAttention(cache, HEADS, DIM).forward(0, q, k, v, meta))
+    assert torch.equal(got, make_attention(cache, HEADS, DIM).forward(0, q, k, v, meta))
     if dtype == "int4":
         stored_k = round_trip(k, "int4", keys=True, key_block=block_size)
         qp = q.transpose(0, 1).contiguous().unsqueeze(0)

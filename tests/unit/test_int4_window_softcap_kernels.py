@@ -158,7 +158,8 @@ def test_the_torch_path_attends_as_the_int4_kernel_does():
     a windowed one, a capped full one, a plain one."""
     from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
     from kvwise.types import SamplingParams
-    from kvwise.worker.attention import LayerAttention, TorchSDPAAttention
+    from kvwise.worker.attention import LayerAttention
+    from kvwise.worker.attention_backend import make_attention
     from kvwise.worker.input_batch import build_input_batch
 
     layers = [LayerAttention(40, 0.1, 2.0), LayerAttention(70, DIM**-0.5),
@@ -183,8 +184,8 @@ def test_the_torch_path_attends_as_the_int4_kernel_does():
     q = torch.randn(rows, HEADS, DIM, generator=gen) * 3
     k = torch.randn(rows, KV_HEADS, DIM, generator=gen)
     v = torch.randn(rows, KV_HEADS, DIM, generator=gen)
-    kernel = TorchSDPAAttention(caches[0], HEADS, DIM, layers=layers)
-    torch_path = TorchSDPAAttention(caches[1], HEADS, DIM, paged_kernel=False, layers=layers)
+    kernel = make_attention(caches[0], HEADS, DIM, layers=layers)
+    torch_path = make_attention(caches[1], HEADS, DIM, paged_kernel=False, layers=layers)
     assert kernel.paged_kernel and not torch_path.paged_kernel
     for cache in caches:
         cache.begin_step([], earlier)

@@ -12,7 +12,7 @@ from kvwise.core.kv_spec import KVSpec
 from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
 from kvwise.types import SamplingParams
 from kvwise.worker import kv_quant
-from kvwise.worker.attention import TorchSDPAAttention
+from kvwise.worker.attention_backend import make_attention
 from kvwise.worker.input_batch import build_input_batch
 from kvwise.worker.kv_cache import make_kv_cache
 
@@ -47,7 +47,7 @@ def _feed(attention, q, k, v, steps, table, released=()) -> torch.Tensor:
 def _run(steps: list[tuple[int, int]], released=()):
     """The test sequence fed step by step; attention outputs (T, H*D) and the cache."""
     cache = make_kv_cache(SPEC, 8)
-    return _feed(TorchSDPAAttention(cache, HEADS, DIM), *_data(), steps, TABLE, released), cache
+    return _feed(make_attention(cache, HEADS, DIM), *_data(), steps, TABLE, released), cache
 
 
 def _reference() -> torch.Tensor:
@@ -114,7 +114,7 @@ def test_the_kernels_write_and_attend_as_the_torch_path():
     steps = [(0, 5)] + [(i, i + 1) for i in range(5, T)]
     out, cache = _run(steps)
     torch_cache = make_kv_cache(SPEC, 8, use_kernels=False)
-    attention = TorchSDPAAttention(torch_cache, HEADS, DIM)
+    attention = make_attention(torch_cache, HEADS, DIM)
     assert cache.rows_attention is not None and not attention.paged_kernel  # kernels vs none
     torch_out = _feed(attention, *_data(), steps, TABLE)
     assert torch.equal(cache.raw[:, :, TABLE], torch_cache.raw[:, :, TABLE])
@@ -147,7 +147,7 @@ def test_the_decode_kernel_at_real_shapes(block_size, kv_heads, heads, group):
     table = [9, 3, 0, 6]
     steps = [(0, block_size + 3)] + [(i, i + 1) for i in range(block_size + 3, n)]
     outs = [
-        _feed(TorchSDPAAttention(make_kv_cache(spec, 12), heads, dim, paged_kernel=paged),
+        _feed(make_attention(make_kv_cache(spec, 12), heads, dim, paged_kernel=paged),
               q, k, v, steps, table)
         for paged in (True, False)
     ]  # fmt: skip

@@ -22,7 +22,14 @@ def _parameters(function) -> list[str]:
 
 def test_the_protocol_names_what_the_engine_uses():
     assert set(METHODS) == {"execute", "save_kv", "write_kv", "payload_views"}
-    assert ATTRS == {"spec", "num_blocks", "num_layers", "vocab_size", "skips_cached_writes"}
+    assert ATTRS == {
+        "spec",
+        "num_blocks",
+        "num_layers",
+        "vocab_size",
+        "skips_cached_writes",
+        "reads_in_place",
+    }
 
 
 def test_the_fake_runner_implements_it():

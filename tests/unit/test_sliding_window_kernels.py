@@ -167,7 +167,8 @@ def test_the_torch_path_masks_as_the_kernels_attend(kv):
     predates windows; its kernel is checked against its reference above.)"""
     from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
     from kvwise.types import SamplingParams
-    from kvwise.worker.attention import LayerAttention, TorchSDPAAttention
+    from kvwise.worker.attention import LayerAttention
+    from kvwise.worker.attention_backend import make_attention
     from kvwise.worker.input_batch import build_input_batch
 
     spec = KVSpec(2, KV_HEADS, DIM, BLOCK, kv)
@@ -194,8 +195,8 @@ def test_the_torch_path_masks_as_the_kernels_attend(kv):
     q = torch.randn(rows, HEADS, DIM, generator=gen)
     k = torch.randn(rows, KV_HEADS, DIM, generator=gen)
     v = torch.randn(rows, KV_HEADS, DIM, generator=gen)
-    kernel = TorchSDPAAttention(caches[0], HEADS, DIM, layers=layers)
-    torch_path = TorchSDPAAttention(caches[1], HEADS, DIM, paged_kernel=False, layers=layers)
+    kernel = make_attention(caches[0], HEADS, DIM, layers=layers)
+    torch_path = make_attention(caches[1], HEADS, DIM, paged_kernel=False, layers=layers)
     assert kernel.paged_kernel and not torch_path.paged_kernel
     for layer in range(2):
         got = torch_path.bind(meta)(layer, q, k, v)

@@ -171,7 +171,8 @@ def test_the_torch_path_caps_as_the_kernels_do(kv):
     its paged kernel: a capped windowed layer, a capped full one, an uncapped one."""
     from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
     from kvwise.types import SamplingParams
-    from kvwise.worker.attention import LayerAttention, TorchSDPAAttention
+    from kvwise.worker.attention import LayerAttention
+    from kvwise.worker.attention_backend import make_attention
     from kvwise.worker.input_batch import build_input_batch
 
     dim = 64
@@ -199,8 +200,8 @@ def test_the_torch_path_caps_as_the_kernels_do(kv):
     q = torch.randn(rows, HEADS, dim, generator=gen) * 3
     k = torch.randn(rows, KV_HEADS, dim, generator=gen)
     v = torch.randn(rows, KV_HEADS, dim, generator=gen)
-    kernel = TorchSDPAAttention(caches[0], HEADS, dim, layers=layers)
-    torch_path = TorchSDPAAttention(caches[1], HEADS, dim, paged_kernel=False, layers=layers)
+    kernel = make_attention(caches[0], HEADS, dim, layers=layers)
+    torch_path = make_attention(caches[1], HEADS, dim, paged_kernel=False, layers=layers)
     assert kernel.paged_kernel and not torch_path.paged_kernel
     for layer in range(len(layers)):
         got = torch_path.bind(meta)(layer, q, k, v)

@@ -20,6 +20,8 @@ facts (``kvwise.core.kv_spec.register_kv_format``) and its class here
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from kvwise.core.kv_spec import KVSpec, kv_format
@@ -67,6 +69,7 @@ def make_kv_cache(
     num_blocks: int,
     compute_dtype: torch.dtype | None = None,
     use_kernels: bool = True,
+    device: torch.device | None = None,
 ) -> PagedKVCache:
     """The pool of ``spec``'s format with ``num_blocks`` blocks.
 
@@ -75,14 +78,20 @@ def make_kv_cache(
             format, float32 for a quantized one.
         use_kernels: kvwise's C++ kernels for writes and attention where they are built;
             False: the plain-torch paths (the same results; tests compare the two).
+        device: where the pool lies (None: the CPU); the class is then given ``device=``.
 
     Raises:
-        ValueError: a format the pool does not store (a size or an eval round trip only).
+        ValueError: a format the pool does not store (a size or an eval round trip only), or
+            one that runs on the CPU only given another device.
     """
     cls = _CLASSES.get(spec.dtype)
     if cls is None:
         raise ValueError(f"kv_cache_dtype: the paged cache cannot hold {spec.layout}")
-    return cls(spec, num_blocks, compute_dtype, use_kernels)
+    if device is None or device.type == "cpu":  # a plug-in class need not know devices
+        return cls(spec, num_blocks, compute_dtype, use_kernels)
+    if cls.host_only or "device" not in inspect.signature(cls).parameters:
+        raise ValueError(f"kv_cache_dtype: {spec.dtype} runs on the CPU only, not on {device}")
+    return cls(spec, num_blocks, compute_dtype, use_kernels, device=device)
 
 
 for _name in ("float32", "bfloat16", "float16"):

@@ -24,6 +24,11 @@ The contract:
   over the step's slots (int4's staging) cannot.
 - ``lossy``: storing loses something (quantized, or a narrower float than the compute dtype),
   so prefill attends over what the pool holds and cold and cached prompts see the same K/V.
+- ``device``: where the pool lies (``worker/device.py``). kvwise's kernels are registered for
+  the CPU only, so on another device the format runs its plain-torch paths; ``host_only``
+  formats (int4: its staging plans are host tensors) refuse another device.
+  ``payload_views`` needs a pool in host memory (the tiers read into it in place); elsewhere
+  the tiers' reads land in host buffers that ``write_blocks`` copies over.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class PagedKVCache:
 
     lossy: bool = False
     skips_writes: bool = False
+    host_only: bool = False
     rows_attention: RowsAttention | None = None
     raw: torch.Tensor
     k_blocks: list[torch.Tensor]
@@ -71,7 +77,13 @@ class PagedKVCache:
         num_blocks: int,
         compute_dtype: torch.dtype,
         use_kernels: bool = True,
+        device: torch.device | str | None = None,
     ) -> None:
+        self.device = torch.device(device or "cpu")
+        if self.host_only and self.device.type != "cpu":
+            raise ValueError(
+                f"kv_cache_dtype: {spec.dtype} runs on the CPU only, not on {self.device}"
+            )
         self.spec = spec
         self.num_layers = spec.num_layers
         self.num_blocks = num_blocks
@@ -79,7 +91,8 @@ class PagedKVCache:
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
         self.compute_dtype = compute_dtype
-        self.use_kernels = use_kernels and kernels.available()
+        # NOTE: the kernels are the CPU's (TORCH_LIBRARY_IMPL(kvwise, CPU))
+        self.use_kernels = use_kernels and self.device.type == "cpu" and kernels.available()
         # the paged attention kernels compute in float32
         self.paged_kernels = self.use_kernels and compute_dtype == torch.float32
 
@@ -134,7 +147,8 @@ class PagedKVCache:
         first = first_if_consecutive(block_ids)
         if first is not None:
             return self.raw[:, :, first : first + len(block_ids)].contiguous()
-        return self.raw[:, :, torch.tensor(block_ids)]  # advanced indexing copies
+        ids = torch.tensor(block_ids, device=self.device)
+        return self.raw[:, :, ids]  # advanced indexing copies
 
     def write_blocks(
         self,
@@ -156,11 +170,13 @@ class PagedKVCache:
         shape = (num_layers, 2, num_entry_blocks, self.spec.half_block_bytes)
         src = src.view(shape)[:, :, skip : skip + len(block_ids)]
         dst = self.raw[first_layer : first_layer + num_layers]
+        if dst.device != src.device:  # host staging: the payload crosses to the device once
+            src = src.to(dst.device)
         first = first_if_consecutive(block_ids)
         if first is not None:
             dst[:, :, first : first + len(block_ids)].copy_(src)
         else:
-            dst[:, :, torch.tensor(block_ids)] = src
+            dst[:, :, torch.tensor(block_ids, device=dst.device)] = src
 
     def payload_views(
         self, block_ids: list[int], skip: int, num_entry_blocks: int, layers: tuple[int, int]
@@ -169,6 +185,8 @@ class PagedKVCache:
         ``skip .. skip + len(block_ids)`` straight into ``block_ids`` (the entry's other
         blocks land in a scratch buffer). For reading an entry with no intermediate copy.
         """
+        if self.device.type != "cpu":
+            raise ValueError(f"payload_views: the pool is on {self.device}, not in host memory")
         first_layer, num_layers = layers
         tail = num_entry_blocks - skip - len(block_ids)
         block_bytes = self.spec.half_block_bytes
@@ -191,13 +209,18 @@ class PagedKVCache:
         return views
 
 
-def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeroed_pool(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
     """A zero tensor of ``shape`` whose pages the kernel maps on first touch (an anonymous
     private ``mmap``): the pool takes no time to allocate and no RAM for blocks never used,
     and reads as zeros wherever nothing was written, as ``torch.zeros`` would (a gathered
     block's unwritten slots meet masked scores: zeros, never NaN, keep them out of the
-    result). ``torch.zeros`` of the whole pool spent ~1 s a GiB writing zeros at start."""
+    result). ``torch.zeros`` of the whole pool spent ~1 s a GiB writing zeros at start.
+    On a ``device`` other than the CPU: that device's zeros."""
     num_bytes = math.prod(shape) * dtype.itemsize
+    if device is not None and device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     if num_bytes == 0:
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

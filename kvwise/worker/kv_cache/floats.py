@@ -26,6 +26,7 @@ class FloatKVCache(PagedKVCache):
         num_blocks: int,
         compute_dtype: torch.dtype | None = None,
         use_kernels: bool = True,
+        device: torch.device | str | None = None,
     ) -> None:
         dtype = self.storage_dtype or TORCH_DTYPES[spec.dtype]
         if dtype.itemsize != spec.itemsize:
@@ -33,13 +34,13 @@ class FloatKVCache(PagedKVCache):
                 f"kv_cache_dtype: {spec.dtype} has {spec.itemsize} bytes a value, {dtype} "
                 f"{dtype.itemsize}"
             )
-        super().__init__(spec, num_blocks, compute_dtype or dtype, use_kernels)
+        super().__init__(spec, num_blocks, compute_dtype or dtype, use_kernels, device)
         self.dtype = dtype
         self._cast = self.compute_dtype != dtype  # NOTE: off the usual path
         self.lossy = self._cast
         heads, dim, layers = spec.num_kv_heads, spec.head_dim, range(spec.num_layers)
         # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
-        self.kv = zeroed_pool(spec.cache_shape(num_blocks), dtype)
+        self.kv = zeroed_pool(spec.cache_shape(num_blocks), dtype, self.device)
         self.raw = self.kv.view(torch.uint8).view(
             spec.num_layers, 2, num_blocks, spec.half_block_bytes
         )

@@ -48,6 +48,8 @@ def _tensor(values: list[int]) -> torch.Tensor | None:
 
 
 class Int4KVCache(QuantizedKVCache):
+    host_only = True  # its step plans and staging are host tensors
+
     def __init__(
         self,
         spec: KVSpec,

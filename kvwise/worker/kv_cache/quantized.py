@@ -25,9 +25,11 @@ class QuantizedKVCache(PagedKVCache):
         num_blocks: int,
         compute_dtype: torch.dtype | None = None,
         use_kernels: bool = True,
+        device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(spec, num_blocks, compute_dtype or torch.float32, use_kernels)
-        self.raw = zeroed_pool((spec.num_layers, 2, num_blocks, spec.half_block_bytes), torch.uint8)
+        super().__init__(spec, num_blocks, compute_dtype or torch.float32, use_kernels, device)
+        shape = (spec.num_layers, 2, num_blocks, spec.half_block_bytes)
+        self.raw = zeroed_pool(shape, torch.uint8, self.device)
         # [layer][0 = K, 1 = V]: typed views of the codes and the scales of every block
         halves = [
             [self._typed_views(self.raw[i, kv], kv) for kv in (0, 1)]
@@ -75,8 +77,9 @@ class Int8KVCache(QuantizedKVCache):
         num_blocks: int,
         compute_dtype: torch.dtype | None = None,
         use_kernels: bool = True,
+        device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(spec, num_blocks, compute_dtype, use_kernels)
+        super().__init__(spec, num_blocks, compute_dtype, use_kernels, device)
         self._write_op = torch.ops.kvwise.kv_write_int8.default if self.use_kernels else None
         if self.paged_kernels:
             self._rows_op = torch.ops.kvwise.paged_decode_attention_int8.default
