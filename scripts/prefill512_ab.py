@@ -1,12 +1,17 @@
 """A/B of 512-token prefills in one process (issue 47): run with PYTHONPATH at each checkout,
 alternating; prints tokens/s of the median of the last six of eight prefills."""
 
-import statistics, sys, time, torch
+import random
+import statistics
+import sys
+import time
+
+import torch
+
 from kvwise import LLM, SamplingParams
 
 torch.set_num_threads(2)
 llm = LLM(kv_host_memory="off", kv_disk_path="off", progress=False, enable_prefix_caching=False)
-import random
 
 rng = random.Random(0)
 ids = [rng.randrange(100, 40000) for _ in range(512)]
