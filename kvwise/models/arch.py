@@ -6,7 +6,8 @@ the family says how its config.json sets the per-checkpoint flags, ``ModelFamily
 It imports no torch, so the engine core can size its KV cache from it without loading weights,
 and nothing of the families (they take it), so it is the bottom of ``models``.
 Supported: Llama (SmolLM2, Llama 2/3), Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm),
-Gemma 2 and Gemma 3 text models (``models/gemma.py``: local and global layers, q/k norm for 3).
+Gemma 2 and Gemma 3 text models (``models/gemma.py``: local and global layers, q/k norm for 3),
+and the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral (``models/moe_families.py``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,15 @@ class ModelArchConfig:
     final_logit_softcap: ``cap * tanh(logits / cap)`` on the final logits (Gemma 2); None.
     attn_logit_softcap: ``cap * tanh(score / cap)`` on every attention score, after the scale
         and before the softmax (Gemma 2's attn_logit_softcapping); None: none.
+
+    Mixture of experts (``models/moe.py``; 0 experts: every layer's MLP dense):
+    num_experts, num_experts_per_tok: the routed experts and how many each token runs.
+    moe_intermediate_size: one expert's hidden size (``intermediate_size`` stays the dense
+        MLP's, for ``dense_layers``).
+    norm_topk_prob: the chosen experts' router probabilities renormalised to sum to 1.
+    shared_expert_intermediate_size: an expert every token runs besides its routed ones (0:
+        none); shared_expert_gate: its output scaled by ``sigmoid(x . g)`` (Qwen2-MoE).
+    dense_layers: layers of a MoE model whose MLP is dense (Qwen's ``mlp_only_layers``).
     """
 
     architecture: str
@@ -132,6 +142,13 @@ class ModelArchConfig:
     attn_logit_softcap: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, str) or not self.architecture:
@@ -165,6 +182,7 @@ class ModelArchConfig:
         if not isinstance(self.eos_token_ids, tuple):
             raise ValueError("eos_token_ids must be a tuple of ints")
         self._check_layer_types()
+        self._check_experts()
         for name in (
             "sliding_rope_theta",
             "query_pre_attn_scalar",
@@ -193,6 +211,27 @@ class ModelArchConfig:
             raise ValueError(f"layer_types: unsupported {odd}; supported: {', '.join(LAYER_TYPES)}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types: sliding_attention layers need a sliding_window")
+
+    def _check_experts(self) -> None:
+        if not self.num_experts:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: expected 1..{self.num_experts}, "
+                f"got {self.num_experts_per_tok!r}"
+            )
+        if not isinstance(self.moe_intermediate_size, int) or self.moe_intermediate_size <= 0:
+            raise ValueError(
+                f"moe_intermediate_size must be a positive int, got {self.moe_intermediate_size!r}"
+            )
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("shared_expert_gate: needs a shared expert")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(f"dense_layers: expected layers 0..{self.num_layers - 1}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def replace(self, **changes: Any) -> ModelArchConfig:
         return dataclasses.replace(self, **changes)

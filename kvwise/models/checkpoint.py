@@ -30,6 +30,8 @@ def layer_slots(layer: LayerWeights) -> dict[str, Slot]:
     sizes = layer.part_sizes()
     for fused, parts in family.linear_parts.items():
         weight, start = getattr(layer, fused), 0  # [in, out]
+        if weight is None and layer.moe is not None and fused in ("gate_up_proj", "down_proj"):
+            continue  # a mixture of experts in the dense MLP's place: its own slots below
         for part, size in zip(parts, sizes[fused], strict=True):
             slots[part] = (None if weight is None else weight[:, start : start + size], True)
             start += size
@@ -44,6 +46,30 @@ def layer_slots(layer: LayerWeights) -> dict[str, Slot]:
         q_name, k_name = family.qk_norm_names
         slots[q_name] = (layer.qk_norm[: layer.num_heads], False)
         slots[k_name] = (layer.qk_norm[layer.num_heads :], False)
+    if layer.moe is not None:
+        slots.update(_expert_slots(layer))
+    return slots
+
+
+def _expert_slots(layer: LayerWeights) -> dict[str, Slot]:
+    """A mixture-of-experts layer's tensors (``models/moe.py``), by the family's names."""
+    names, moe = layer.family.expert_names, layer.moe
+    if names is None:
+        raise ValueError(f"family {layer.family.__name__}: names no expert tensors")
+    inter = moe.inter
+    slots: dict[str, Slot] = {names.router: (moe.router, True)}
+    for e in range(moe.num_experts):
+        slots[names.gate.format(e=e)] = (moe.gate_up[e][:, :inter], True)
+        slots[names.up.format(e=e)] = (moe.gate_up[e][:, inter:], True)
+        slots[names.down.format(e=e)] = (moe.down[e], True)
+    if moe.shared_gate_up is not None and names.shared is not None:
+        gate, up, down = names.shared
+        s = moe.shared_inter
+        slots[gate] = (moe.shared_gate_up[:, :s], True)
+        slots[up] = (moe.shared_gate_up[:, s:], True)
+        slots[down] = (moe.shared_down, True)
+    if moe.shared_gate is not None and names.shared_scale is not None:
+        slots[names.shared_scale] = (moe.shared_gate, True)
     return slots
 
 

@@ -46,9 +46,9 @@ from torch import nn
 from kvwise.models.arch import ModelArchConfig
 from kvwise.models.family import ModelFamily
 from kvwise.models.layer_ops import LayerOps, TorchLayerOps, choose_layer_ops
-from kvwise.models.layer_weights import LINEAR_NAMES, LayerWeights, param
+from kvwise.models.layer_weights import LINEAR_NAMES, LayerWeights
 from kvwise.models.layers import NORMS, rope_table, soft_cap
-from kvwise.models.linear import FloatHead, HeadWeight, RefinedHead
+from kvwise.models.linear import FloatHead, HeadWeight, RefinedHead, param
 from kvwise.models.quant import QuantWeight
 from kvwise.models.registry import family_for
 
@@ -59,8 +59,14 @@ class DecoderLayer(LayerWeights):
     """One pre-norm decoder block: its weights (``LayerWeights``) and its step, computed by
     its ``LayerOps``. Weights are `[in, out]`; see the module docstring."""
 
-    def __init__(self, arch: ModelArchConfig, family: type[ModelFamily], dtype: torch.dtype):
-        super().__init__(arch, family, dtype)
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        family: type[ModelFamily],
+        dtype: torch.dtype,
+        moe: bool = False,
+    ):
+        super().__init__(arch, family, dtype, moe)
         self.ops: LayerOps = choose_layer_ops(self)
 
     def install_quantized(self, weights: dict[str, QuantWeight], ops: str | None = None) -> None:
@@ -126,7 +132,7 @@ class CausalLM(nn.Module):
         self.family = family = family or family_for(arch.architecture)
         self.embed = param(arch.vocab_size, arch.hidden_size, dtype=dtype)  # [vocab, hidden]
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, family, dtype) for _ in range(arch.num_layers)
+            DecoderLayer(arch, family, dtype, arch.is_moe_layer(i)) for i in range(arch.num_layers)
         )
         self.norm = param(arch.hidden_size, dtype=dtype)
         self.lm_head = param(arch.hidden_size, arch.vocab_size, dtype=dtype)  # [hidden, vocab]

@@ -57,6 +57,20 @@ LLAMA_LINEAR_PARTS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
+class ExpertNames:
+    """The HF names of a mixture-of-experts layer's tensors, within the layer (``{e}``: the
+    expert's index): the router, each expert's gate / up / down projections and, where the
+    model has one, the shared expert's three and the scalar gate on its output."""
+
+    router: str
+    gate: str
+    up: str
+    down: str
+    shared: tuple[str, str, str] | None = None  # gate, up, down
+    shared_scale: str | None = None
+
+
+@dataclass(frozen=True)
 class AttentionKind:
     """The attention one layer runs.
 
@@ -106,6 +120,8 @@ class ModelFamily:
         "self_attn.k_norm.weight",
     )
     ignored_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    # a mixture-of-experts family's expert tensors (models/moe.py); None: dense only
+    expert_names: ClassVar[ExpertNames | None] = None
     # what llama.cpp's converter added to every norm weight (``*norm.weight``; Gemma's 1): the
     # GGUF loader subtracts it, so a GGUF's norms hold what the HF checkpoint's hold
     gguf_norm_offset: ClassVar[float] = 0.0

@@ -89,7 +89,10 @@ class TorchLayerOps(_LayerTensors):
         super().__init__(layer)
         self.norm = NORMS[layer.family.norm]
         self.glu = GLUS[layer.family.activation]
-        self.qkv, self.o, self.gate_up, self.down = (layer.linear(n) for n in LINEAR_NAMES)
+        self.qkv, self.o = layer.linear("qkv_proj"), layer.linear("o_proj")
+        self.moe = layer.moe  # a mixture of experts in the dense MLP's place (models/moe.py)
+        if self.moe is None:
+            self.gate_up, self.down = layer.linear("gate_up_proj"), layer.linear("down_proj")
 
     def norm_qkv(self, residual: torch.Tensor) -> torch.Tensor:
         x = self.norm(residual, self.input_norm, self.eps)  # (T, hidden)
@@ -121,8 +124,10 @@ class TorchLayerOps(_LayerTensors):
             if self.o_bias is not None:
                 residual.add_(self.o_bias)
         x = self.norm(residual, self.mlp_norm, self.eps)  # (T, hidden)
-        gate = self.glu(self.gate_up.mm(x), self.inter)  # (T, inter)
-        out = self.down.mm(gate)  # (T, hidden)
+        if self.moe is not None:
+            out = self.moe(x, self.glu)  # (T, hidden)
+        else:
+            out = self.down.mm(self.glu(self.gate_up.mm(x), self.inter))  # (T, hidden)
         if self.mlp_out_norm is not None:
             out = self.norm(out, self.mlp_out_norm, self.eps)
         residual.add_(out)

@@ -9,22 +9,24 @@ from torch import nn
 
 from kvwise.models.arch import ModelArchConfig
 from kvwise.models.family import ModelFamily
-from kvwise.models.linear import FloatWeight, Linear
+from kvwise.models.linear import FloatWeight, Linear, param
+from kvwise.models.moe import MoEWeights
 from kvwise.models.quant import QuantWeight
 
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    """An uninitialized parameter (filled by a loader)."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class LayerWeights(nn.Module):
     """One decoder block's weights: fused, transposed `[in, out]` parameters (see
     ``models/decoder.py``), or quantized ones in their place (``quant``)."""
 
-    def __init__(self, arch: ModelArchConfig, family: type[ModelFamily], dtype: torch.dtype):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        family: type[ModelFamily],
+        dtype: torch.dtype,
+        moe: bool = False,
+    ):
         super().__init__()
         hidden, inter = arch.hidden_size, arch.intermediate_size
         self.family = family
@@ -49,8 +51,10 @@ class LayerWeights(nn.Module):
         # post-norm families norm the attention and MLP outputs before their residual adds
         self.attn_out_norm = param(hidden, dtype=dtype) if family.post_norms else None
         self.mlp_norm = param(hidden, dtype=dtype)  # the MLP's input norm
-        self.gate_up_proj = param(hidden, 2 * inter, dtype=dtype)  # [in, gate | up]
-        self.down_proj = param(inter, hidden, dtype=dtype)
+        # a dense MLP, or (``moe``) a mixture of experts in its place (``models/moe.py``)
+        self.moe = MoEWeights(arch, dtype) if moe else None
+        self.gate_up_proj = None if moe else param(hidden, 2 * inter, dtype=dtype)  # [in, g | u]
+        self.down_proj = None if moe else param(inter, hidden, dtype=dtype)
         self.mlp_out_norm = param(hidden, dtype=dtype) if family.post_norms else None
         self.quant: dict[str, QuantWeight] | None = None  # LINEAR_NAMES name -> weight
 
@@ -58,7 +62,10 @@ class LayerWeights(nn.Module):
         """The linear weight ``name`` (one of ``LINEAR_NAMES``) as the ops apply it."""
         if self.quant is not None:
             return self.quant[name]
-        return FloatWeight(getattr(self, name))
+        weight = getattr(self, name)
+        if weight is None:
+            raise ValueError(f"weights: this layer has no {name} (its MLP is a mixture of experts)")
+        return FloatWeight(weight)
 
     def part_sizes(self) -> dict[str, tuple[int, ...]]:
         """Each fused linear weight's output columns per HF part, in the family's order."""

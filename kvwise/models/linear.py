@@ -23,6 +23,11 @@ from kvwise import kernels
 EXACT_TOP_K = 64
 
 
+def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+    """An uninitialized parameter (filled by a loader)."""
+    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
 class _FusedOps:
     """The kernels' overloads, looked up once (``torch.ops`` attribute access per call costs)."""
 

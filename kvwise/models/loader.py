@@ -230,6 +230,11 @@ def _load_hf_dir(
 ) -> LoadedModel:
     config_bytes = (directory / "config.json").read_bytes()
     arch = arch_from_hf_config(json.loads(config_bytes))
+    if arch.num_experts and quantization in ("int4", "int8"):
+        raise ValueError(
+            f"quantization: {quantization!r} does not quantize expert weights yet; a "
+            "mixture-of-experts checkpoint runs with 'none' or 'auto' (float experts)"
+        )
     files = _safetensors_files(directory)
     model = CausalLM(arch, dtype)
     checkpoint.load_weights(model, _iter_safetensors(files, directory.name, progress))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from kvwise.models.family import LlamaFamily, ModelFamily
 from kvwise.models.gemma import Gemma2Family, Gemma3Family
+from kvwise.models.moe_families import MixtralFamily, QwenMoeFamily
 
 _FAMILIES: dict[str, type[ModelFamily]] = {}  # HF architecture name -> family
 _HF_MODEL_TYPES: dict[str, str] = {}  # config.json model_type -> architecture
@@ -95,3 +96,5 @@ def unsupported(name: str) -> ValueError:
 register_family(LlamaFamily)
 register_family(Gemma2Family)
 register_family(Gemma3Family)
+register_family(QwenMoeFamily)
+register_family(MixtralFamily)

@@ -1,0 +1,89 @@
+"""Mixture-of-experts MLPs: a router picks each token's experts, each expert is a gated MLP of
+its own, and a token's output is its experts' outputs weighted by the router (plus a shared
+expert every token runs, where the model has one). Written once for every MoE family
+(``models/moe_families.py``); the family names the tensors, the config the shapes and the
+routing (``ModelArchConfig.num_experts`` and the fields after it).
+
+Routing (Mixtral, Qwen2-MoE, Qwen3-MoE; transformers' order of operations): router logits
+``x . W_r`` (float32), softmax over all experts, the top ``k`` by probability (ties to the
+lower id, as ``torch.topk``), renormalised to sum to 1 where ``norm_topk_prob``.
+
+Computation, grouped by expert: the step's rows are sorted by the experts they chose, and
+each expert with rows runs once over all of them (its weights read once a step: a prefill's
+rows share the reads, a decode reads only its chosen experts). Each row's result is added
+into the output expert by expert in ascending id, the order transformers adds them in.
+
+Batch invariance: a row's experts and their weights depend on the row alone (its router
+logits are ``float_mm``'s, a fixed order of operations per output), every expert's matmuls
+are ``float_mm``'s (a row's bits do not depend on the other rows it is computed with), and
+its sum runs in a fixed order: a token's output does not depend on its neighbours.
+
+Weights are float (``quantization="none"`` or an HF checkpoint in its dtype); each expert's
+are held transposed like the dense layers' (``[in, out]``), stacked: ``gate_up``
+``(E, hidden, 2 * inter)`` [gate | up], ``down`` ``(E, inter, hidden)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kvwise.models.arch import ModelArchConfig
+from kvwise.models.linear import float_mm, param
+
+Glu = Callable[[torch.Tensor, int], torch.Tensor]  # (T, 2 * inter) -> (T, inter)
+
+
+class MoEWeights(nn.Module):
+    """One layer's experts, router and shared expert (see the module docstring)."""
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        num, hidden, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        shared = arch.shared_expert_intermediate_size
+        self.num_experts, self.top_k, self.inter = num, arch.num_experts_per_tok, inter
+        self.norm_topk_prob = arch.norm_topk_prob
+        self.router = param(hidden, num, dtype=dtype)  # [in, experts]
+        self.gate_up = param(num, hidden, 2 * inter, dtype=dtype)  # each [in, gate | up]
+        self.down = param(num, inter, hidden, dtype=dtype)  # each [in, out]
+        self.shared_inter = shared
+        self.shared_gate_up = param(hidden, 2 * shared, dtype=dtype) if shared else None
+        self.shared_down = param(shared, hidden, dtype=dtype) if shared else None
+        self.shared_gate = param(hidden, 1, dtype=dtype) if arch.shared_expert_gate else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's experts ``(T, k)`` long and their weights ``(T, k)`` (x's dtype)."""
+        logits = float_mm(x, self.router).float()  # (T, E)
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (T, k), best first
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, glu: Glu) -> torch.Tensor:
+        """``x`` ``(T, hidden)``, normed -> the MLP's output ``(T, hidden)``."""
+        ids, weights = self.route(x)
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)  # (T * k,): row r's choices at r * k .. r * k + k - 1
+        order = torch.argsort(flat, stable=True)  # choices grouped by expert, rows ascending
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows, picked = order // self.top_k, weights.reshape(-1)[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            at = rows[start : start + count]
+            h = glu(float_mm(x[at], self.gate_up[expert]), self.inter)  # (n, inter)
+            y = float_mm(h, self.down[expert]) * picked[start : start + count, None]
+            out.index_add_(0, at, y)
+            start += count
+        if self.shared_gate_up is not None:
+            shared = float_mm(
+                glu(float_mm(x, self.shared_gate_up), self.shared_inter), self.shared_down
+            )
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(float_mm(x, self.shared_gate)) * shared
+            out = out + shared
+        return out
