@@ -71,9 +71,11 @@ class DecoderLayer(LayerWeights):
 
     def install_quantized(self, weights: dict[str, QuantWeight], ops: str | None = None) -> None:
         """Replace the four linear weights with quantized ones (their float parameters go) and
-        choose the layer's ops again (``use_ops``)."""
-        if set(weights) != set(LINEAR_NAMES):
-            raise ValueError(f"weights: expected {sorted(LINEAR_NAMES)}, got {sorted(weights)}")
+        choose the layer's ops again (``use_ops``); a mixture-of-experts layer: its two
+        attention ones (its experts: ``MoEWeights.install_quantized``)."""
+        names = LINEAR_NAMES if self.moe is None else ("qkv_proj", "o_proj")
+        if set(weights) != set(names):
+            raise ValueError(f"weights: expected {sorted(names)}, got {sorted(weights)}")
         for name, weight in weights.items():
             expected = tuple(getattr(self, name).shape[::-1])  # [in, out] -> (out, in)
             if (weight.out_features, weight.in_features) != expected:
@@ -266,6 +268,7 @@ class CausalLM(nn.Module):
         total = sum(p.nbytes for p in self.parameters())
         for layer in self.layers:
             total += sum(w.nbytes for w in (layer.quant or {}).values())
+            total += layer.moe.nbytes_quantized() if layer.moe is not None else 0
         for head in {id(w): w for w in (self.embed_quant, self.lm_head_quant) if w}.values():
             total += head.nbytes
         return total

@@ -153,8 +153,8 @@ class _FusedLayerOps(_LayerTensors):
     def _quantized(layer: LayerWeights, computes_family: bool) -> list | None:
         """The layer's quantized weights where the fused ops may run it (the kernels built,
         weights quantized, a family the ops compute), else None."""
-        if not (kernels.available() and computes_family and layer.quant):
-            return None
+        if not (kernels.available() and computes_family and layer.quant) or layer.moe is not None:
+            return None  # (a mixture of experts: the torch composition around its experts)
         return [layer.quant[name] for name in LINEAR_NAMES]
 
     def qkv_rope(self, qkv, rope_cos, rope_sin):

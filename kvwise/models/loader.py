@@ -194,11 +194,15 @@ def _load_quantized(model: CausalLM, weights, weight_format: str) -> None:
 
 
 def _quantize_loaded(model: CausalLM, weight_format: str) -> None:
-    """Quantize a loaded float model's linear weights, embedding and LM head."""
-    layers = [
-        {name: _fuse([getattr(layer, name).t()], weight_format) for name in LINEAR_NAMES}
-        for layer in model.layers
-    ]
+    """Quantize a loaded float model's linear weights (a mixture of experts': each expert's),
+    embedding and LM head."""
+    layers = []
+    for layer in model.layers:
+        names = LINEAR_NAMES
+        if layer.moe is not None:
+            layer.moe.install_quantized(lambda w: _fuse([w], weight_format))
+            names = ("qkv_proj", "o_proj")
+        layers.append({name: _fuse([getattr(layer, name).t()], weight_format) for name in names})
     embed = Q8Weight.quantize(model.embed)
     tied = model.arch.tie_word_embeddings
     head = embed if tied else Q8Weight.quantize(model.lm_head.t())
@@ -230,11 +234,6 @@ def _load_hf_dir(
 ) -> LoadedModel:
     config_bytes = (directory / "config.json").read_bytes()
     arch = arch_from_hf_config(json.loads(config_bytes))
-    if arch.num_experts and quantization in ("int4", "int8"):
-        raise ValueError(
-            f"quantization: {quantization!r} does not quantize expert weights yet; a "
-            "mixture-of-experts checkpoint runs with 'none' or 'auto' (float experts)"
-        )
     files = _safetensors_files(directory)
     model = CausalLM(arch, dtype)
     checkpoint.load_weights(model, _iter_safetensors(files, directory.name, progress))

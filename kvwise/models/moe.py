@@ -18,9 +18,12 @@ logits are ``float_mm``'s, a fixed order of operations per output), every expert
 are ``float_mm``'s (a row's bits do not depend on the other rows it is computed with), and
 its sum runs in a fixed order: a token's output does not depend on its neighbours.
 
-Weights are float (``quantization="none"`` or an HF checkpoint in its dtype); each expert's
-are held transposed like the dense layers' (``[in, out]``), stacked: ``gate_up``
-``(E, hidden, 2 * inter)`` [gate | up], ``down`` ``(E, inter, hidden)``.
+Weights: float (``quantization="none"`` or an HF checkpoint in its dtype), each expert's held
+transposed like the dense layers' (``[in, out]``), stacked: ``gate_up`` ``(E, hidden, 2 *
+inter)`` [gate | up], ``down`` ``(E, inter, hidden)``; or, after ``install_quantized``
+(``quantization`` "int4" / "int8" of an HF checkpoint), one quantized weight per expert and
+projection (``models/quant.py``: int4 on kvwise's ``q4mm``, whose int8 activations are
+quantized per row, so the rows stay independent), the router float.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 
 from kvwise.models.arch import ModelArchConfig
-from kvwise.models.linear import float_mm, param
+from kvwise.models.linear import Linear, float_mm, param
 
 Glu = Callable[[torch.Tensor, int], torch.Tensor]  # (T, 2 * inter) -> (T, inter)
 
@@ -52,6 +55,30 @@ class MoEWeights(nn.Module):
         self.shared_gate_up = param(hidden, 2 * shared, dtype=dtype) if shared else None
         self.shared_down = param(shared, hidden, dtype=dtype) if shared else None
         self.shared_gate = param(hidden, 1, dtype=dtype) if arch.shared_expert_gate else None
+        # (gate_up, down) of each expert, then of the shared one, once quantized
+        self.quant: list[tuple[Linear, Linear]] | None = None
+
+    def install_quantized(self, quantize: Callable[[torch.Tensor], Linear]) -> None:
+        """Quantize every expert's projections and the shared expert's (``quantize`` takes a
+        float ``(out, in)`` weight); their float parameters go, the router stays float."""
+        pairs = [(self.gate_up[e], self.down[e]) for e in range(self.num_experts)]
+        if self.shared_gate_up is not None:
+            pairs.append((self.shared_gate_up, self.shared_down))
+        self.quant = [(quantize(gu.t()), quantize(d.t())) for gu, d in pairs]
+        self.gate_up = self.down = self.shared_gate_up = self.shared_down = None
+
+    def nbytes_quantized(self) -> int:
+        """Bytes the quantized experts take (0 while they are float parameters)."""
+        return sum(w.nbytes for pair in self.quant or () for w in pair)
+
+    def _expert(self, x: torch.Tensor, e: int, glu: Glu, inter: int) -> torch.Tensor:
+        """Expert ``e``'s MLP over rows ``x`` (``e == num_experts``: the shared one)."""
+        if self.quant is not None:
+            gate_up, down = self.quant[e]
+            return down.mm(glu(gate_up.mm(x).to(x.dtype), inter)).to(x.dtype)
+        if e == self.num_experts:
+            return float_mm(glu(float_mm(x, self.shared_gate_up), inter), self.shared_down)
+        return float_mm(glu(float_mm(x, self.gate_up[e]), inter), self.down[e])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts ``(T, k)`` long and their weights ``(T, k)`` (x's dtype)."""
@@ -75,14 +102,11 @@ class MoEWeights(nn.Module):
             if not count:
                 continue
             at = rows[start : start + count]
-            h = glu(float_mm(x[at], self.gate_up[expert]), self.inter)  # (n, inter)
-            y = float_mm(h, self.down[expert]) * picked[start : start + count, None]
+            y = self._expert(x[at], expert, glu, self.inter) * picked[start : start + count, None]
             out.index_add_(0, at, y)
             start += count
-        if self.shared_gate_up is not None:
-            shared = float_mm(
-                glu(float_mm(x, self.shared_gate_up), self.shared_inter), self.shared_down
-            )
+        if self.shared_inter:
+            shared = self._expert(x, self.num_experts, glu, self.shared_inter)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(float_mm(x, self.shared_gate)) * shared
             out = out + shared
