@@ -123,11 +123,13 @@ class ModelShape:
 
     @classmethod
     def from_arch(cls, arch, name: str, source: str = "") -> ModelShape:
+        """The shape of ``arch``; a mixture-of-experts model's MLP counted as the experts one
+        token runs (``mlp_width``), what a decode step reads."""
         return cls(
             name,
             arch.num_layers,
             arch.hidden_size,
-            arch.intermediate_size,
+            mlp_width(arch),
             arch.num_heads,
             arch.num_kv_heads,
             arch.head_dim,
@@ -135,6 +137,21 @@ class ModelShape:
             arch.tie_word_embeddings,
             source,
         )
+
+
+def mlp_width(arch) -> int:
+    """The MLP's hidden width one token multiplies by: the dense ``intermediate_size``, or for
+    a mixture of experts its ``num_experts_per_tok`` experts plus the shared one, averaged over
+    the layers (a dense layer counts its own). A prefill of many tokens reads more experts
+    than this (up to all of them); the roofline counts a decode's."""
+    if not getattr(arch, "num_experts", 0):
+        return arch.intermediate_size
+    active = arch.num_experts_per_tok * arch.moe_intermediate_size
+    active += arch.shared_expert_intermediate_size
+    widths = [
+        active if arch.is_moe_layer(i) else arch.intermediate_size for i in range(arch.num_layers)
+    ]
+    return round(sum(widths) / arch.num_layers)
 
 
 MODELS = {
