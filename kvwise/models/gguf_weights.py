@@ -60,6 +60,16 @@ _PER_LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# a mixture-of-experts layer's tensors -> the ExpertNames field naming their HF tensor; the
+# three ``_exps`` tensors stack every expert (``(E, out, in)`` in numpy order) and are split
+EXPERT_TENSORS = {
+    "ffn_gate_inp.weight": "router",
+    "ffn_gate_exps.weight": "gate",
+    "ffn_up_exps.weight": "up",
+    "ffn_down_exps.weight": "down",
+    "ffn_gate_inp_shexp.weight": "shared_scale",
+}
+SHARED_EXPERT_TENSORS = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 # Carried in the arch config (rope_freqs) rather than as a weight.
 _SKIPPED = {"rope_freqs.weight"}
 
@@ -88,9 +98,23 @@ def hf_name(gguf_name: str, family: type[ModelFamily] = LlamaFamily) -> str | No
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
         within = _PER_LAYER.get(parts[2]) or family.norm_names.get(_NORM_SLOTS.get(parts[2], ""))
+        within = within or _expert_name(parts[2], family)
         if within is not None:
             return f"{family.layer_prefix}{parts[1]}.{within}"
     raise ValueError(f"weights: unexpected GGUF tensor '{gguf_name}'")
+
+
+def _expert_name(within: str, family: type[ModelFamily]) -> str | None:
+    """A MoE tensor's HF name within its layer (the ``_exps`` ones with ``{e}`` left for the
+    expert's index), or None."""
+    names = family.expert_names
+    if names is None:
+        return None
+    if within in EXPERT_TENSORS:
+        return getattr(names, EXPERT_TENSORS[within])
+    if within in SHARED_EXPERT_TENSORS and names.shared is not None:
+        return names.shared[SHARED_EXPERT_TENSORS.index(within)]
+    return None
 
 
 def from_gguf_norm(family: type[ModelFamily], name: str, floats: torch.Tensor) -> torch.Tensor:
@@ -152,6 +176,13 @@ def iter_gguf_weights(
             yield name, tuple(_unpermuted(name, part, arch, permuted) for part in parts)
             continue
         floats = from_gguf_norm(family, name, tensor_to_torch(tensor))
+        if "{e}" in name:  # every expert's weight in one tensor (E, out, in): one each
+            for e in range(floats.shape[0]):
+                yield name.format(e=e), floats[e]
+            continue
+        scale = getattr(family.expert_names, "shared_scale", None)
+        if floats.dim() == 1 and scale and name.endswith("." + scale):
+            floats = floats.unsqueeze(0)  # the shared expert's gate, (1, hidden) in HF
         yield name, _unpermuted(name, floats, arch, permuted)
 
 

@@ -118,7 +118,17 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, quantization: str
     model = CausalLM(arch, dtype)
     tensors = _progress(reader.tensors, len(reader.tensors), path.name, progress)
     report: list[WeightRow] = []
-    if quantization == "auto":  # every tensor at its own type's precision (gguf_load.py)
+    if arch.num_experts:  # experts read as floats, then kept or quantized
+        if quantization == "auto":
+            raise ValueError(
+                "quantization: a mixture-of-experts GGUF does not run at its own types yet; "
+                "give 'none' (float experts), 'int8' or 'int4'"
+            )
+        checkpoint.load_weights(model, iter_gguf_weights(reader, arch, tensors))
+        if quantization != "none":
+            _quantize_loaded(model, quantization)
+        weight_format = quantization
+    elif quantization == "auto":  # every tensor at its own type's precision (gguf_load.py)
         report = GGUFWeightLoader(model, reader).load(tensors)
         weight_format = _auto_format(model)
     elif quantization == "int4":  # Q4_0 / Q4_1 map onto the kernel as they are

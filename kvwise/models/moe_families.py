@@ -37,7 +37,22 @@ class QwenMoeFamily(ModelFamily):
 
     architectures = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
     hf_model_types = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+    gguf_architectures = {"qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
     expert_names = QWEN_EXPERTS
+
+    @classmethod
+    def gguf_flags(cls, get, fields: dict[str, Any]) -> dict[str, Any]:
+        """llama.cpp's metadata: the expert counts and widths; Qwen3-MoE renormalises its
+        top-k (llama.cpp's qwen3moe graph always does), Qwen2-MoE gates its shared expert."""
+        shared = int(get("expert_shared_feed_forward_length", 0) or 0)
+        return dict(
+            num_experts=int(get("expert_count")),
+            num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length")),
+            norm_topk_prob=fields["architecture"] == "Qwen3MoeForCausalLM",
+            shared_expert_intermediate_size=shared,
+            shared_expert_gate=bool(shared),
+        )
 
     @classmethod
     def hf_flags(cls, architecture: str, config: dict[str, Any]) -> dict[str, Any]:
