@@ -75,16 +75,15 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_PER_LAYER[rest]}"
 
 
-def _write_gguf(hf_model, arch: str, path, rope_freqs: np.ndarray | None = None) -> None:
-    config = hf_model.config
-    writer = gguf.GGUFWriter(path, arch=arch)
+def add_common_metadata(writer, config, arch: str) -> None:
+    """The metadata llama.cpp's converter writes for every decoder (shapes, rope, tokens)."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    if arch == "qwen3":  # the only arch whose converter writes key_length (head_dim != d/n)
+    if arch in ("qwen3", "qwen3moe"):  # the archs whose converter writes key_length
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
@@ -92,6 +91,19 @@ def _write_gguf(hf_model, arch: str, path, rope_freqs: np.ndarray | None = None)
     writer.add_vocab_size(config.vocab_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+
+
+def finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_gguf(hf_model, arch: str, path, rope_freqs: np.ndarray | None = None) -> None:
+    config = hf_model.config
+    writer = gguf.GGUFWriter(path, arch=arch)
+    add_common_metadata(writer, config, arch)
     tied = config.tie_word_embeddings
     for name, tensor in hf_model.state_dict().items():
         if tied and name == "lm_head.weight":
@@ -104,10 +116,7 @@ def _write_gguf(hf_model, arch: str, path, rope_freqs: np.ndarray | None = None)
         writer.add_tensor(_gguf_name(name), w)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def _random_hf(config_name: str, **overrides):

@@ -13,7 +13,13 @@ gguf = pytest.importorskip("gguf")
 
 from kvwise.models.layers import dense_causal_attention  # noqa: E402
 from kvwise.models.loader import load_model  # noqa: E402
-from tests.model.test_gguf_tiny import COMMON, _gguf_name, _random_hf  # noqa: E402
+from tests.model.test_gguf_tiny import (  # noqa: E402
+    COMMON,
+    _gguf_name,
+    _random_hf,
+    add_common_metadata,
+    finish,
+)
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 CASES = {
@@ -32,20 +38,7 @@ _MOE_NAMES = {
 def _write_moe_gguf(hf, arch: str, path) -> None:
     config = hf.config
     writer = gguf.GGUFWriter(path, arch=arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    if arch == "qwen3moe":
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_common_metadata(writer, config, arch)
     writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
@@ -69,10 +62,7 @@ def _write_moe_gguf(hf, arch: str, path) -> None:
             writer.add_tensor(f"blk.{layer}.{_MOE_NAMES[within]}", w)
         else:
             writer.add_tensor(_gguf_name(name), w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 @pytest.mark.parametrize("arch", sorted(CASES))
