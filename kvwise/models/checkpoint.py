@@ -58,7 +58,7 @@ def _expert_slots(layer: LayerWeights) -> dict[str, Slot]:
         raise ValueError(f"family {layer.family.__name__}: names no expert tensors")
     inter = moe.inter
     slots: dict[str, Slot] = {names.router: (moe.router, True)}
-    for e in range(moe.num_experts):
+    for e in range(moe.num_experts if moe.gate_up is not None else 0):  # none once installed
         slots[names.gate.format(e=e)] = (moe.gate_up[e][:, :inter], True)
         slots[names.up.format(e=e)] = (moe.gate_up[e][:, inter:], True)
         slots[names.down.format(e=e)] = (moe.down[e], True)

@@ -39,7 +39,7 @@ from kvwise.models.gguf_blocks import SPECS, BlockWeight
 from kvwise.models.gguf_pack import fast_pack
 from kvwise.models.gguf_types import FLOATS as _FLOATS
 from kvwise.models.gguf_types import runs_as
-from kvwise.models.gguf_weights import from_gguf_norm, hf_name
+from kvwise.models.gguf_weights import as_hf_tensor, from_gguf_norm, hf_name
 from kvwise.models.linear import float_mm
 from kvwise.models.quant import QK, Int4Weight, Q8Weight, q4_groups
 
@@ -189,6 +189,19 @@ def returned_to_the_system():
         libc.malloc_trim(0)
 
 
+def _expert_slots(family, arch) -> dict[str, str]:
+    """A mixture-of-experts layer's weight names within the layer -> their slot (none for a
+    dense model): the stacked experts' ``gate`` / ``up`` / ``down`` and, where the model has a
+    shared expert, ``shared_gate`` / ``shared_up`` / ``shared_down``."""
+    names = family.expert_names
+    if names is None or not arch.num_experts:
+        return {}
+    slots = {names.gate: "gate", names.up: "up", names.down: "down"}
+    if names.shared is not None and arch.shared_expert_intermediate_size:
+        slots.update(zip(names.shared, ("shared_gate", "shared_up", "shared_down"), strict=True))
+    return slots
+
+
 class GGUFWeightLoader:
     """Streams a GGUF's tensors into a ``CausalLM`` (see the module docstring)."""
 
@@ -202,6 +215,9 @@ class GGUFWeightLoader:
             for target, parts in self.family.linear_parts.items():
                 for part in parts:
                     self.part_of[f"{self.family.layer_prefix}{i}.{part}"] = (i, target)
+        # a mixture of experts' tensors within a layer -> their slot ("gate", "shared_up", ...)
+        self.expert_slot: dict[str, str] = _expert_slots(self.family, self.arch)
+        self.experts: dict[int, dict[str, tuple]] = defaultdict(dict)  # layer -> slot -> part
         self.pending: dict[tuple[int, str], dict[str, tuple]] = defaultdict(dict)
         self.mapped: dict[tuple[int, str], list] = defaultdict(list)  # their tensors
         self.layers: dict[int, dict] = defaultdict(dict)
@@ -251,7 +267,10 @@ class GGUFWeightLoader:
         gguf_type = tensor.tensor_type.name
         shape = (int(tensor.shape[1]), int(tensor.shape[0])) if len(tensor.shape) == 2 else None
         family = self.family
-        if name in self.part_of and shape is not None:
+        layer, _, within = name.removeprefix(family.layer_prefix).partition(".")
+        if within in self.expert_slot and name.startswith(family.layer_prefix):
+            self._take_expert(int(layer), within, tensor)
+        elif name in self.part_of and shape is not None:
             layer, target = self.part_of[name]
             self.pending[layer, target][name] = (self._raw(name, tensor), gguf_type, shape)
             self.mapped[layer, target].append(tensor)
@@ -283,14 +302,51 @@ class GGUFWeightLoader:
         (a norm as the HF checkpoint holds it: ``gguf_weights.from_gguf_norm``)."""
         raw = np.asarray(dequantize(self._raw(name, tensor), tensor.tensor_type), np.float32)
         floats = torch.from_numpy(raw.reshape(tuple(int(d) for d in reversed(tensor.shape))).copy())
-        return from_gguf_norm(self.family, name, floats)
+        return as_hf_tensor(self.family, name, from_gguf_norm(self.family, name, floats))
 
     def _count(self, gguf_type: str, how: str, nbytes: int = 0) -> None:
         self.report[gguf_type, how] += 1
         self.bytes[gguf_type, how] += nbytes
 
+    def _take_expert(self, layer: int, within: str, tensor: gguf.ReaderTensor) -> None:
+        """Keep a mixture-of-experts tensor (``(E, out, in)`` stacked, or the shared expert's
+        ``(out, in)``) until its layer has them all, then build each expert's weights."""
+        gguf_type = tensor.tensor_type.name
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # each expert's (out, in)
+        self.experts[layer][self.expert_slot[within]] = (tensor.data, gguf_type, shape)
+        self.mapped[layer, "experts"].append(tensor)
+        self._count(gguf_type, runs_as(gguf_type))
+        parts = self.experts[layer]
+        if len(parts) < len(set(self.expert_slot.values())):
+            return
+        del self.experts[layer]
+        moe = self.model.layers[layer].moe
+
+        def slab(slot: str, e: int | None) -> tuple:
+            raw, kind, size = parts[slot]
+            return (raw if e is None else raw[e], kind, size)
+
+        pairs = [
+            (self._fused([slab("gate", e), slab("up", e)]), self._fused([slab("down", e)]))
+            for e in range(moe.num_experts)
+        ]
+        if "shared_gate" in parts:
+            gate_up = self._fused([slab("shared_gate", None), slab("shared_up", None)])
+            pairs.append((gate_up, self._fused([slab("shared_down", None)])))
+        moe.install_experts(pairs)
+        for part in self.mapped.pop((layer, "experts")):
+            _release(self.reader, part)
+
     def _build_fused(self, layer: int, target: str, parts: list[tuple]) -> None:
-        """One weight of the parts; runs of neighbouring parts of one type packed as one."""
+        """One weight of the parts, installed once its layer has all of its own."""
+        self.layers[layer][target] = self._fused(parts)
+        wanted = len(self.family.linear_parts) if self.model.layers[layer].moe is None else 2
+        if len(self.layers[layer]) == wanted:  # a mixture of experts': its attention's two
+            self.model.layers[layer].install_quantized(self.layers.pop(layer))
+
+    def _fused(self, parts: list[tuple]):
+        """One weight of ``parts`` (raw, GGUF type, (out, in)), rows stacked in their order;
+        runs of neighbouring parts of one type packed as one."""
         runs: list[list[tuple]] = []
         for part in parts:
             same = runs and runs[-1][-1][1] == part[1] and runs[-1][-1][2][0] % 8 == 0
@@ -305,16 +361,13 @@ class GGUFWeightLoader:
             shape = (sum(s[0] for _, _, s in run), run[0][2][1])
             built.append(build_weight(raw, gguf_type, shape))
             self.bytes[gguf_type, runs_as(gguf_type)] += built[-1].nbytes
-        weight = built[0] if len(built) == 1 else ConcatWeight(built)
-        self.layers[layer][target] = weight
-        if len(self.layers[layer]) == len(self.family.linear_parts):
-            self.model.layers[layer].install_quantized(self.layers.pop(layer))
+        return built[0] if len(built) == 1 else ConcatWeight(built)
 
     def _finish(self) -> None:
         family, model = self.family, self.model
-        if self.pending or self.layers:
+        if self.pending or self.layers or self.experts:
             missing = sorted(n for parts in self.pending.values() for n in parts) or sorted(
-                f"layer {i}" for i in self.layers
+                f"layer {i}" for i in {*self.layers, *self.experts}
             )
             raise ValueError(f"weights: the file lacks parts of fused weights, e.g. {missing[:3]}")
         checkpoint.load_weights(model, self.rest, quantized=True)

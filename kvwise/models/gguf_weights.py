@@ -125,6 +125,15 @@ def from_gguf_norm(family: type[ModelFamily], name: str, floats: torch.Tensor) -
     return floats
 
 
+def as_hf_tensor(family: type[ModelFamily], name: str, floats: torch.Tensor) -> torch.Tensor:
+    """``floats`` in the HF tensor's shape: the shared expert's scalar gate, a vector in a
+    GGUF, is ``(1, hidden)`` in HF; any other tensor as it is."""
+    scale = getattr(family.expert_names, "shared_scale", None)
+    if floats.dim() == 1 and scale and name.endswith("." + scale):
+        return floats.unsqueeze(0)
+    return floats
+
+
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (rows grouped per head as interleaved pairs).
 
@@ -180,10 +189,7 @@ def iter_gguf_weights(
             for e in range(floats.shape[0]):
                 yield name.format(e=e), floats[e]
             continue
-        scale = getattr(family.expert_names, "shared_scale", None)
-        if floats.dim() == 1 and scale and name.endswith("." + scale):
-            floats = floats.unsqueeze(0)  # the shared expert's gate, (1, hidden) in HF
-        yield name, _unpermuted(name, floats, arch, permuted)
+        yield name, _unpermuted(name, as_hf_tensor(family, name, floats), arch, permuted)
 
 
 def _unpermuted(name: str, rows: torch.Tensor, arch: ModelArchConfig, permuted: bool):

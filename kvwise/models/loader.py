@@ -118,19 +118,14 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, quantization: str
     model = CausalLM(arch, dtype)
     tensors = _progress(reader.tensors, len(reader.tensors), path.name, progress)
     report: list[WeightRow] = []
-    if arch.num_experts:  # experts read as floats, then kept or quantized
-        if quantization == "auto":
-            raise ValueError(
-                "quantization: a mixture-of-experts GGUF does not run at its own types yet; "
-                "give 'none' (float experts), 'int8' or 'int4'"
-            )
+    if quantization == "auto":  # every tensor at its own type's precision (gguf_load.py)
+        report = GGUFWeightLoader(model, reader).load(tensors)
+        weight_format = _auto_format(model)
+    elif arch.num_experts:  # experts read as floats, then kept or quantized
         checkpoint.load_weights(model, iter_gguf_weights(reader, arch, tensors))
         if quantization != "none":
             _quantize_loaded(model, quantization)
         weight_format = quantization
-    elif quantization == "auto":  # every tensor at its own type's precision (gguf_load.py)
-        report = GGUFWeightLoader(model, reader).load(tensors)
-        weight_format = _auto_format(model)
     elif quantization == "int4":  # Q4_0 / Q4_1 map onto the kernel as they are
         family = model.family
         linear = {
@@ -165,6 +160,9 @@ def _auto_format(model: CausalLM) -> str:
     """ "int4" where every linear weight is int4 blocks (a Q4_0 / Q4_1 file: the arithmetic of
     ``quantization="int4"``), else "gguf" (each tensor in its own type)."""
     linear = [w for layer in model.layers for w in (layer.quant or {}).values()]
+    linear += [
+        w for layer in model.layers if layer.moe for pair in layer.moe.quant or () for w in pair
+    ]
     return "int4" if linear and all(isinstance(w, Int4Weight) for w in linear) else "gguf"
 
 

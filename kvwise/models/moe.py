@@ -23,7 +23,9 @@ transposed like the dense layers' (``[in, out]``), stacked: ``gate_up`` ``(E, hi
 inter)`` [gate | up], ``down`` ``(E, inter, hidden)``; or, after ``install_quantized``
 (``quantization`` "int4" / "int8" of an HF checkpoint), one quantized weight per expert and
 projection (``models/quant.py``: int4 on kvwise's ``q4mm``, whose int8 activations are
-quantized per row, so the rows stay independent), the router float.
+quantized per row, so the rows stay independent), the router float; or a GGUF's experts at
+the file's own block types (``install_experts``: Q4_K, Q6_K, ... on their kernels, which
+quantize activations per row as well).
 """
 
 from __future__ import annotations
@@ -64,7 +66,30 @@ class MoEWeights(nn.Module):
         pairs = [(self.gate_up[e], self.down[e]) for e in range(self.num_experts)]
         if self.shared_gate_up is not None:
             pairs.append((self.shared_gate_up, self.shared_down))
-        self.quant = [(quantize(gu.t()), quantize(d.t())) for gu, d in pairs]
+        self.install_experts([(quantize(gu.t()), quantize(d.t())) for gu, d in pairs])
+
+    def install_experts(self, pairs: list[tuple[Linear, Linear]]) -> None:
+        """Run on ``pairs`` (gate_up, down) of weights with ``mm``: each expert's, then the
+        shared expert's where the layer has one (a GGUF's experts at their own types,
+        ``models/gguf_load.py``); the float parameters go, the router stays float.
+
+        Raises:
+            ValueError: a pair missing or of the wrong shape, naming the expert.
+        """
+        widths = [self.inter] * self.num_experts + (
+            [self.shared_inter] if self.shared_inter else []
+        )
+        if len(pairs) != len(widths):
+            raise ValueError(f"weights: {len(pairs)} expert weight pairs, expected {len(widths)}")
+        hidden = self.router.shape[0]
+        for e, ((gate_up, down), inter) in enumerate(zip(pairs, widths, strict=True)):
+            got = (gate_up.out_features, gate_up.in_features, down.out_features, down.in_features)
+            if got != (2 * inter, hidden, hidden, inter):
+                raise ValueError(
+                    f"weights: expert {e}'s gate_up / down are {got[0]}x{got[1]} / "
+                    f"{got[2]}x{got[3]}, expected {2 * inter}x{hidden} / {hidden}x{inter}"
+                )
+        self.quant = list(pairs)
         self.gate_up = self.down = self.shared_gate_up = self.shared_down = None
 
     def nbytes_quantized(self) -> int:

@@ -46,11 +46,45 @@ def _quant(writer, name: str, kind: str, shape, rng) -> None:
     writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
 
 
+# a mixture of experts' tensors (qwen2moe, qwen3moe): per layer, the experts' types (gate and
+# up of different types in layer 0: two weights side by side) and the shared expert's
+EXPERTS, EXPERT_INTER = 4, 256
+EXPERT_TYPES = [
+    {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q5_K", "ffn_down_exps": "Q6_K"},
+    {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q8_0"},
+]
+SHARED_TYPES = {"ffn_gate_shexp": "Q8_0", "ffn_up_shexp": "Q8_0", "ffn_down_shexp": "Q4_0"}
+
+
+def _write_experts(writer, layer: int, shared: bool, rng) -> None:
+    writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
+                      rng.normal(0, 0.2, (EXPERTS, HIDDEN)).astype(np.float32))  # fmt: skip
+    for part, kind in EXPERT_TYPES[layer % 2].items():
+        out, inp = (HIDDEN, EXPERT_INTER) if part == "ffn_down_exps" else (EXPERT_INTER, HIDDEN)
+        raw = np.stack([random_blocks(kind, out, inp, rng) for _ in range(EXPERTS)])
+        writer.add_tensor(f"blk.{layer}.{part}.weight", raw,
+                          raw_dtype=gguf.GGMLQuantizationType[kind])  # fmt: skip
+    if shared:
+        for part, kind in SHARED_TYPES.items():
+            down = part == "ffn_down_shexp"
+            shape = (HIDDEN, EXPERT_INTER) if down else (EXPERT_INTER, HIDDEN)
+            _quant(writer, f"blk.{layer}.{part}.weight", kind, shape, rng)
+        writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
+                          rng.normal(0, 0.2, HIDDEN).astype(np.float32))  # fmt: skip
+
+
 def write_mixed_gguf(path, arch: str, vocab=VOCAB, tokenizer_from=None, seed=0) -> None:
-    """A tiny model of ``arch`` in mixed block types; ``tokenizer_from``: a GGUF whose
-    tokenizer to copy (else none)."""
+    """A tiny model of ``arch`` in mixed block types (qwen2moe / qwen3moe: experts in place of
+    the MLP, ``EXPERT_TYPES``); ``tokenizer_from``: a GGUF whose tokenizer to copy (else none)."""
     rng = np.random.default_rng(seed)
+    moe = arch in ("qwen2moe", "qwen3moe")
     writer = gguf.GGUFWriter(path, arch=arch)
+    if moe:
+        writer.add_expert_count(EXPERTS)
+        writer.add_expert_used_count(2)
+        writer.add_expert_feed_forward_length(EXPERT_INTER)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(EXPERT_INTER)
     writer.add_block_count(LAYERS)
     writer.add_context_length(512)
     writer.add_embedding_length(HIDDEN)
@@ -72,16 +106,19 @@ def write_mixed_gguf(path, arch: str, vocab=VOCAB, tokenizer_from=None, seed=0) 
     writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
     for i in range(LAYERS):
         for part, kind in TYPES.items():
-            _quant(writer, f"blk.{i}.{part}.weight", kind, SHAPES[part], rng)
+            if not (moe and part.startswith("ffn_")):
+                _quant(writer, f"blk.{i}.{part}.weight", kind, SHAPES[part], rng)
+        if moe:
+            _write_experts(writer, i, arch == "qwen2moe", rng)
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight",
                               rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))  # fmt: skip
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             for part in ("attn_q", "attn_k", "attn_v"):
                 rows = SHAPES[part][0]
                 writer.add_tensor(f"blk.{i}.{part}.bias",
                                   rng.normal(0, 0.1, rows).astype(np.float32))  # fmt: skip
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             for norm in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{i}.{norm}.weight",
                                   rng.uniform(0.5, 1.5, 64).astype(np.float32))  # fmt: skip
@@ -202,7 +239,7 @@ def test_engine_greedy_identical_cold_cached_and_from_disk(mixed_file, tmp_path)
     assert run(plain).token_ids == cold.token_ids
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2moe"])
 def test_kvwise_size_predicts_the_resident_weights(arch, tmp_path):
     """``kvwise size``'s weight table (torch-free, from the tensor list) is what loading holds."""
     from kvwise.models.gguf_file import GGUFFile

@@ -1,6 +1,8 @@
 """Mixture-of-experts GGUF files written the way llama.cpp's converter writes them (qwen2moe,
 qwen3moe: the experts stacked in ``ffn_{gate,up,down}_exps``, the router ``ffn_gate_inp``,
-the shared expert ``*_shexp``), read as float experts and checked against transformers."""
+the shared expert ``*_shexp``): read as float experts and checked against transformers; and
+with experts in mixed block types, run at the file's own types (``quantization="auto"``) and
+checked against the file's float dequantization, batched and through every cache path."""
 
 from __future__ import annotations
 
@@ -11,8 +13,22 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from kvwise.config import EngineConfig  # noqa: E402
+from kvwise.engine.builder import build_engine  # noqa: E402
+from kvwise.models.default import default_model_path  # noqa: E402
+from kvwise.models.gguf_load import ConcatWeight  # noqa: E402
+from kvwise.models.gguf_weights import open_gguf  # noqa: E402
+from kvwise.models.layer_ops import GLUS  # noqa: E402
 from kvwise.models.layers import dense_causal_attention  # noqa: E402
 from kvwise.models.loader import load_model  # noqa: E402
+from tests.model.test_gguf_native import (  # noqa: E402
+    EXPERT_TYPES,
+    EXPERTS,
+    SHARED_TYPES,
+    VOCAB,
+    _logits,
+    write_mixed_gguf,
+)
 from tests.model.test_gguf_tiny import (  # noqa: E402
     COMMON,
     _gguf_name,
@@ -84,7 +100,69 @@ def test_a_moe_gguf_matches_transformers(arch, tmp_path):
         logits = loaded.model.compute_logits(hidden)
         expected = hf(ids[None]).logits[0]
     assert (logits - expected).abs().max().item() < 1e-4
-    with pytest.raises(ValueError, match="^quantization: a mixture-of-experts GGUF"):
-        load_model(path, progress=False, quantization="auto")
     int8 = load_model(path, progress=False, quantization="int8")
     assert all(layer.moe.quant is not None for layer in int8.model.layers)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_experts_run_at_their_own_types(arch, tmp_path):
+    """Every expert's weights are the file's own blocks (exactly its dequantization), the
+    logits differ from the float path's by the activations' int8 rounding only, and a row's
+    logits are the same bits alone and in a batch."""
+    path = tmp_path / f"{arch}.gguf"
+    write_mixed_gguf(path, arch)
+    auto = load_model(path, progress=False, quantization="auto")
+    exact = load_model(path, progress=False, quantization="none")
+    report = {row.gguf_type: row for row in auto.weight_report}
+    types = {t for layer in EXPERT_TYPES for t in layer.values()}
+    if arch == "qwen2moe":
+        types |= set(SHARED_TYPES.values())
+    assert set(report) >= types and all(r.runs_as.endswith("(exact)") for r in report.values())
+    assert auto.weight_format == "gguf"
+    for i, layer in enumerate(auto.model.layers):
+        moe, floats = layer.moe, exact.model.layers[i].moe
+        assert len(moe.quant) == EXPERTS + (arch == "qwen2moe")
+        mixed = EXPERT_TYPES[i % 2]["ffn_gate_exps"] != EXPERT_TYPES[i % 2]["ffn_up_exps"]
+        assert isinstance(moe.quant[0][0], ConcatWeight) == mixed
+        for e in (0, EXPERTS - 1):
+            assert torch.equal(moe.quant[e][0].dequantize(), floats.gate_up[e].t())
+            assert torch.equal(moe.quant[e][1].dequantize(), floats.down[e].t())
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(1))
+    got, want = _logits(auto, ids), _logits(exact, ids)
+    assert (got - want).norm() / want.norm() < 0.04
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+    # a row's experts and sums do not depend on its neighbours
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(2))
+    moe, glu = auto.model.layers[0].moe, GLUS[auto.model.family.activation]
+    with torch.inference_mode():
+        together = moe(x, glu)
+        alone = torch.cat([moe(x[i : i + 1], glu) for i in range(6)])
+    assert torch.equal(together, alone)
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe") / "qwen2moe.gguf"
+    vocab = open_gguf(default_model_path()).fields["tokenizer.ggml.tokens"].contents()
+    write_mixed_gguf(path, "qwen2moe", vocab=len(vocab), tokenizer_from=default_model_path())
+    return path
+
+
+def test_engine_greedy_identical_cold_cached_and_from_disk(moe_file, tmp_path):
+    from tests.tiers_util import evict_device, run
+
+    def engine(**kwargs):
+        return build_engine(EngineConfig.from_kwargs(
+            model=str(moe_file), quantization="auto", kv_cache_memory="64MiB",
+            kv_host_memory="off", **kwargs), progress=False)  # fmt: skip
+
+    tiered = engine(kv_disk_path=str(tmp_path), enable_prefix_caching=True)
+    cold = run(tiered)
+    cached = run(tiered)
+    assert cached.num_cached_tokens > 0 and cached.token_ids == cold.token_ids
+    evict_device(tiered)
+    loaded = run(tiered)
+    assert loaded.num_loaded_tokens > 0 and loaded.token_ids == cold.token_ids
+    tiered.close()
+    plain = engine(kv_disk_path="off", enable_prefix_caching=False)
+    assert run(plain).token_ids == cold.token_ids
