@@ -23,7 +23,9 @@ def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> 
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
     n = rows * cols // block
     raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    for at in F16_FIELDS[name]:
+    if name == "MXFP4":  # a power-of-two scale byte: 2^-12 .. 2^-6, |w| up to 0.19
+        raw[:, 0] = rng.integers(116, 123, n, dtype=np.uint8)
+    for at in F16_FIELDS.get(name, ()):
         d = rng.uniform(0.05, 0.3, n) / _RANGE[name]
         raw[:, at : at + 2] = d.astype(np.float16).view(np.uint8).reshape(n, 2)
     return raw.reshape(rows, -1)

@@ -1,4 +1,4 @@
-"""GGUF's other block types at the file's own precision: Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+"""GGUF's other block types at the file's own precision: Q5_0, Q5_1, Q2_K .. Q6_K and MXFP4.
 
 Each type is, per block of 32 weights of an output row, unsigned codes `q` of 2..6 bits with
 one scale (or two: sub-blocks of 16), an optional minimum and an optional integer offset,
@@ -9,6 +9,11 @@ the layout ``kernels/csrc/kquant.cpp`` reads (its header comment), so ``qkmm`` c
 file's own weights: the integer parts stay integers, the float16 parts float16 (a product
 `D * sc` would need 17 bits: no float16 holds it). ``decode`` turns a tensor's raw GGUF blocks
 into those numbers, with numpy, straight from the memory-mapped file.
+
+MXFP4 (gpt-oss's experts): per block of 32, four-bit floats (e2m1) and one power-of-two scale
+byte `e`, `w = v(q) * 2^(e - 128)` with `v` the e2m1 values doubled (0, 1, 2, 3, 4, 6, 8, 12 and
+their negatives). The kernel keeps the file's codes and its `e` bytes (4.25 bits a weight, as
+the file) and reads each code through a table as `v(q) + 12` with an offset of 12.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ class BlockSpec:
     halves: bool  # sub-blocks of 16: two scales a block of 32
     mins: bool
     offset: int
+    fp4: bool = False  # MXFP4: codes are e2m1 floats, the scale a power-of-two byte
 
     @property
     def block_bytes(self) -> int:
-        scale = 8 * (2 if self.halves else 1) if self.kscales else 16
+        scale = 8 * (2 if self.halves else 1) if self.kscales else 8 if self.fp4 else 16
         return 128 + 32 * (self.bits - 4) + scale * (2 if self.mins else 1)
 
     @property
@@ -65,8 +71,11 @@ SPECS = {
         BlockSpec("Q6_K", 4, 6, True, True, False, 32),
         BlockSpec("Q3_K", 5, 4, True, True, False, 4),
         BlockSpec("Q2_K", 6, 4, True, True, True, 0),
+        BlockSpec("MXFP4", 7, 4, False, False, False, 12, fp4=True),
     )
 }
+# MXFP4's code -> its e2m1 value doubled (kquant.cpp's table less its offset of 12)
+FP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
 @dataclass
@@ -74,7 +83,7 @@ class Decoded:
     """A tensor's numbers as the kernel keeps them, rows first: codes `(rows, cols)` uint8;
     Q5_x: d, m `(rows, cols / 32)` float32 (float16 values); K-quants: D, Dmin `(rows, cols /
     256)` float32 (float16 values), sc, mn `(rows, cols / 32)` (or `(rows, cols / 32, 2)` for
-    sub-blocks of 16) int8."""
+    sub-blocks of 16) int8; MXFP4: its `e` bytes `(rows, cols / 32)` uint8 as the scale."""
 
     codes: np.ndarray
     scale: np.ndarray
@@ -104,6 +113,8 @@ def _decode_blocks(name: str, b: np.ndarray) -> Decoded:
     """`b` `(n, type bytes)`: n blocks (super-blocks for the K-quants) of one type -> codes
     `(n, block weights)` and the per-block numbers, all `(n, ...)`."""
     n = len(b)
+    if name == "MXFP4":  # e, then 16 bytes: weight k in the low nibble, k + 16 in the high
+        return Decoded(_bits(b[:, 1:17], (0, 4), 15).reshape(n, 32), b[:, 0].copy())
     if name in ("Q5_0", "Q5_1"):
         at = 2 if name == "Q5_0" else 4
         qh = np.ascontiguousarray(b[:, at : at + 4]).view(np.uint32)  # (n, 1)
@@ -181,6 +192,9 @@ def pack(spec: BlockSpec, d: Decoded) -> torch.Tensor:
             tail.append(t.contiguous().view(torch.uint8).reshape(G, nb, -1))
         floats = [f for f in (d.scale, d.minimum) if f is not None]
         heads = torch.cat([_float16_bytes(torch.from_numpy(f)) for f in floats], dim=-1)
+    elif spec.fp4:  # the e bytes of a group's 8 columns
+        tail.append(_groups(torch.from_numpy(np.ascontiguousarray(d.scale))).contiguous())
+        heads = torch.zeros(G, nb, 0, dtype=torch.uint8)
     else:
         for floats in (d.scale, d.minimum) if spec.mins else (d.scale,):
             tail.append(_float16_bytes(torch.from_numpy(floats)))
@@ -234,8 +248,11 @@ def unpack(spec: BlockSpec, packed: torch.Tensor) -> torch.Tensor:
         a = blocks[..., 128:160].reshape(G, nb, 8, 1, 4).int()
         e = blocks[..., 160:192].reshape(G, nb, 8, 1, 4).int()
         lo, hi = lo | (((a >> (2 * j)) & 3) << 4), hi | (((e >> (2 * j)) & 3) << 4)
-    q = torch.cat((lo.reshape(G, nb, 8, 16), hi.reshape(G, nb, 8, 16)), -1).float()
-    q = q - spec.offset  # (G, nb, column, 32)
+    q = torch.cat((lo.reshape(G, nb, 8, 16), hi.reshape(G, nb, 8, 16)), -1)
+    if spec.fp4:
+        q = torch.from_numpy(FP4_VALUES)[q.long()].float()  # (G, nb, column, 32)
+    else:
+        q = q.float() - spec.offset
     at = 128 + 32 * (spec.bits - 4)
 
     def halves(t: torch.Tensor) -> torch.Tensor:  # (G, nb, 8) or (G, nb, 2, 8) -> per k
@@ -255,6 +272,9 @@ def unpack(spec: BlockSpec, packed: torch.Tensor) -> torch.Tensor:
             mn = blocks[..., at + n : at + 2 * n].contiguous().view(torch.int8).reshape(shape)
             small = heads[..., 16:32].contiguous().view(torch.float16).float()
             w = w - small.repeat_interleave(spec.blocks, dim=1)[..., None] * halves(mn)
+    elif spec.fp4:  # 2^(e - 128), exactly (ldexp of 1)
+        e = blocks[..., at : at + 8].int() - 128  # (G, nb, 8)
+        w = torch.ldexp(torch.ones(e.shape), e.float())[..., None] * q
     else:
         d = blocks[..., at : at + 16].contiguous().view(torch.float16).float()  # (G, nb, 8)
         w = d[..., None] * q

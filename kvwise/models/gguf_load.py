@@ -5,9 +5,9 @@ the format its tensor has in the file, never below it:
 
 - Q4_0 / Q4_1: kvwise's int4 blocks (``Int4Weight``), exactly;
 - Q8_0: int8 blocks (``Q8Weight``), exactly;
-- Q5_0, Q5_1, Q2_K .. Q6_K: ``BlockWeight`` (``gguf_blocks.py``), exactly;
+- Q5_0, Q5_1, Q2_K .. Q6_K, MXFP4: ``BlockWeight`` (``gguf_blocks.py``), exactly;
 - F32 / F16 / BF16: float32, exactly;
-- any other type (IQ*, TQ*, MXFP4, ...): dequantized, then int8 blocks (Q8_0, 8.5 bits a weight)
+- any other type (IQ*, TQ*, ...): dequantized, then int8 blocks (Q8_0, 8.5 bits a weight)
   where the type has fewer bits than that, float32 otherwise ("converted" in the report).
 
 The embedding and LM head take the same rule, except that Q4_0 / Q4_1 ones become int8

@@ -2,8 +2,8 @@
 memory. No torch: ``kvwise size`` answers from a file's tensor list alone.
 
 The rule (``runs_as``; ``gguf_load.py`` builds the weights by it): Q4_0 / Q4_1 linear weights
-run as kvwise's int4 blocks, Q8_0 as int8 blocks, Q5_0, Q5_1 and Q2_K .. Q6_K as their own
-blocks (``gguf_blocks.BlockWeight``), F32 / F16 / BF16 as float32 — all exactly; an embedding
+run as kvwise's int4 blocks, Q8_0 as int8 blocks, Q5_0, Q5_1, Q2_K .. Q6_K and MXFP4 as their
+own blocks (``gguf_blocks.BlockWeight``), F32 / F16 / BF16 as float32 — all exactly; an embedding
 or LM head of Q4_0 / Q4_1 as int8 blocks (above its precision: the head's refinement needs
 exact rows); every other type converted to int8 blocks where it has fewer bits a weight than
 their 8.5, else to float32. Never below the file's precision; F64 and integer tensors are
@@ -20,7 +20,7 @@ import gguf
 
 FLOATS = ("F32", "F16", "BF16")
 REFUSED = ("F64", "I8", "I16", "I32", "I64")
-NATIVE_BLOCKS = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")  # gguf_blocks.SPECS
+NATIVE_BLOCKS = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "MXFP4")  # gguf_blocks
 _Q8_BITS = 8.5  # int8 blocks of 32 with a float16 scale
 RESIDENT_BITS = {
     "int4": 5.0,
@@ -33,6 +33,7 @@ RESIDENT_BITS = {
     "Q6_K": 6.5625,
     "Q3_K": 4.5625,
     "Q2_K": 5.125,
+    "MXFP4": 4.25,
 }
 
 

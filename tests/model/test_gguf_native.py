@@ -47,11 +47,12 @@ def _quant(writer, name: str, kind: str, shape, rng) -> None:
 
 
 # a mixture of experts' tensors (qwen2moe, qwen3moe): per layer, the experts' types (gate and
-# up of different types in layer 0: two weights side by side) and the shared expert's
+# up of different types in layer 0: two weights side by side; MXFP4, gpt-oss's type, in layer 1) and
+# the shared expert's
 EXPERTS, EXPERT_INTER = 4, 256
 EXPERT_TYPES = [
     {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q5_K", "ffn_down_exps": "Q6_K"},
-    {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q8_0"},
+    {"ffn_gate_exps": "MXFP4", "ffn_up_exps": "MXFP4", "ffn_down_exps": "Q8_0"},
 ]
 SHARED_TYPES = {"ffn_gate_shexp": "Q8_0", "ffn_up_shexp": "Q8_0", "ffn_down_shexp": "Q4_0"}
 

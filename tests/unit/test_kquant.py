@@ -77,10 +77,12 @@ def test_the_largest_codes_and_activations_sum_exactly(name, restore_path):
                    // gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][0]), 0xFF,
                   dtype=np.uint8)  # fmt: skip
     blocks = raw.reshape(-1, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1])
-    for at in F16_FIELDS[name]:
+    for at in F16_FIELDS.get(name, ()):
         blocks[:, at : at + 2] = (
             np.full(len(blocks), 1e-3, np.float16).view(np.uint8).reshape(-1, 2)
         )
+    if name == "MXFP4":  # code 15 is -12, the largest magnitude; scale 2^-10
+        blocks[:, 0] = 118
     weight = BlockWeight.from_gguf(raw, name, (16, 512))
     dense = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(16, 512))
     x = torch.ones(4, 512)
@@ -147,3 +149,27 @@ def test_dot_rows_are_float32_dots_of_the_exact_rows(name):
     want = torch.einsum("nkh,nh->nk", dense[ids].double(), x.double())
     got = weight.dot_rows(x, ids)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_scales_are_exact_at_every_exponent(restore_path):
+    """MXFP4's scale byte e is 2^(e - 128) for every e, the subnormal ones (e = 0, 1) and the
+    largest (e = 255: 2^127, as ggml reads it) included; the matmul of a block is its exact
+    sum within float32 rounding, on every path, at scales far from 1 each way."""
+    rng = np.random.default_rng(11)
+    raw = random_blocks("MXFP4", 8, 256 * 32, rng)  # 256 blocks a row: every e once
+    blocks = raw.reshape(-1, 17)
+    blocks[:, 0] = np.tile(np.arange(256, dtype=np.uint8), 8)
+    blocks[blocks[:, 0] >= 250, 1:] &= 0x11  # codes 0 and +-1 there: no infinities
+    weight = BlockWeight.from_gguf(raw, "MXFP4", (8, 8192))
+    dense = dequantize(raw, gguf.GGMLQuantizationType.MXFP4).reshape(8, 8192)
+    assert np.isfinite(dense).all()
+    assert np.array_equal(weight.dequantize().numpy(), dense)
+    assert torch.equal(weight.rows(torch.arange(8)), torch.from_numpy(dense))
+    for e in (40, 100, 128, 180):
+        x = torch.zeros(3, 8192)
+        x[:, 32 * e : 32 * e + 32] = torch.linspace(-1, 1, 32) * torch.tensor([[1.0], [0.3], [7.0]])
+        want = quantize_activations(x).double() @ torch.from_numpy(dense).double().t()
+        for path in _paths():
+            torch.ops.kvwise.qk_path(path)
+            got = weight.mm(x).double()
+            assert ((got - want).abs() <= 1e-6 * want.abs()).all(), (e, path)

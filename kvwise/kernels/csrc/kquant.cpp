@@ -1,5 +1,5 @@
-// GGUF's other block types run at the file's own precision: Q5_0, Q5_1 and the K-quants Q2_K,
-// Q3_K, Q4_K, Q5_K, Q6_K weights x int8 activations.
+// GGUF's other block types run at the file's own precision: Q5_0, Q5_1, the K-quants Q2_K,
+// Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 weights x int8 activations.
 //
 //   qkmm(x, W, kind)   -> x @ W.T, x quantized to int8 per block of 32 (qact.h), as q4mm does
 //
@@ -18,6 +18,13 @@
 //   Q5_0/Q5_1:  acc = fma(d dx, isum - offset xsum, acc)
 //               acc = fma(m, dx xsum, acc)                              (Q5_1)
 //
+// MXFP4 (gpt-oss's experts) is a block of 32 four-bit floats (e2m1: sign, 2 exponent bits, 1
+// mantissa bit) sharing a power-of-two scale byte e (E8M0): w = v(q) 2^(e - 128), with v(q) in
+// {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12} the e2m1 values doubled. The kernel reads each code
+// through a table as q' = v(q) + 12 (0..24, unsigned: the integer path of an offset of 12), so
+//   MXFP4:      acc = fma(2^(e - 128) dx, isum - 12 xsum, acc)
+// (2^(e - 128) formed from e's bits exactly, as ggml's GGML_E8M0_TO_FP32_HALF does);
+//
 // with isum_h = sum q qx over a sub-block h and xsum_h = sum qx (exact integers: at most
 // ~5 10^7). The float steps are the same operations in the same order on every path (AVX-512
 // VNNI, AVX2, scalar), so they give the same bits, and every row's result is independent of
@@ -33,7 +40,8 @@
 //   6-bit codes: 64 bytes, bytes 4 c + t (k < 16) and 32 + 4 c + t (k >= 16) holding bits 4..5
 //       of chunk j's code in bits 2 j .. 2 j + 1;
 //   then the scales: K-quants int8 sc (8, or 16 for sub-blocks of 16: the first half's 8
-//   then the second's), then mn likewise; Q5_x float16 d (8), then m (8).
+//   then the second's), then mn likewise; Q5_x float16 d (8), then m (8); MXFP4 its 8 e bytes
+//   (the codes the file's own 4 bits, 4.25 bits a weight in all).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -49,13 +57,13 @@
 
 namespace {
 
-template <int Bits, bool KScales, bool Halves, bool Mins, int Offset>
+template <int Bits, bool KScales, bool Halves, bool Mins, int Offset, bool Fp4 = false>
 struct Layout {
   static constexpr int bits = Bits;
-  static constexpr bool kscales = KScales, halves = Halves, mins = Mins;
+  static constexpr bool kscales = KScales, halves = Halves, mins = Mins, fp4 = Fp4;
   static constexpr int offset = Offset;
   static constexpr int64_t plane_bytes = 32 * (Bits - 4);
-  static constexpr int64_t sc_bytes = KScales ? 8 * (Halves ? 2 : 1) : 16;  // per scale kind
+  static constexpr int64_t sc_bytes = KScales ? 8 * (Halves ? 2 : 1) : Fp4 ? 8 : 16;  // a kind
   static constexpr int64_t block_bytes = 128 + plane_bytes + sc_bytes * (Mins ? 2 : 1);
   static constexpr int64_t blocks = KScales ? 8 : 1;  // blocks of 32 a super-block
   static constexpr int64_t header_bytes = KScales ? 16 * (Mins ? 2 : 1) : 0;
@@ -70,6 +78,18 @@ using Q5_K = Layout<5, true, false, true, 0>;
 using Q6_K = Layout<6, true, true, false, 32>;
 using Q3_K = Layout<4, true, true, false, 4>;
 using Q2_K = Layout<4, true, true, true, 0>;
+using MXFP4 = Layout<4, false, false, false, 12, true>;
+
+// MXFP4's code -> its e2m1 value doubled, plus 12 (see the header)
+constexpr uint8_t kFp4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// 2^(e - 128) of an E8M0 byte, exactly (e < 2: a subnormal)
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : (static_cast<uint32_t>(e) - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // Weights stream from memory once a step: each block asks for the bytes kPrefetch ahead of it
 // (into L1), continuing into the next group (pair) of the same stream. Measured, one row out of
@@ -94,11 +114,19 @@ inline int32_t code_at(const uint8_t* p, int c, int k) {
   int32_t q = hi ? p[32 * j + 4 * c + t] >> 4 : p[32 * j + 4 * c + t] & 15;
   if constexpr (L::bits == 5) q |= ((p[128 + 4 * c + t] >> (4 * hi + j)) & 1) << 4;
   if constexpr (L::bits == 6) q |= ((p[128 + 32 * hi + 4 * c + t] >> (2 * j)) & 3) << 4;
+  if constexpr (L::fp4) q = kFp4[q];
   return q;
 }
 
 inline float half_at(const uint8_t* p, int c) {
   return static_cast<float>(reinterpret_cast<const at::Half*>(p)[c]);
+}
+
+// a Q5_x / MXFP4 block's scale for column c (its float16 d, or 2^(e - 128))
+template <class L>
+inline float block_scale(const uint8_t* sc, int c) {
+  if constexpr (L::fp4) return e8m0_half(sc[c]);
+  return half_at(sc, c);
 }
 
 // a block's integer sums for column c: iv = sum_h sc_h (isum_h - offset xsum_h) and im =
@@ -139,7 +167,7 @@ void scalar_group(const uint8_t* w, int64_t nb, int64_t r, const int8_t* xq, con
           if constexpr (L::mins) m = std::fma(dx[i], static_cast<float>(im), m);
         } else {
           const uint8_t* sc = p + 128 + L::plane_bytes;
-          acc = std::fma(half_at(sc, c) * dx[i], static_cast<float>(iv), acc);
+          acc = std::fma(block_scale<L>(sc, c) * dx[i], static_cast<float>(iv), acc);
           if constexpr (L::mins) acc = std::fma(half_at(sc + 16, c), sx[i], acc);
         }
       }
@@ -184,6 +212,11 @@ inline void avx2_sums(const uint8_t* p, const int8_t* xq, int64_t K, int64_t b,
       lo = _mm256_or_si256(lo, _mm256_and_si256(a, top));
       hi = _mm256_or_si256(hi, _mm256_and_si256(e, top));
     }
+    if constexpr (L::fp4) {
+      const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4)));
+      lo = _mm256_shuffle_epi8(lut, lo);
+      hi = _mm256_shuffle_epi8(lut, hi);
+    }
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = xq + r * K + b * kQ4Block;
       int32_t xl, xhh;
@@ -213,6 +246,18 @@ inline __m256i avx2_i8(const uint8_t* q) {
 }
 inline __m256 avx2_ph(const uint8_t* q) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+}
+// 8 columns' block scales: float16 d, or MXFP4's 2^(e - 128) (e8m0_half, 8 at a time)
+template <class L>
+inline __m256 avx2_scale(const uint8_t* q) {
+  if constexpr (L::fp4) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(big, small, tiny));
+  }
+  return avx2_ph(q);
 }
 
 // AVX2: R rows x one group of 8 columns; the same integers, the same float steps as scalar
@@ -256,7 +301,7 @@ inline void avx2_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const floa
         } else {
           const __m256i t = _mm256_sub_epi32(_mm256_add_epi32(s[r][0], s[r][1]),
                                              _mm256_set1_epi32(L::offset * xs[i]));
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(avx2_ph(sc), dxv), _mm256_cvtepi32_ps(t), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(avx2_scale<L>(sc), dxv), _mm256_cvtepi32_ps(t), acc[r]);
           if constexpr (L::mins)
             acc[r] = _mm256_fmadd_ps(avx2_ph(sc + 16), _mm256_set1_ps(sx[i]), acc[r]);
         }
@@ -278,6 +323,19 @@ inline void avx2_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const floa
 inline __m512i i8_pair(const uint8_t* a, const uint8_t* b) {
   return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
                                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+}
+// two groups' block scales side by side: float16 d, or MXFP4's 2^(e - 128) (as avx2_scale)
+template <class L>
+inline __m512 scale_pair(const uint8_t* a, const uint8_t* b) {
+  if constexpr (L::fp4) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+    const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 tiny = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(tiny, big, small));
+  }
+  return load_ph_pair(a, b);
 }
 inline __m512i x4(const int8_t* p) {
   int32_t v;
@@ -311,6 +369,11 @@ inline void vnni_sums(const uint8_t* p0, const uint8_t* p1, const int8_t* xq, in
       const __m512i e = j < 2 ? _mm512_sll_epi16(planes[1], n) : _mm512_srl_epi16(planes[1], n);
       lo = _mm512_or_si512(lo, _mm512_and_si512(a, top));
       hi = _mm512_or_si512(hi, _mm512_and_si512(e, top));
+    }
+    if constexpr (L::fp4) {
+      const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4)));
+      lo = _mm512_shuffle_epi8(lut, lo);
+      hi = _mm512_shuffle_epi8(lut, hi);
     }
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = xq + r * K + b * kQ4Block;
@@ -365,7 +428,7 @@ inline void vnni_rows(const uint8_t* w0, const uint8_t* w1, int64_t nb, const in
                                             i8_pair(c0 + 8, c1 + 8), _mm512_set1_epi32(xs[i]))), m[r]);
         } else {
           const __m512i t = _mm512_sub_epi32(s[r][0], _mm512_set1_epi32(L::offset * xs[i]));
-          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(load_ph_pair(c0, c1), dxv), _mm512_cvtepi32_ps(t), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale_pair<L>(c0, c1), dxv), _mm512_cvtepi32_ps(t), acc[r]);
           if constexpr (L::mins)
             acc[r] = _mm512_fmadd_ps(load_ph_pair(c0 + 16, c1 + 16), _mm512_set1_ps(sx[i]), acc[r]);
         }
@@ -490,7 +553,8 @@ at::Tensor qkmm(const at::Tensor& x, const at::Tensor& packed, int64_t kind) {
     case 4: return qk_mm<Q6_K>(x, packed);
     case 5: return qk_mm<Q3_K>(x, packed);
     case 6: return qk_mm<Q2_K>(x, packed);
-    default: TORCH_CHECK(false, "qkmm: kind must be 0..6, got ", kind);
+    case 7: return qk_mm<MXFP4>(x, packed);
+    default: TORCH_CHECK(false, "qkmm: kind must be 0..7, got ", kind);
   }
 }
 
@@ -574,7 +638,7 @@ inline void block_row(const uint8_t* head, const uint8_t* p, int c, float* w) {
       a[half] = half_at(head, c) * static_cast<float>(v[at]);
       if constexpr (L::mins) m[half] = half_at(head + 16, c) * static_cast<float>(v[n + at]);
     } else {
-      a[half] = half_at(sc, c);
+      a[half] = block_scale<L>(sc, c);
       if constexpr (L::mins) m[half] = -half_at(sc + 16, c);
     }
   }
@@ -637,7 +701,8 @@ at::Tensor qk_rows_any(const at::Tensor& packed, const at::Tensor& ids, int64_t 
     case 4: return qk_rows_kind<Q6_K>(packed, ids, h);
     case 5: return qk_rows_kind<Q3_K>(packed, ids, h);
     case 6: return qk_rows_kind<Q2_K>(packed, ids, h);
-    default: TORCH_CHECK(false, "qk_rows: kind must be 0..6, got ", kind);
+    case 7: return qk_rows_kind<MXFP4>(packed, ids, h);
+    default: TORCH_CHECK(false, "qk_rows: kind must be 0..7, got ", kind);
   }
 }
 
