@@ -333,3 +333,22 @@ class BlockWeight:
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes
+
+
+class ConcatWeight:
+    """Row blocks of a fused weight in different formats: each part's ``mm``, side by side."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.mm(x).float() for p in self.parts], dim=1)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)

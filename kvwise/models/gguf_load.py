@@ -35,7 +35,7 @@ import torch
 from gguf.quants import dequantize
 
 from kvwise.models import checkpoint
-from kvwise.models.gguf_blocks import SPECS, BlockWeight
+from kvwise.models.gguf_blocks import SPECS, BlockWeight, ConcatWeight
 from kvwise.models.gguf_pack import fast_pack
 from kvwise.models.gguf_types import FLOATS as _FLOATS
 from kvwise.models.gguf_types import runs_as
@@ -72,25 +72,6 @@ class Float32Linear:
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes
-
-
-class ConcatWeight:
-    """Row blocks of a fused weight in different formats: each part's ``mm``, side by side."""
-
-    def __init__(self, parts: list) -> None:
-        self.parts = parts
-        self.in_features = parts[0].in_features
-        self.out_features = sum(p.out_features for p in parts)
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.mm(x).float() for p in self.parts], dim=1)
-
-    def dequantize(self) -> torch.Tensor:
-        return torch.cat([p.dequantize() for p in self.parts])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
 
 
 def q8_groups(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,10 @@ logits are ``float_mm``'s, a fixed order of operations per output), every expert
 are ``float_mm``'s (a row's bits do not depend on the other rows it is computed with), and
 its sum runs in a fixed order: a token's output does not depend on its neighbours.
 
+Experts of a GGUF's block types run stacked (``models/expert_stack.py``): each projection of
+every expert in one kernel pass, each row with the arithmetic of its expert's own ``mm``, and
+the rows added in the same order, so the stacked and the one-by-one paths give the same bits.
+
 Weights: float (``quantization="none"`` or an HF checkpoint in its dtype), each expert's held
 transposed like the dense layers' (``[in, out]``), stacked: ``gate_up`` ``(E, hidden, 2 *
 inter)`` [gate | up], ``down`` ``(E, inter, hidden)``; or, after ``install_quantized``
@@ -36,6 +40,7 @@ import torch
 from torch import nn
 
 from kvwise.models.arch import ModelArchConfig
+from kvwise.models.expert_stack import ExpertStack, stack_experts
 from kvwise.models.linear import Linear, float_mm, param
 
 Glu = Callable[[torch.Tensor, int], torch.Tensor]  # (T, 2 * inter) -> (T, inter)
@@ -59,6 +64,8 @@ class MoEWeights(nn.Module):
         self.shared_gate = param(hidden, 1, dtype=dtype) if arch.shared_expert_gate else None
         # (gate_up, down) of each expert, then of the shared one, once quantized
         self.quant: list[tuple[Linear, Linear]] | None = None
+        # the experts' gate_up and down as stacks, where they are block weights of one type
+        self.stacks: tuple[ExpertStack, ExpertStack] | None = None
 
     def install_quantized(self, quantize: Callable[[torch.Tensor], Linear]) -> None:
         """Quantize every expert's projections and the shared expert's (``quantize`` takes a
@@ -91,6 +98,13 @@ class MoEWeights(nn.Module):
                 )
         self.quant = list(pairs)
         self.gate_up = self.down = self.shared_gate_up = self.shared_down = None
+        experts = pairs[: self.num_experts]
+        gate_up, down = (stack_experts([pair[i] for pair in experts]) for i in (0, 1))
+        if gate_up is not None and down is not None:  # each expert's weights: views of them
+            self.stacks = (gate_up, down)
+            self.quant[: self.num_experts] = [
+                (gate_up.expert(e), down.expert(e)) for e in range(self.num_experts)
+            ]
 
     def nbytes_quantized(self) -> int:
         """Bytes the quantized experts take (0 while they are float parameters)."""
@@ -120,16 +134,22 @@ class MoEWeights(nn.Module):
         out = torch.zeros_like(x)
         flat = ids.reshape(-1)  # (T * k,): row r's choices at r * k .. r * k + k - 1
         order = torch.argsort(flat, stable=True)  # choices grouped by expert, rows ascending
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts)
         rows, picked = order // self.top_k, weights.reshape(-1)[order]
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            at = rows[start : start + count]
-            y = self._expert(x[at], expert, glu, self.inter) * picked[start : start + count, None]
-            out.index_add_(0, at, y)
-            start += count
+        if self.stacks is not None:  # every expert's rows in one kernel pass a projection
+            offsets = torch.zeros(self.num_experts + 1, dtype=torch.long)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            gate_up, down = self.stacks
+            h = glu(gate_up.mm(x[rows], offsets).to(x.dtype), self.inter)
+            out.index_add_(0, rows, down.mm(h, offsets).to(x.dtype) * picked[:, None])
+        else:
+            start = 0
+            for expert, count in enumerate(counts.tolist()):
+                if not count:
+                    continue
+                at, w = rows[start : start + count], picked[start : start + count, None]
+                out.index_add_(0, at, self._expert(x[at], expert, glu, self.inter) * w)
+                start += count
         if self.shared_inter:
             shared = self._expert(x, self.num_experts, glu, self.shared_inter)
             if self.shared_gate is not None:

@@ -138,6 +138,13 @@ def test_experts_run_at_their_own_types(arch, tmp_path):
         together = moe(x, glu)
         alone = torch.cat([moe(x[i : i + 1], glu) for i in range(6)])
     assert torch.equal(together, alone)
+    # block-type experts run stacked (one kernel pass a projection), with the bits of running
+    # them one by one; Q8_0 downs (layer 1) have no stack and run one by one
+    assert moe.stacks is not None and auto.model.layers[1].moe.stacks is None
+    stacks, moe.stacks = moe.stacks, None
+    with torch.inference_mode():
+        assert torch.equal(moe(x, glu), together)
+    moe.stacks = stacks
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 // Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 weights x int8 activations.
 //
 //   qkmm(x, W, kind)   -> x @ W.T, x quantized to int8 per block of 32 (qact.h), as q4mm does
+//   qkmm_experts(x, offsets, W, kind) -> each row of x against its expert's weight (W stacks
+//                         the experts: (E, N / 8, ...)); x's rows grouped by expert
 //
 // Every one of these types is, per block of 32 weights of an output column, unsigned codes q of
 // 2..6 bits with one or two scales (sub-blocks of 32 or 16), an optional minimum and an
@@ -473,74 +475,131 @@ int best_path() {
 #endif
 }
 
-template <class L>
-at::Tensor qk_mm(const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "qkmm: x must be a contiguous float32 (T, K) tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == L::super_bytes &&
-                  packed.size(1) * L::blocks * kQ4Block == x.size(1),
-              "qkmm: packed must be uint8 (N / 8, K / ", L::blocks * kQ4Block, ", ",
-              L::super_bytes, ") for K = ", x.size(1));
-  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0), nb = K / kQ4Block;
-  const int64_t N = G * 8, gb = packed.size(1) * L::super_bytes;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * nb), sx(M * nb);
-  std::vector<int32_t> xs(M * nb), xh(2 * M * nb);
-  const float* xp = x.data_ptr<float>();
+// rows of x quantized as qkmm reads them (qact.h), with each block's halves' sums
+struct QRows {
+  int64_t K, nb;
+  std::vector<int8_t> xq;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> xs, xh;
+};
+
+QRows quantize_rows(const float* xp, int64_t M, int64_t K) {
+  const int64_t nb = K / kQ4Block;
+  QRows q{K, nb, std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
+          std::vector<int32_t>(M * nb), std::vector<int32_t>(2 * M * nb)};
   kvwise::parallel_for(0, M, std::max<int64_t>(1, (1 << 15) / (4 * K)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      quantize_row_q8(xp + m * K, K, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
-                      xs.data() + m * nb);
+      quantize_row_q8(xp + m * K, K, q.xq.data() + m * K, q.dx.data() + m * nb,
+                      q.sx.data() + m * nb, q.xs.data() + m * nb);
       for (int64_t b = 0; b < nb; ++b) {  // the halves' sums (sub-blocks of 16)
         int32_t lo = 0;
-        for (int k = 0; k < 16; ++k) lo += xq[m * K + b * kQ4Block + k];
-        xh[2 * (m * nb + b)] = lo;
-        xh[2 * (m * nb + b) + 1] = xs[m * nb + b] - lo;
+        for (int k = 0; k < 16; ++k) lo += q.xq[m * K + b * kQ4Block + k];
+        q.xh[2 * (m * nb + b)] = lo;
+        q.xh[2 * (m * nb + b) + 1] = q.xs[m * nb + b] - lo;
       }
     }
   });
+  return q;
+}
+
+// rows m0..m1 of q against one group of 8 columns w (AVX2 or scalar), into out (row stride ldo)
+template <class L>
+void narrow_group(const uint8_t* w, const QRows& q, int64_t m0, int64_t m1, float* out,
+                  int64_t ldo, int path) {
+  const int64_t K = q.K, nb = q.nb;
+  int64_t m = m0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (path >= 1) {
+    for (; m + 4 <= m1; m += 4)
+      avx2_rows<L, 4>(w, nb, q.xq.data() + m * K, q.dx.data() + m * nb, q.sx.data() + m * nb,
+                      q.xs.data() + m * nb, q.xh.data() + 2 * m * nb, out + m * ldo, ldo);
+    for (; m < m1; ++m)
+      avx2_rows<L, 1>(w, nb, q.xq.data() + m * K, q.dx.data() + m * nb, q.sx.data() + m * nb,
+                      q.xs.data() + m * nb, q.xh.data() + 2 * m * nb, out + m * ldo, ldo);
+  }
+#endif
+  for (; m < m1; ++m)
+    scalar_group<L>(w, nb, m, q.xq.data(), q.dx.data(), q.sx.data(), q.xs.data(), q.xh.data(),
+                    out + m * ldo);
+}
+
+// rows m0..m1 of q against "pair" p of a weight's column groups (wp, G groups of gb bytes):
+// groups 2p and 2p + 1 side by side on AVX-512 VNNI, else (and a last odd group) one at a time
+template <class L>
+void pair_rows(const uint8_t* wp, int64_t G, int64_t gb, int64_t p, const QRows& q, int64_t m0,
+               int64_t m1, float* out, int64_t ldo, int path) {
+#if defined(KVWISE_AVX512VNNI)
+  if (path == 2 && 2 * p + 1 < G) {
+    constexpr int64_t kRows = 8;
+    const int64_t K = q.K, nb = q.nb;
+    const uint8_t* w0 = wp + 2 * p * gb;
+    for (int64_t m = m0; m < m1; m += kRows)
+      vnni_tile<L, kRows>(w0, w0 + gb, nb, std::min(kRows, m1 - m), q.xq.data() + m * K,
+                          q.dx.data() + m * nb, q.sx.data() + m * nb, q.xs.data() + m * nb,
+                          q.xh.data() + 2 * m * nb, out + m * ldo + p * 16, ldo);
+    return;
+  }
+#endif
+  for (int64_t g = 2 * p; g < std::min(2 * p + 2, G); ++g)
+    narrow_group<L>(wp + g * gb, q, m0, m1, out + g * 8, ldo, path);
+}
+
+template <class L>
+void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t dims, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              ": x must be a contiguous float32 (T, K) tensor");
+  TORCH_CHECK(packed.dim() == dims && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(dims - 1) == L::super_bytes &&
+                  packed.size(dims - 2) * L::blocks * kQ4Block == x.size(1),
+              op, ": packed must be uint8 (", dims == 4 ? "E, " : "", "N / 8, K / ",
+              L::blocks * kQ4Block, ", ", L::super_bytes, ") for K = ", x.size(1));
+}
+
+template <class L>
+at::Tensor qk_mm(const at::Tensor& x, const at::Tensor& packed) {
+  check_packed<L>(x, packed, 3, "qkmm");
+  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0);
+  const int64_t N = G * 8, gb = packed.size(1) * L::super_bytes;
+  const QRows q = quantize_rows(x.data_ptr<float>(), M, K);
   at::Tensor out = at::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int path = g_path < 0 ? best_path() : g_path;
-  auto narrow_groups = [&](int64_t g0, int64_t g1) {  // AVX2 or scalar, one group at a time
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* w = wp + g * gb;
-      int64_t m = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-      if (path >= 1) {
-        for (; m + 4 <= M; m += 4)
-          avx2_rows<L, 4>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
-                          xs.data() + m * nb, xh.data() + 2 * m * nb, op + m * N + g * 8, N);
-        for (; m < M; ++m)
-          avx2_rows<L, 1>(w, nb, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb,
-                          xs.data() + m * nb, xh.data() + 2 * m * nb, op + m * N + g * 8, N);
-      }
-#endif
-      for (; m < M; ++m)
-        scalar_group<L>(w, nb, m, xq.data(), dx.data(), sx.data(), xs.data(), xh.data(),
-                        op + m * N + g * 8);
+  kvwise::parallel_for(0, (G + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) pair_rows<L>(wp, G, gb, p, q, 0, M, op, N, path);
+  });
+  return out;
+}
+
+// a mixture of experts' matmuls in one pass: x's rows grouped by expert (expert e's rows
+// offsets[e] .. offsets[e + 1]) against packed (E, N / 8, K / ..., bytes), each row against its
+// expert's weight; the work split over (expert, column pair), every row's arithmetic qkmm's
+template <class L>
+at::Tensor qk_mm_experts(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& packed) {
+  check_packed<L>(x, packed, 4, "qkmm_experts");
+  const int64_t E = packed.size(0), M = x.size(0), K = x.size(1), G = packed.size(1);
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == E + 1 && offsets.scalar_type() == at::kLong &&
+                  offsets.is_contiguous(), "qkmm_experts: offsets must be int64 (E + 1,)");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == M, "qkmm_experts: offsets must run from 0 to x's rows");
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(off[e] <= off[e + 1], "qkmm_experts: offsets must not decrease");
+  const int64_t N = G * 8, gb = packed.size(2) * L::super_bytes, pairs = (G + 1) / 2;
+  std::vector<int64_t> used;  // experts with rows
+  for (int64_t e = 0; e < E; ++e)
+    if (off[e + 1] > off[e]) used.push_back(e);
+  const QRows q = quantize_rows(x.data_ptr<float>(), M, K);
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int path = g_path < 0 ? best_path() : g_path;
+  const int64_t items = static_cast<int64_t>(used.size()) * pairs;
+  kvwise::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = used[i / pairs];
+      pair_rows<L>(wp + e * G * gb, G, gb, i % pairs, q, off[e], off[e + 1], op, N, path);
     }
-  };
-#if defined(KVWISE_AVX512VNNI)
-  if (path == 2) {
-    constexpr int64_t kRows = 8;
-    kvwise::parallel_for(0, G / 2, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const uint8_t* w0 = wp + 2 * p * gb;
-        const uint8_t* w1 = w0 + gb;
-        for (int64_t m = 0; m < M; m += kRows)
-          vnni_tile<L, kRows>(w0, w1, nb, std::min(kRows, M - m), xq.data() + m * K,
-                              dx.data() + m * nb, sx.data() + m * nb, xs.data() + m * nb,
-                              xh.data() + 2 * m * nb, op + m * N + p * 16, N);
-      }
-    });
-    if (G % 2) narrow_groups(G - 1, G);
-    return out;
-  }
-#endif
-  kvwise::parallel_for(0, G, 1, narrow_groups);
+  });
   return out;
 }
 
@@ -555,6 +614,21 @@ at::Tensor qkmm(const at::Tensor& x, const at::Tensor& packed, int64_t kind) {
     case 6: return qk_mm<Q2_K>(x, packed);
     case 7: return qk_mm<MXFP4>(x, packed);
     default: TORCH_CHECK(false, "qkmm: kind must be 0..7, got ", kind);
+  }
+}
+
+at::Tensor qkmm_experts(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& packed,
+                        int64_t kind) {
+  switch (kind) {
+    case 0: return qk_mm_experts<Q5_0>(x, offsets, packed);
+    case 1: return qk_mm_experts<Q5_1>(x, offsets, packed);
+    case 2: return qk_mm_experts<Q4_K>(x, offsets, packed);
+    case 3: return qk_mm_experts<Q5_K>(x, offsets, packed);
+    case 4: return qk_mm_experts<Q6_K>(x, offsets, packed);
+    case 5: return qk_mm_experts<Q3_K>(x, offsets, packed);
+    case 6: return qk_mm_experts<Q2_K>(x, offsets, packed);
+    case 7: return qk_mm_experts<MXFP4>(x, offsets, packed);
+    default: TORCH_CHECK(false, "qkmm_experts: kind must be 0..7, got ", kind);
   }
 }
 
@@ -719,6 +793,7 @@ at::Tensor qk_rows_dot(const at::Tensor& h, const at::Tensor& packed, const at::
 
 TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def("qkmm(Tensor x, Tensor packed, int kind) -> Tensor");
+  m.def("qkmm_experts(Tensor x, Tensor offsets, Tensor packed, int kind) -> Tensor");
   m.def("qk_path(str path='') -> str", &qk_path);
   m.def("qk_rows(Tensor packed, Tensor ids, int kind) -> Tensor");
   m.def("qk_rows_dot(Tensor h, Tensor packed, Tensor ids, int kind) -> Tensor");
@@ -727,6 +802,7 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
 
 TORCH_LIBRARY_IMPL(kvwise, CPU, m) {
   m.impl("qkmm", &qkmm);
+  m.impl("qkmm_experts", &qkmm_experts);
   m.impl("qk_pack", &qk_pack);
   m.impl("qk_rows", &qk_rows);
   m.impl("qk_rows_dot", &qk_rows_dot);
