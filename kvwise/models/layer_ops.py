@@ -153,9 +153,10 @@ class _FusedLayerOps(_LayerTensors):
     def _quantized(layer: LayerWeights, computes_family: bool) -> list | None:
         """The layer's quantized weights where the fused ops may run it (the kernels built,
         weights quantized, a family the ops compute), else None."""
-        if not (kernels.available() and computes_family and layer.quant) or layer.moe is not None:
-            return None  # (a mixture of experts: the torch composition around its experts)
-        return [layer.quant[name] for name in LINEAR_NAMES]
+        if not (kernels.available() and computes_family and layer.quant):
+            return None
+        names = LINEAR_NAMES if layer.moe is None else ("qkv_proj", "o_proj")  # and experts
+        return [layer.quant[name] for name in names]
 
     def qkv_rope(self, qkv, rope_cos, rope_sin):
         return self._qkv_rope(
@@ -177,8 +178,10 @@ class Int4FusedOps(_FusedLayerOps):
     @staticmethod
     def applies(layer: LayerWeights) -> bool:
         weights = _FusedLayerOps._quantized(layer, layer.family.fused_ops_apply())
-        return weights is not None and all(
-            isinstance(w, Int4Weight) and w.out_features % 8 == 0 for w in weights
+        return (
+            weights is not None
+            and layer.moe is None
+            and all(isinstance(w, Int4Weight) and w.out_features % 8 == 0 for w in weights)
         )  # no padded output columns
 
     def __init__(self, layer: LayerWeights) -> None:
@@ -209,7 +212,11 @@ class Int8FusedOps(_FusedLayerOps):
     @staticmethod
     def applies(layer: LayerWeights) -> bool:
         weights = _FusedLayerOps._quantized(layer, layer.family.fused_ops_apply())
-        return weights is not None and all(isinstance(w, Int8Weight) for w in weights)
+        return (
+            weights is not None
+            and layer.moe is None
+            and all(isinstance(w, Int8Weight) for w in weights)
+        )
 
     def __init__(self, layer: LayerWeights) -> None:
         super().__init__(layer)
@@ -242,18 +249,25 @@ class BlockFusedOps(_FusedLayerOps):
     ``gguf_blocks.BlockWeight``, their mixes; int4 weights of a family the int4 ops do not
     compute), float32 in and out: kvwise's float32 norm, q/k/v and GLU ops around the
     weights' own matmuls, seven op calls a layer. Llama's choices and Gemma's (RMSNorms by
-    ``1 + w``, post-norms, GeGLU)."""
+    ``1 + w``, post-norms, GeGLU). A mixture-of-experts layer: its attention so, its experts
+    (``models/moe.py``) on the same GLU op in the dense MLP's place (float32 layers)."""
 
     @staticmethod
     def applies(layer: LayerWeights) -> bool:
         family = layer.family
         computes = family.norm in _NORM_OFFSETS and family.activation in _BLOCK_GLUS
         weights = _FusedLayerOps._quantized(layer, computes)
-        return weights is not None and not any(isinstance(w, Int8Weight) for w in weights)
+        float32 = layer.moe is None or layer.input_norm.dtype == torch.float32
+        return (
+            weights is not None and float32 and not any(isinstance(w, Int8Weight) for w in weights)
+        )
 
     def __init__(self, layer: LayerWeights) -> None:
         super().__init__(layer)
-        self.qkv, self.o, self.gate_up, self.down = (layer.quant[n] for n in LINEAR_NAMES)
+        self.moe = layer.moe
+        self.qkv, self.o = layer.quant["qkv_proj"], layer.quant["o_proj"]
+        if self.moe is None:
+            self.gate_up, self.down = layer.quant["gate_up_proj"], layer.quant["down_proj"]
         self._rms_norm, self._add_normed = FUSED.rms_norm_f32, FUSED.add_rms_normed_f32
         self._glu = getattr(FUSED, _BLOCK_GLUS[layer.family.activation])
 
@@ -270,7 +284,12 @@ class BlockFusedOps(_FusedLayerOps):
     def add_mlp(self, residual: torch.Tensor, o: torch.Tensor) -> None:
         self._add(residual, o, self.attn_out_norm)
         x = self._rms_norm(residual, self.mlp_norm, self.eps, self.offset)
-        self._add(residual, self.down.mm(self._glu(self.gate_up.mm(x))), self.mlp_out_norm)
+        if self.moe is not None:  # gate | up halves: the op's split at inter
+            self._add(
+                residual, self.moe(x, lambda gate_up, _: self._glu(gate_up)), self.mlp_out_norm
+            )
+        else:
+            self._add(residual, self.down.mm(self._glu(self.gate_up.mm(x))), self.mlp_out_norm)
 
     def _add(self, residual: torch.Tensor, y: torch.Tensor, norm: torch.Tensor | None) -> None:
         """residual += y, normed first where the family has that post-norm."""

@@ -119,6 +119,7 @@ def test_experts_run_at_their_own_types(arch, tmp_path):
         types |= set(SHARED_TYPES.values())
     assert set(report) >= types and all(r.runs_as.endswith("(exact)") for r in report.values())
     assert auto.weight_format == "gguf"
+    assert all(layer.ops.name == "fused" for layer in auto.model.layers)  # experts inside
     for i, layer in enumerate(auto.model.layers):
         moe, floats = layer.moe, exact.model.layers[i].moe
         assert len(moe.quant) == EXPERTS + (arch == "qwen2moe")
