@@ -61,9 +61,14 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArchConfig:
     return ModelArchConfig(**fields)
 
 
+# GGUF architectures llama.cpp also writes mixture-of-experts models as (with expert metadata)
+_EXPERT_TWINS = {"llama": "MixtralForCausalLM"}
+
+
 def arch_from_gguf(reader: Any) -> ModelArchConfig:
-    """Build from a `gguf.GGUFReader`'s metadata (architectures llama, qwen2, qwen3,
-    gemma2, gemma3; the family reads its own keys: ``ModelFamily.gguf_flags``).
+    """Build from a `gguf.GGUFReader`'s metadata (architectures llama — Mixtral's too, with
+    expert metadata —, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3; the family reads its
+    own keys: ``ModelFamily.gguf_flags``).
 
     Tied embeddings are inferred from the absence of an ``output.weight`` tensor, and
     Llama 3.1 scaling from a ``rope_freqs.weight`` tensor (as llama.cpp does).
@@ -75,6 +80,9 @@ def arch_from_gguf(reader: Any) -> ModelArchConfig:
 
     def get(key: str, default: Any = None) -> Any:
         return _gguf_field(reader, f"{gguf_arch}.{key}", default)
+
+    if gguf_arch in _EXPERT_TWINS and get("expert_count"):
+        architecture = _EXPERT_TWINS[gguf_arch]  # llama.cpp writes Mixtral as "llama"
 
     tensors = {t.name: t for t in reader.tensors}
     hidden = int(get("embedding_length"))

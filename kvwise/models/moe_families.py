@@ -83,7 +83,19 @@ class MixtralFamily(ModelFamily):
 
     architectures = ("MixtralForCausalLM",)
     hf_model_types = {"mixtral": "MixtralForCausalLM"}
-    expert_names = MIXTRAL_EXPERTS
+    expert_names = MIXTRAL_EXPERTS  # a GGUF: "llama" with expert metadata (arch_load.py)
+
+    @classmethod
+    def gguf_flags(cls, get, fields: dict[str, Any]) -> dict[str, Any]:
+        """llama.cpp's metadata: the expert counts; each expert as wide as the dense MLP
+        would be (``feed_forward_length``), its top 2 renormalised."""
+        width = get("expert_feed_forward_length") or fields["intermediate_size"]
+        return dict(
+            num_experts=int(get("expert_count")),
+            num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(width),
+            norm_topk_prob=True,
+        )
 
     @classmethod
     def hf_flags(cls, architecture: str, config: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Mixture-of-experts GGUF files written the way llama.cpp's converter writes them (qwen2moe,
-qwen3moe: the experts stacked in ``ffn_{gate,up,down}_exps``, the router ``ffn_gate_inp``,
+qwen3moe, and Mixtral as "llama" with expert metadata: the experts stacked in ``ffn_{gate,up,down}_exps``, the router ``ffn_gate_inp``,
 the shared expert ``*_shexp``): read as float experts and checked against transformers; and
 with experts in mixed block types, run at the file's own types (``quantization="auto"``) and
 checked against the file's float dequantization, batched and through every cache path."""
@@ -32,15 +32,17 @@ from tests.model.test_gguf_native import (  # noqa: E402
 from tests.model.test_gguf_tiny import (  # noqa: E402
     COMMON,
     _gguf_name,
+    _llama_cpp_permute,
     _random_hf,
     add_common_metadata,
     finish,
 )
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-CASES = {
-    "qwen3moe": ("Qwen3MoeConfig", dict(head_dim=16, norm_topk_prob=True, **MOE)),
-    "qwen2moe": ("Qwen2MoeConfig", dict(shared_expert_intermediate_size=48, **MOE)),
+CASES = {  # name: GGUF architecture, config, its settings
+    "qwen3moe": ("qwen3moe", "Qwen3MoeConfig", dict(head_dim=16, norm_topk_prob=True, **MOE)),
+    "qwen2moe": ("qwen2moe", "Qwen2MoeConfig", dict(shared_expert_intermediate_size=48, **MOE)),
+    "mixtral": ("llama", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 _MOE_NAMES = {
     "mlp.gate.weight": "ffn_gate_inp.weight",
@@ -55,14 +57,19 @@ def _write_moe_gguf(hf, arch: str, path) -> None:
     config = hf.config
     writer = gguf.GGUFWriter(path, arch=arch)
     add_common_metadata(writer, config, arch)
-    writer.add_expert_count(config.num_experts)
+    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    inter = getattr(config, "moe_intermediate_size", config.intermediate_size)
+    if arch != "llama":  # Mixtral's experts are feed_forward_length wide
+        writer.add_expert_feed_forward_length(inter)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    inter = config.moe_intermediate_size
     for name, tensor in hf.state_dict().items():
         w = tensor.detach().numpy().astype(np.float32)
+        if arch == "llama" and ".q_proj." in name:  # llama.cpp's rope row order
+            w = _llama_cpp_permute(w, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            w = _llama_cpp_permute(w, config.num_key_value_heads)
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
         within = name.split(".", 3)[3] if layer is not None else None
         if within == "mlp.experts.gate_up_proj":  # (E, 2 * inter, hidden): gate rows first
@@ -81,16 +88,17 @@ def _write_moe_gguf(hf, arch: str, path) -> None:
     finish(writer)
 
 
-@pytest.mark.parametrize("arch", sorted(CASES))
-def test_a_moe_gguf_matches_transformers(arch, tmp_path):
-    config_name, overrides = CASES[arch]
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_moe_gguf_matches_transformers(case, tmp_path):
+    arch, config_name, overrides = CASES[case]
     hf = _random_hf(config_name, **overrides)
-    path = tmp_path / f"{arch}.gguf"
+    path = tmp_path / f"{case}.gguf"
     _write_moe_gguf(hf, arch, path)
     loaded = load_model(path, progress=False)
+    assert loaded.arch.architecture == type(hf).__name__
     assert loaded.arch.num_experts == 4 and loaded.arch.num_experts_per_tok == 2
-    assert loaded.arch.norm_topk_prob == (arch == "qwen3moe")
-    assert bool(loaded.arch.shared_expert_intermediate_size) == (arch == "qwen2moe")
+    assert loaded.arch.norm_topk_prob == (case != "qwen2moe")
+    assert bool(loaded.arch.shared_expert_intermediate_size) == (case == "qwen2moe")
     torch.manual_seed(1)
     ids = torch.randint(0, COMMON["vocab_size"], (20,))
     with torch.inference_mode():
