@@ -13,10 +13,13 @@ and the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral (``models/moe_famili
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names, config.json layer_types
+ROUTINGS = ("softmax_topk", "topk_softmax")  # ModelArchConfig.routing
+EXPERT_GLUS = ("", "swiglu_clamped")  # ModelArchConfig.expert_glu
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,12 @@ class RopeScaling:
         "llama3": Llama 3.1 band-wise scaling (needs the low/high factors and the original length).
         "freq_factors": inverse frequency i is divided by `freq_factors[i]` (llama.cpp's
             ``rope_freqs`` tensor, the form in which GGUF files carry Llama 3.1 scaling).
+        "yarn": YaRN (gpt-oss, DeepSeek): each frequency between its extrapolated and its
+            interpolated (divided by `factor`) value by a linear ramp over the dimensions
+            whose wavelengths fall between `beta_fast` and `beta_slow` rotations of the original
+            length (ends rounded outwards where `truncate`), and cos / sin scaled by
+            `attention_factor` (None: ``0.1 ln(factor) + 1``, or DeepSeek's ratio of two such
+            terms with `mscale` / `mscale_all_dim`), as transformers computes them.
     """
 
     rope_type: str
@@ -36,13 +45,19 @@ class RopeScaling:
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
     freq_factors: tuple[float, ...] | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("linear", "llama3", "freq_factors"):
+        if self.rope_type not in ("linear", "llama3", "freq_factors", "yarn"):
             raise ValueError(
                 f"rope_scaling: unsupported rope type '{self.rope_type}'; "
-                "supported: default, linear, llama3"
+                "supported: default, linear, llama3, yarn"
             )
+        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
+            raise ValueError("rope_scaling: yarn needs original_max_position_embeddings")
         if self.factor <= 0:
             raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
         if self.rope_type == "llama3":
@@ -82,8 +97,34 @@ class RopeScaling:
                     params.get("original_max_position_embeddings", max_position_embeddings)
                 ),
             )
+        if rope_type == "yarn":
+            return cls._yarn(params, max_position_embeddings)
         raise ValueError(
-            f"rope_scaling: unsupported rope type '{rope_type}'; supported: default, linear, llama3"
+            f"rope_scaling: unsupported rope type '{rope_type}'; "
+            "supported: default, linear, llama3, yarn"
+        )
+
+    @classmethod
+    def _yarn(cls, params: dict[str, Any], max_position_embeddings: int) -> RopeScaling:
+        original = int(params.get("original_max_position_embeddings") or max_position_embeddings)
+        factor = params.get("factor") or max_position_embeddings / original
+        attention = params.get("attention_factor")
+        if attention is None:  # transformers' yarn_get_mscale
+            mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+
+            def get_mscale(m: float) -> float:
+                return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+            attention = get_mscale(mscale) / get_mscale(all_dim) if mscale and all_dim else None
+            attention = attention if attention is not None else get_mscale(1.0)
+        return cls(
+            "yarn",
+            factor=float(factor),
+            original_max_position_embeddings=original,
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=float(attention),
         )
 
 
@@ -116,6 +157,15 @@ class ModelArchConfig:
     shared_expert_intermediate_size: an expert every token runs besides its routed ones (0:
         none); shared_expert_gate: its output scaled by ``sigmoid(x . g)`` (Qwen2-MoE).
     dense_layers: layers of a MoE model whose MLP is dense (Qwen's ``mlp_only_layers``).
+    routing: "softmax_topk" (softmax over every expert, then the top k: Mixtral, Qwen) or
+        "topk_softmax" (the top k router logits, then a softmax over those: gpt-oss).
+    router_bias, expert_bias: the router's logits, and each expert's gate/up and down
+        projections, have biases (gpt-oss).
+    expert_glu: the experts' gate: "" the family's activation; "swiglu_clamped" gpt-oss's
+        ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, l)``, with
+        ``swiglu_alpha``, ``swiglu_limit`` = alpha, l.
+    attention_sinks: each query head has a learned logit that joins every softmax's
+        denominator and adds no value (gpt-oss's ``sinks``).
     """
 
     architecture: str
@@ -149,6 +199,13 @@ class ModelArchConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     dense_layers: tuple[int, ...] = ()
+    routing: str = "softmax_topk"
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_glu: str = ""
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, str) or not self.architecture:
@@ -228,6 +285,12 @@ class ModelArchConfig:
             raise ValueError("shared_expert_gate: needs a shared expert")
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
             raise ValueError(f"dense_layers: expected layers 0..{self.num_layers - 1}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing: expected one of {ROUTINGS}, got {self.routing!r}")
+        if self.expert_glu not in EXPERT_GLUS:
+            raise ValueError(f"expert_glu: expected one of {EXPERT_GLUS}, got {self.expert_glu!r}")
+        if self.expert_glu and not (self.swiglu_alpha > 0 and self.swiglu_limit > 0):
+            raise ValueError("swiglu_alpha and swiglu_limit must be > 0")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts."""

@@ -46,6 +46,8 @@ def layer_slots(layer: LayerWeights) -> dict[str, Slot]:
         q_name, k_name = family.qk_norm_names
         slots[q_name] = (layer.qk_norm[: layer.num_heads], False)
         slots[k_name] = (layer.qk_norm[layer.num_heads :], False)
+    if layer.sinks is not None:
+        slots[family.sinks_name] = (layer.sinks, False)
     if layer.moe is not None:
         slots.update(_expert_slots(layer))
     return slots
@@ -70,6 +72,13 @@ def _expert_slots(layer: LayerWeights) -> dict[str, Slot]:
         slots[down] = (moe.shared_down, True)
     if moe.shared_gate is not None and names.shared_scale is not None:
         slots[names.shared_scale] = (moe.shared_gate, True)
+    if moe.router_bias is not None:
+        slots[names.router_bias] = (moe.router_bias, False)
+    if moe.gate_up_bias is not None:  # floats whatever the experts' format
+        for e in range(moe.num_experts):
+            slots[names.gate_bias.format(e=e)] = (moe.gate_up_bias[e][:inter], False)
+            slots[names.up_bias.format(e=e)] = (moe.gate_up_bias[e][inter:], False)
+            slots[names.down_bias.format(e=e)] = (moe.down_bias[e], False)
     return slots
 
 

@@ -35,7 +35,7 @@ a model. Families are registered by architecture name in ``models/registry.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -68,6 +68,11 @@ class ExpertNames:
     down: str
     shared: tuple[str, str, str] | None = None  # gate, up, down
     shared_scale: str | None = None
+    # biases (gpt-oss): the router's, and each expert's gate / up / down projections'
+    router_bias: str | None = None
+    gate_bias: str | None = None
+    up_bias: str | None = None
+    down_bias: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,8 @@ class ModelFamily:
         "self_attn.k_norm.weight",
     )
     ignored_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    # attention sinks' HF name within a layer (``ModelArchConfig.attention_sinks``)
+    sinks_name: ClassVar[str] = "self_attn.sinks"
     # a mixture-of-experts family's expert tensors (models/moe.py); None: dense only
     expert_names: ClassVar[ExpertNames | None] = None
     # what llama.cpp's converter added to every norm weight (``*norm.weight``; Gemma's 1): the
@@ -199,6 +206,12 @@ class ModelFamily:
             qk_norm=False,
             sliding_window=config.get("sliding_window"),
         )
+
+    @classmethod
+    def hf_tensors(cls, name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+        """A checkpoint tensor as the HF-named tensors the loader takes (default: itself; a
+        family whose checkpoint fuses what kvwise names apart splits it here)."""
+        yield name, tensor
 
     @classmethod
     def gguf_flags(cls, get: GGUFGetter, fields: dict[str, Any]) -> dict[str, Any]:

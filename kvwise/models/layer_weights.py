@@ -48,6 +48,8 @@ class LayerWeights(nn.Module):
         )
         self.o_proj = param(self.q_size, hidden, dtype=dtype)
         self.o_bias = param(hidden, dtype=dtype) if arch.o_proj_bias else None
+        # a learned logit per query head in every softmax's denominator (gpt-oss), float32
+        self.sinks = param(arch.num_heads, dtype=torch.float32) if arch.attention_sinks else None
         # post-norm families norm the attention and MLP outputs before their residual adds
         self.attn_out_norm = param(hidden, dtype=dtype) if family.post_norms else None
         self.mlp_norm = param(hidden, dtype=dtype)  # the MLP's input norm

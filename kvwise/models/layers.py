@@ -69,6 +69,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq / scaling.factor
     if scaling.rope_type == "freq_factors":
         return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     # llama3: transformers' `_compute_llama3_parameters`, step for step.
     factor = scaling.factor
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
@@ -81,6 +83,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's frequencies: transformers' ``_compute_yarn_parameters``, step for step."""
+
+    def correction_dim(rotations: float) -> float:
+        original = scaling.original_max_position_embeddings
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp  # the share of a dimension's original frequency
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
 
 
 def rope_table(
@@ -96,6 +119,8 @@ def rope_table(
     freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
     cos = torch.cat((freqs, freqs), dim=-1).cos()  # (P, D)
     sin = freqs.sin()  # (P, D/2)
+    if scaling is not None and scaling.attention_factor is not None:  # YaRN's
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
     signed_sin = torch.cat((-sin, sin), dim=-1)  # (P, D)
     return torch.stack((cos, signed_sin), dim=1)  # (P, 2, D)
 
@@ -111,25 +136,33 @@ def softcapped_attention(
     k: torch.Tensor,  # (B, kv_heads, L, head_dim)
     v: torch.Tensor,  # (B, kv_heads, L, head_dim)
     scale: float,
-    softcap: float,
+    softcap: float | None,
     mask: torch.Tensor | None = None,  # bool, broadcasts to (B, num_heads, n, L); True: attend
     is_causal: bool = False,
+    sinks: torch.Tensor | None = None,  # (num_heads,)
 ) -> torch.Tensor:
-    """SDPA's attention (GQA, a bool mask or ``is_causal``), with every score soft-capped
-    after the scale, ``softcap * tanh(score / softcap)``, before the mask and the softmax (as
-    transformers' Gemma 2 eager attention computes it). Returns ``(B, num_heads, n, head_dim)``.
-    """
+    """SDPA's attention (GQA, a bool mask or ``is_causal``), its scores computed explicitly:
+    every score soft-capped after the scale, ``softcap * tanh(score / softcap)``, before the
+    mask and the softmax (as transformers' Gemma 2 eager attention computes it; None: no cap);
+    with ``sinks``, head h's logit ``sinks[h]`` joins each softmax as one more column that
+    adds no value (gpt-oss's eager attention). Returns ``(B, num_heads, n, head_dim)``."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)  # (B, num_heads, L, head_dim)
         v = v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, num_heads, n, L)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat((scores, column), dim=-1)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        weights = weights[..., :-1]
     return torch.matmul(weights, v)
 
 
@@ -140,6 +173,7 @@ def dense_causal_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference causal attention for ONE sequence (tests, debugging).
 
@@ -151,6 +185,7 @@ def dense_causal_attention(
             (HF Mistral/Qwen2 semantics).
         softcap: if set, every score soft-capped, ``softcap * tanh(score / softcap)``, before
             the softmax (Gemma 2's attn_logit_softcapping).
+        sinks: if set, `(num_heads,)` logits that join each head's softmax (gpt-oss).
 
     Returns:
         `(T_q, num_heads * head_dim)`; query i attends to keys `0 .. T_k - T_q + i`.
@@ -160,7 +195,7 @@ def dense_causal_attention(
     if num_k < num_q:
         raise ValueError(f"k: need at least as many keys ({num_k}) as queries ({num_q})")
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, T, D)
-    if num_q == num_k and sliding_window is None and softcap is None:
+    if num_q == num_k and sliding_window is None and softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True
         )  # (H, T_q, D)
@@ -170,7 +205,7 @@ def dense_causal_attention(
         mask = k_pos <= q_pos  # (T_q, T_k)
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        if softcap is not None:
+        if softcap is not None or sinks is not None:
             out = softcapped_attention(
                 qh[None],
                 kh[None],
@@ -178,6 +213,7 @@ def dense_causal_attention(
                 head_dim**-0.5 if scale is None else scale,
                 softcap,
                 mask,
+                sinks=sinks,
             )[0]
         else:
             out = F.scaled_dot_product_attention(

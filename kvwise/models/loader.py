@@ -244,7 +244,9 @@ def _load_hf_dir(
     arch = arch_from_hf_config(json.loads(config_bytes))
     files = _safetensors_files(directory)
     model = CausalLM(arch, dtype)
-    checkpoint.load_weights(model, _iter_safetensors(files, directory.name, progress))
+    tensors = _iter_safetensors(files, directory.name, progress)
+    split = model.family.hf_tensors
+    checkpoint.load_weights(model, (pair for name, t in tensors for pair in split(name, t)))
     weight_format = "none" if quantization == "auto" else quantization  # auto: its own dtype
     if weight_format != "none":
         _quantize_loaded(model, weight_format)

@@ -4,9 +4,13 @@ expert every token runs, where the model has one). Written once for every MoE fa
 (``models/moe_families.py``); the family names the tensors, the config the shapes and the
 routing (``ModelArchConfig.num_experts`` and the fields after it).
 
-Routing (Mixtral, Qwen2-MoE, Qwen3-MoE; transformers' order of operations): router logits
-``x . W_r`` (float32), softmax over all experts, the top ``k`` by probability (ties to the
-lower id, as ``torch.topk``), renormalised to sum to 1 where ``norm_topk_prob``.
+Routing (transformers' order of operations): router logits ``x . W_r`` (float32; plus a bias,
+gpt-oss); then "softmax_topk" (Mixtral, Qwen2-MoE, Qwen3-MoE): softmax over all experts, the top
+``k`` by probability (ties to the lower id, as ``torch.topk``), renormalised to sum to 1 where
+``norm_topk_prob``; or "topk_softmax" (gpt-oss): the top ``k`` logits, a softmax over them.
+
+An expert is ``down(glu(gate_up(x) + b_gu)) + b_d`` (the biases gpt-oss's, where the arch has
+them), its GLU the family's activation or gpt-oss's clamped SwiGLU (``swiglu_clamped``).
 
 Computation, grouped by expert: the step's rows are sorted by the experts they chose, and
 each expert with rows runs once over all of them (its weights read once a step: a prefill's
@@ -34,6 +38,7 @@ quantize activations per row as well).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -54,8 +59,17 @@ class MoEWeights(nn.Module):
         num, hidden, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
         shared = arch.shared_expert_intermediate_size
         self.num_experts, self.top_k, self.inter = num, arch.num_experts_per_tok, inter
-        self.norm_topk_prob = arch.norm_topk_prob
+        self.norm_topk_prob, self.routing = arch.norm_topk_prob, arch.routing
         self.router = param(hidden, num, dtype=dtype)  # [in, experts]
+        self.router_bias = param(num, dtype=dtype) if arch.router_bias else None
+        bias = arch.expert_bias  # float parameters whatever the experts' format
+        self.gate_up_bias = param(num, 2 * inter, dtype=dtype) if bias else None  # [gate | up]
+        self.down_bias = param(num, hidden, dtype=dtype) if bias else None
+        self.glu: Glu | None = None  # None: the family's (forward's argument)
+        if arch.expert_glu == "swiglu_clamped":
+            self.glu = functools.partial(
+                swiglu_clamped, alpha=arch.swiglu_alpha, limit=arch.swiglu_limit
+            )
         self.gate_up = param(num, hidden, 2 * inter, dtype=dtype)  # each [in, gate | up]
         self.down = param(num, inter, hidden, dtype=dtype)  # each [in, out]
         self.shared_inter = shared
@@ -112,16 +126,32 @@ class MoEWeights(nn.Module):
 
     def _expert(self, x: torch.Tensor, e: int, glu: Glu, inter: int) -> torch.Tensor:
         """Expert ``e``'s MLP over rows ``x`` (``e == num_experts``: the shared one)."""
+        routed = e < self.num_experts
         if self.quant is not None:
             gate_up, down = self.quant[e]
-            return down.mm(glu(gate_up.mm(x).to(x.dtype), inter)).to(x.dtype)
-        if e == self.num_experts:
+            h = self._bias(gate_up.mm(x).to(x.dtype), self.gate_up_bias, e if routed else None)
+            return self._bias(
+                down.mm(glu(h, inter)).to(x.dtype), self.down_bias, e if routed else None
+            )
+        if not routed:
             return float_mm(glu(float_mm(x, self.shared_gate_up), inter), self.shared_down)
-        return float_mm(glu(float_mm(x, self.gate_up[e]), inter), self.down[e])
+        h = self._bias(float_mm(x, self.gate_up[e]), self.gate_up_bias, e)
+        return self._bias(float_mm(glu(h, inter), self.down[e]), self.down_bias, e)
+
+    @staticmethod
+    def _bias(y: torch.Tensor, bias: torch.Tensor | None, e) -> torch.Tensor:
+        """``y`` plus expert ``e``'s row of ``bias`` (``e`` a tensor: each row's expert's);
+        ``y`` as it is without a bias (or for the shared expert, ``e`` None)."""
+        return y if bias is None or e is None else y.add_(bias[e])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts ``(T, k)`` long and their weights ``(T, k)`` (x's dtype)."""
         logits = float_mm(x, self.router).float()  # (T, E)
+        if self.router_bias is not None:
+            logits = logits + self.router_bias.float()
+        if self.routing == "topk_softmax":  # the top k logits, then a softmax over them
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return ids, torch.softmax(top, dim=-1).to(x.dtype)
         probs = torch.softmax(logits, dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (T, k), best first
         if self.norm_topk_prob:
@@ -130,6 +160,7 @@ class MoEWeights(nn.Module):
 
     def forward(self, x: torch.Tensor, glu: Glu) -> torch.Tensor:
         """``x`` ``(T, hidden)``, normed -> the MLP's output ``(T, hidden)``."""
+        glu = self.glu or glu
         ids, weights = self.route(x)
         out = torch.zeros_like(x)
         flat = ids.reshape(-1)  # (T * k,): row r's choices at r * k .. r * k + k - 1
@@ -139,9 +170,12 @@ class MoEWeights(nn.Module):
         if self.stacks is not None:  # every expert's rows in one kernel pass a projection
             offsets = torch.zeros(self.num_experts + 1, dtype=torch.long)
             torch.cumsum(counts, 0, out=offsets[1:])
-            gate_up, down = self.stacks
-            h = glu(gate_up.mm(x[rows], offsets).to(x.dtype), self.inter)
-            out.index_add_(0, rows, down.mm(h, offsets).to(x.dtype) * picked[:, None])
+            gate_up, down, experts = *self.stacks, flat[order]
+            h = self._bias(gate_up.mm(x[rows], offsets).to(x.dtype), self.gate_up_bias, experts)
+            y = self._bias(
+                down.mm(glu(h, self.inter), offsets).to(x.dtype), self.down_bias, experts
+            )
+            out.index_add_(0, rows, y * picked[:, None])
         else:
             start = 0
             for expert, count in enumerate(counts.tolist()):
@@ -156,3 +190,12 @@ class MoEWeights(nn.Module):
                 shared = torch.sigmoid(float_mm(x, self.shared_gate)) * shared
             out = out + shared
         return out
+
+
+def swiglu_clamped(gate_up: torch.Tensor, inter: int, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's GLU: `(T, 2 * inter)` [gate | up] -> `(T, inter)`,
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``
+    (transformers' ``GptOssExperts._apply_gate``, its gate and up de-interleaved)."""
+    gate = gate_up[:, :inter].clamp(max=limit)
+    up = gate_up[:, inter:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -1,14 +1,19 @@
-"""The mixture-of-experts families: Qwen2-MoE and Qwen3-MoE (``QwenMoeFamily``) and Mixtral
-(``MixtralFamily``). Their attention is Llama's (Qwen2's q/k/v biases, Qwen3's q/k norm);
-their MLP is ``models/moe.py``'s on every layer but the dense ones the config names. What
-each declares: its expert tensors' names (``ExpertNames``) and how its config.json sets the
-routing (``ModelArchConfig.num_experts`` and the fields after it)."""
+"""The mixture-of-experts families: Qwen2-MoE and Qwen3-MoE (``QwenMoeFamily``), Mixtral
+(``MixtralFamily``) and gpt-oss (``GptOssFamily``). Their attention is Llama's (Qwen2's q/k/v
+biases, Qwen3's q/k norm; gpt-oss's biases, attention sinks and sliding windows on alternate
+layers, with YaRN rotary); their MLP is ``models/moe.py``'s on every layer but the dense ones
+the config names. What each declares: its expert tensors' names (``ExpertNames``) and how its
+config.json sets the routing (``ModelArchConfig.num_experts`` and the fields after it)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from kvwise.models.family import ExpertNames, ModelFamily, _llama_windows
+
+if TYPE_CHECKING:  # no torch at import (the registry is read without it)
+    import torch
 
 QWEN_EXPERTS = ExpertNames(
     router="mlp.gate.weight",
@@ -27,6 +32,18 @@ MIXTRAL_EXPERTS = ExpertNames(
     gate="block_sparse_moe.experts.{e}.w1.weight",
     up="block_sparse_moe.experts.{e}.w3.weight",
     down="block_sparse_moe.experts.{e}.w2.weight",
+)
+
+
+GPT_OSS_EXPERTS = ExpertNames(  # one tensor an expert (the checkpoint's fused ones split)
+    router="mlp.router.weight",
+    gate="mlp.experts.{e}.gate_proj.weight",
+    up="mlp.experts.{e}.up_proj.weight",
+    down="mlp.experts.{e}.down_proj.weight",
+    router_bias="mlp.router.bias",
+    gate_bias="mlp.experts.{e}.gate_proj.bias",
+    up_bias="mlp.experts.{e}.up_proj.bias",
+    down_bias="mlp.experts.{e}.down_proj.bias",
 )
 
 
@@ -106,6 +123,79 @@ class MixtralFamily(ModelFamily):
             **_llama_windows("MistralForCausalLM", config),
             **_experts(config, "num_local_experts", True),
         )
+
+
+class GptOssFamily(ModelFamily):
+    """gpt-oss: Llama's attention with q/k/v/o biases and a learned sink logit per head,
+    sliding windows (128) on alternate layers (``layer_types``), YaRN rotary; every layer a
+    mixture of experts routed "topk_softmax" with a router bias, each expert's projections
+    biased and gated by the clamped SwiGLU (``swiglu_clamped``)."""
+
+    architectures = ("GptOssForCausalLM",)
+    hf_model_types = {"gpt_oss": "GptOssForCausalLM"}
+    gguf_architectures = {"gpt-oss": "GptOssForCausalLM"}
+    expert_names = GPT_OSS_EXPERTS
+
+    @classmethod
+    def hf_flags(cls, architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+        bias = bool(config.get("attention_bias", True))
+        return dict(
+            attention_bias=bias,
+            o_proj_bias=bias,
+            qk_norm=False,
+            **_llama_windows(architecture, config),
+            **_experts(config, "num_local_experts", False),
+            **GPT_OSS_MOE,
+            swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+        )
+
+    @classmethod
+    def hf_tensors(cls, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's fused expert tensors as one HF-layout tensor an expert: gate_up
+        ``(E, hidden, 2 inter)`` (gate and up interleaved, ``[in, out]``) into each expert's
+        gate and up ``(inter, hidden)``, down ``(E, inter, hidden)`` into ``(hidden, inter)``,
+        their biases alike.
+
+        Raises:
+            ValueError: MXFP4 expert blocks (``*_blocks`` / ``*_scales``, the released
+                checkpoints' form), which this loader does not read.
+        """
+        prefix, _, within = name.rpartition("mlp.experts.")
+        if within.endswith(("_blocks", "_scales")):
+            raise ValueError(
+                f"weights: '{name}' holds MXFP4 expert blocks, which kvwise reads from GGUF "
+                "files only (llama.cpp's converter); give the GGUF or a float checkpoint"
+            )
+        if within not in _GPT_OSS_FUSED:
+            yield name, tensor
+            return
+        names, is_bias = _GPT_OSS_FUSED[within]
+        for e in range(tensor.shape[0]):
+            if len(names) == 1:  # down, (inter, hidden) [in, out]
+                part = tensor[e] if is_bias else tensor[e].t()
+                yield f"{prefix}mlp.experts.{e}.{names[0]}", part
+                continue
+            for i, part_name in enumerate(names):  # gate at even columns, up at odd
+                part = tensor[e][i::2] if is_bias else tensor[e][:, i::2].t()
+                yield f"{prefix}mlp.experts.{e}.{part_name}", part
+
+
+# gpt-oss's routing and experts (ModelArchConfig's fields), HF and GGUF alike
+GPT_OSS_MOE = dict(
+    routing="topk_softmax",
+    router_bias=True,
+    expert_bias=True,
+    expert_glu="swiglu_clamped",
+    attention_sinks=True,
+)
+# its fused checkpoint tensors within "mlp.experts." -> the per-expert names, and whether a bias
+_GPT_OSS_FUSED = {
+    "gate_up_proj": (("gate_proj.weight", "up_proj.weight"), False),
+    "gate_up_proj_bias": (("gate_proj.bias", "up_proj.bias"), True),
+    "down_proj": (("down_proj.weight",), False),
+    "down_proj_bias": (("down_proj.bias",), True),
+}
 
 
 def _experts(config: dict[str, Any], count_key: str, norm_topk_prob: bool) -> dict[str, Any]:

@@ -153,8 +153,10 @@ def _sdpa(
 ) -> torch.Tensor:
     """SDPA at the layer's scale; a soft-capped layer's scores computed explicitly (SDPA
     cannot cap them). ``(B, num_heads, n, head_dim)``."""
-    if kind.softcap:
-        return softcapped_attention(q, k, v, kind.scale, kind.softcap, mask, is_causal)
+    if kind.softcap or kind.sinks is not None:
+        return softcapped_attention(
+            q, k, v, kind.scale, kind.softcap, mask, is_causal, sinks=kind.sinks
+        )
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal, scale=kind.scale, enable_gqa=True
     )

@@ -92,7 +92,7 @@ class PagedKernelAttention(AttentionLayers):
 
             def attn_kinds(layer: int, q, k, v) -> torch.Tensor:
                 kind = kinds[layer]
-                out = rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap)
+                out = rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap, kind.sinks)
                 return out.view(q.shape[0], width)
 
             return attn_kinds
@@ -110,7 +110,7 @@ class PagedKernelAttention(AttentionLayers):
         """See ``AttentionBackend.forward``: the kernel writes the rows first."""
         kind = kind or self.kind(layer)
         rows = self.kv_cache.rows_attention
-        out = rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap)
+        out = rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap, kind.sinks)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
 

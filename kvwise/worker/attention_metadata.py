@@ -8,7 +8,7 @@ they are built on the host."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -16,11 +16,14 @@ import torch
 @dataclass(frozen=True)
 class LayerAttention:
     """What one layer's attention computes: keys within ``window`` of the query (0: all), the
-    score ``scale`` and the scores' soft cap ``softcap`` (``c * tanh(s / c)``; 0: none)."""
+    score ``scale``, the scores' soft cap ``softcap`` (``c * tanh(s / c)``; 0: none) and the
+    per-head ``sinks`` logits that join every softmax (gpt-oss; a float32 ``(num_heads,)``
+    tensor of the model's, None: none)."""
 
     window: int
     scale: float
     softcap: float = 0.0
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
 
 class AttentionLayers:

@@ -190,11 +190,16 @@ class ModelRunner:
 
 def layer_attention(model, arch) -> list[LayerAttention] | None:
     """Each layer's window, score scale and score soft cap from the model's
-    ``attention_kinds``; None where every layer is full attention at ``head_dim ** -0.5``
-    with no cap (or the model declares no kinds)."""
+    ``attention_kinds``, and its attention sinks (the layer's ``sinks`` weights); None where
+    every layer is full attention at ``head_dim ** -0.5`` with no cap and no sinks (or the
+    model declares no kinds)."""
     kinds = getattr(model, "attention_kinds", None)
+    sinks = [getattr(layer, "sinks", None) for layer in getattr(model, "layers", ())]
     plain = (None, None, None)
-    if not kinds or all((k.sliding_window, k.softmax_scale, k.softcap) == plain for k in kinds):
+    if not kinds or (
+        all((k.sliding_window, k.softmax_scale, k.softcap) == plain for k in kinds)
+        and all(s is None for s in sinks)
+    ):
         return None
     default = arch.head_dim**-0.5
     return [
@@ -202,6 +207,7 @@ def layer_attention(model, arch) -> list[LayerAttention] | None:
             k.sliding_window or 0,
             default if k.softmax_scale is None else k.softmax_scale,
             k.softcap or 0.0,
+            sinks[i] if i < len(sinks) else None,
         )
-        for k in kinds
+        for i, k in enumerate(kinds)
     ]

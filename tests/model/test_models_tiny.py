@@ -258,7 +258,7 @@ def test_arch_old_style_rope_scaling():
     [
         (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "unsupported architecture"),
         (dict(num_key_value_heads=3), "num_kv_heads"),
-        (dict(rope_parameters=dict(rope_type="yarn", factor=2.0)), "rope type 'yarn'"),
+        (dict(rope_parameters=dict(rope_type="longrope", factor=2.0)), "rope type .longrope."),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(hidden_size=0), "hidden_size"),
     ],

@@ -148,8 +148,9 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
                                        const at::Tensor& block_tables, const at::Tensor& ctx_lens,
                                        const at::Tensor& open_slots, double scale_in,
                                        int64_t block_size, int64_t group, int64_t window,
-                                       double softcap_in) {
+                                       double softcap_in, const c10::optional<at::Tensor>& sinks_in) {
   check_attention_kind("paged_decode_attention_int4", window, softcap_in);
+  const float* sinks = sinks_of("paged_decode_attention_int4", sinks_in, q_in.size(1));
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "paged_decode_attention_int4: q must be float32 (B, H, D)");
   TORCH_CHECK(staged.dim() == 4 && staged.scalar_type() == at::kFloat && staged.is_contiguous(),
@@ -310,8 +311,10 @@ at::Tensor paged_decode_attention_int4(const at::Tensor& q_in, const at::Tensor&
           float* s = score_of(b, g, first_key(b));
           std::fill(s - skip, s, 0.f);  // before the window: weight 0
           if (softcap > 0.f) cap_scores(s, n, softcap);
-          const float mx = max_of(s, n);
-          float sum = 0.f;
+          // a sink: one more logit in the max and the sum, with no value
+          const float* sink = sinks ? sinks + h * G + g : nullptr;
+          const float mx = sink ? std::max(max_of(s, n), *sink) : max_of(s, n);
+          float sum = sink ? std::exp(*sink - mx) : 0.f;
           int64_t t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
           __m256 vsum = _mm256_setzero_ps();
@@ -485,7 +488,7 @@ TORCH_LIBRARY_FRAGMENT(kvwise, m) {
   m.def(
       "paged_decode_attention_int4(Tensor q, Tensor k_raw, Tensor v_raw, Tensor staged, "
       "Tensor block_tables, Tensor ctx_lens, Tensor open_slots, float scale, int block_size, "
-      "int group, int window=0, float softcap=0.0) -> Tensor");
+      "int group, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def(
       "kv_write_int4(Tensor(a!) v_raw, Tensor(b!) staged, Tensor k, Tensor v, Tensor slots, "
       "Tensor stage_rows, int block_size, int group) -> ()");

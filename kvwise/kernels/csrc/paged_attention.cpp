@@ -300,6 +300,7 @@ struct Pool {
   int64_t codes_bytes;  // int8: where a block half's scales start
   float scale;
   float softcap;  // > 0: every score s becomes softcap * tanh(s / softcap); 0: none
+  const float* sinks = nullptr;  // (H,): query head h's logit in its softmax; null: none
 };
 
 // K/V rows asked for a few cache lines at a time while a span computes (the next span's rows of
@@ -811,9 +812,12 @@ __attribute__((noinline)) void fold_span(float* state, const float* part, int64_
   }
 }
 
-inline void start_state(float* state, int64_t D) {
-  state[0] = -std::numeric_limits<float>::infinity();
-  std::fill(state + 1, state + D + 2, 0.f);
+// a row's softmax before any key: nothing (-inf, 0), or its head's sink (sink, exp(0) = 1),
+// a logit in the denominator with no value: every span folded in after it, as with keys
+inline void start_state(float* state, int64_t D, const float* sink = nullptr) {
+  state[0] = sink ? *sink : -std::numeric_limits<float>::infinity();
+  state[1] = sink ? 1.f : 0.f;
+  std::fill(state + 2, state + D + 2, 0.f);
 }
 
 __attribute__((noinline)) void finish_state(float* out, const float* state, int64_t D) {
@@ -1028,7 +1032,8 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
                        : pp + ((split_at[b] + s) * KVH + h) * part_size;
         };
         if (whole)
-          for (int64_t i = 0; i < (b1 - b0) * H; ++i) start_state(state.data() + i * (D + 2), D);
+          for (int64_t i = 0; i < (b1 - b0) * H; ++i)
+            start_state(state.data() + i * (D + 2), D, P.sinks ? P.sinks + i % H : nullptr);
         int64_t group_len = 0;
         for (int64_t b = b0; b < b1; ++b) group_len = std::max(group_len, lens[b]);
         // the unit's first span asked for at once; each later one spread over the span before
@@ -1131,7 +1136,8 @@ at::Tensor attend(const at::Tensor& q, const Pool& P, int64_t num_blocks,
       std::vector<float> state(H * (D + 2));
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = split_rows[i];
-        for (int64_t head = 0; head < H; ++head) start_state(state.data() + head * (D + 2), D);
+        for (int64_t head = 0; head < H; ++head)
+          start_state(state.data() + head * (D + 2), D, P.sinks ? P.sinks + head : nullptr);
         for (int64_t s = first_span(b); s < spans_of(b); ++s)
           fold_span(state.data(), pp + (split_at[b] + s) * KVH * part_size, H, D);
         for (int64_t head = 0; head < H; ++head)
@@ -1146,13 +1152,13 @@ template <typename E>
 at::Tensor attend_float_pool(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& tables,
                              const at::Tensor& lens, double scale, int64_t window,
-                             double softcap) {
+                             double softcap, const float* sinks) {
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), D = q.size(2);
   const Pool P{static_cast<const char*>(k_cache.data_ptr()),
                static_cast<const char*>(v_cache.data_ptr()),
                block_size, KVH, D, q.size(1) / KVH,
                block_size * KVH * D * static_cast<int64_t>(sizeof(E)), 0,
-               static_cast<float>(scale), static_cast<float>(softcap)};
+               static_cast<float>(scale), static_cast<float>(softcap), sinks};
   return attend<E>(q, P, k_cache.size(0), tables, lens, window);
 }
 
@@ -1168,8 +1174,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, a
                                   double scale_in, const c10::optional<at::Tensor>& k_new,
                                   const c10::optional<at::Tensor>& v_new,
                                   const c10::optional<at::Tensor>& slots, int64_t window,
-                                  double softcap) {
+                                  double softcap, const c10::optional<at::Tensor>& sinks_in) {
   check_attention_kind("paged_decode_attention", window, softcap);
+  const float* sinks = sinks_of("paged_decode_attention", sinks_in, q_in.size(1));
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "paged_decode_attention: q (T, H, D), caches (blocks, block_size, KVH, D)");
   const auto dtype = k_cache.scalar_type();
@@ -1208,12 +1215,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, at::Tensor& k_cache, a
   }
   if (dtype == at::kBFloat16)
     return attend_float_pool<at::BFloat16>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in,
-                                           window, softcap);
+                                           window, softcap, sinks);
   if (dtype == at::kHalf)
     return attend_float_pool<at::Half>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in,
-                                       window, softcap);
+                                       window, softcap, sinks);
   return attend_float_pool<float>(q, k_cache, v_cache, block_tables, ctx_lens, scale_in, window,
-                                  softcap);
+                                  softcap, sinks);
 }
 
 // paged_decode_attention over int8 KV: k_raw, v_raw (num_blocks, half_bytes) uint8 rows of one
@@ -1225,8 +1232,9 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q_in, at::Tensor& k_raw
                                        int64_t block_size, const c10::optional<at::Tensor>& k_new,
                                        const c10::optional<at::Tensor>& v_new,
                                        const c10::optional<at::Tensor>& slots, int64_t window,
-                                       double softcap) {
+                                       double softcap, const c10::optional<at::Tensor>& sinks_in) {
   check_attention_kind("paged_decode_attention_int8", window, softcap);
+  const float* sinks = sinks_of("paged_decode_attention_int8", sinks_in, q_in.size(1));
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat,
               "paged_decode_attention_int8: q must be float32 (T, H, D)");
   TORCH_CHECK(k_raw.scalar_type() == at::kByte && v_raw.scalar_type() == at::kByte &&
@@ -1250,7 +1258,7 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q_in, at::Tensor& k_raw
   const Pool P{reinterpret_cast<const char*>(k_raw.data_ptr<uint8_t>()),
                reinterpret_cast<const char*>(v_raw.data_ptr<uint8_t>()),
                block_size, KVH, D, H / KVH, half, block_size * KVH * D,
-               static_cast<float>(scale_in), static_cast<float>(softcap)};
+               static_cast<float>(scale_in), static_cast<float>(softcap), sinks};
   return attend<int8_t>(q, P, k_raw.size(0), block_tables, ctx_lens, window);
 }
 
@@ -1285,11 +1293,13 @@ TORCH_LIBRARY(kvwise, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor block_tables, Tensor ctx_lens, float scale, Tensor? k_new=None, "
-      "Tensor? v_new=None, Tensor? slots=None, int window=0, float softcap=0.0) -> Tensor");
+      "Tensor? v_new=None, Tensor? slots=None, int window=0, float softcap=0.0, "
+      "Tensor? sinks=None) -> Tensor");
   m.def(
       "paged_decode_attention_int8(Tensor q, Tensor(a!) k_raw, Tensor(b!) v_raw, "
       "Tensor block_tables, Tensor ctx_lens, float scale, int block_size, Tensor? k_new=None, "
-      "Tensor? v_new=None, Tensor? slots=None, int window=0, float softcap=0.0) -> Tensor");
+      "Tensor? v_new=None, Tensor? slots=None, int window=0, float softcap=0.0, "
+      "Tensor? sinks=None) -> Tensor");
   m.def(
       "kv_write_int8(Tensor(a!) k_raw, Tensor(b!) v_raw, Tensor k, Tensor v, Tensor slots, "
       "int block_size) -> ()");

@@ -46,16 +46,18 @@ from kvwise.worker.attention_metadata import AttentionMetadata, PrefillChunk
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# (layer, q, k, v, meta, scale, window=0, softcap=0.0) -> (T, num_heads, head_dim)
+# (layer, q, k, v, meta, scale, window=0, softcap=0.0, sinks=None) -> (T, num_heads, head_dim)
 RowsAttention = Callable[..., torch.Tensor]
 
 
-def kind_args(window: int, softcap: float = 0.0) -> dict[str, int | float]:
-    """The paged kernels' ``window`` and ``softcap`` arguments, each passed only where the
-    layer has one (a layer without either calls the kernel as before they existed)."""
-    args: dict[str, int | float] = {"window": window} if window else {}
+def kind_args(window: int, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> dict:
+    """The paged kernels' ``window``, ``softcap`` and ``sinks`` arguments, each passed only
+    where the layer has one (a layer without any calls the kernel as before they existed)."""
+    args: dict = {"window": window} if window else {}
     if softcap:
         args["softcap"] = float(softcap)
+    if sinks is not None:
+        args["sinks"] = sinks
     return args
 
 

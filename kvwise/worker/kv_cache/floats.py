@@ -90,10 +90,19 @@ class FloatKVCache(PagedKVCache):
         return k, v
 
     def _attend_rows(
-        self, layer: int, q, k, v, meta, scale: float, window: int = 0, softcap: float = 0.0
+        self,
+        layer: int,
+        q,
+        k,
+        v,
+        meta,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ):
         """Every row through the paged kernel ``(T, num_heads, head_dim)``; ``window`` > 0:
-        each row sees its last ``window`` keys; ``softcap`` > 0: its scores soft-capped."""
+        each row sees its last ``window`` keys; ``softcap`` > 0: its scores soft-capped; ``sinks``: the layer's attention sinks."""
         slots, k, v = meta.writes(k, v)
         if self._write_in_op and not meta.prefills:  # decodes only: write and attend at once
             new = (k, v, slots)
@@ -108,5 +117,5 @@ class FloatKVCache(PagedKVCache):
             meta.row_ctx_lens,
             scale,
             *new,
-            **kind_args(window, softcap),
+            **kind_args(window, softcap, sinks),
         )

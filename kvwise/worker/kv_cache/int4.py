@@ -205,12 +205,21 @@ class Int4KVCache(QuantizedKVCache):
     # ---- the kernel path ---------------------------------------------------------------
 
     def _attend_rows(
-        self, layer: int, q, k, v, meta, scale: float, window: int = 0, softcap: float = 0.0
+        self,
+        layer: int,
+        q,
+        k,
+        v,
+        meta,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ):
         """Every row through the int4 kernel ``(T, num_heads, head_dim)``: the decodes read
         their own block's keys from the staging slots, the prefill rows from blocks of
-        full-precision keys built from their chunk's rows; ``window``, ``softcap``: the
-        layer's (0: none)."""
+        full-precision keys built from their chunk's rows; ``window``, ``softcap``, ``sinks``:
+        the layer's (0, None: none)."""
         self.write(layer, meta.slot_mapping, k, v, group=meta.group)
         plan, kc, vc = self._plans[meta.group], self.k_blocks[layer], self.v_blocks[layer]
 
@@ -229,6 +238,7 @@ class Int4KVCache(QuantizedKVCache):
                 self.spec.group_size,
                 window,
                 softcap,
+                sinks,
             )
 
         if not meta.prefills:

@@ -115,10 +115,19 @@ class Int8KVCache(QuantizedKVCache):
             self.scales[layer][kv][blocks, offsets] = scales
 
     def _attend_rows(
-        self, layer: int, q, k, v, meta, scale: float, window: int = 0, softcap: float = 0.0
+        self,
+        layer: int,
+        q,
+        k,
+        v,
+        meta,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ):
         """Every row through the paged int8 kernel ``(T, num_heads, head_dim)``; ``window`` > 0:
-        each row sees its last ``window`` keys; ``softcap`` > 0: its scores soft-capped."""
+        each row sees its last ``window`` keys; ``softcap`` > 0: its scores soft-capped; ``sinks``: the layer's attention sinks."""
         slots, k, v = meta.writes(k, v)
         if meta.prefills:
             self.write(layer, slots, k, v)
@@ -134,5 +143,5 @@ class Int8KVCache(QuantizedKVCache):
             scale,
             self.block_size,
             *new,
-            **kind_args(window, softcap),
+            **kind_args(window, softcap, sinks),
         )
