@@ -122,6 +122,17 @@ def _gguf_rope_scaling(get: Any, tensors: dict[str, Any]) -> RopeScaling | None:
     scaling_type = get("rope.scaling.type", "none")
     if scaling_type == "linear":
         scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
+    elif scaling_type == "yarn":  # the default attention factor, as transformers computes it
+        scaling = RopeScaling.from_hf(
+            dict(
+                rope_type="yarn",
+                factor=float(get("rope.scaling.factor")),
+                original_max_position_embeddings=int(get("rope.scaling.original_context_length")),
+                beta_fast=get("rope.scaling.yarn_beta_fast"),
+                beta_slow=get("rope.scaling.yarn_beta_slow"),
+            ),
+            int(get("context_length", 2048)),
+        )
     elif scaling_type not in ("none", None):
         raise ValueError(f"rope_scaling: unsupported GGUF rope scaling type '{scaling_type}'")
     if "rope_freqs.weight" in tensors:

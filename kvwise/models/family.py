@@ -127,6 +127,9 @@ class ModelFamily:
     ignored_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     # attention sinks' HF name within a layer (``ModelArchConfig.attention_sinks``)
     sinks_name: ClassVar[str] = "self_attn.sinks"
+    # a GGUF norm's slot where llama.cpp names it otherwise for this family (gguf_weights.py's
+    # defaults: ffn_norm -> mlp_norm, post_attention_norm -> attn_out_norm, ...)
+    gguf_norm_slots: ClassVar[dict[str, str]] = {}
     # a mixture-of-experts family's expert tensors (models/moe.py); None: dense only
     expert_names: ClassVar[ExpertNames | None] = None
     # what llama.cpp's converter added to every norm weight (``*norm.weight``; Gemma's 1): the

@@ -274,7 +274,10 @@ class GGUFWeightLoader:
             self._count(gguf_type, how, weight.nbytes)
         else:
             floats = self._float(name, tensor)  # norms, biases (a float embedding): exact
-            self.rest.append((name, floats))
+            if "{e}" in name:  # every expert's bias in one tensor (E, out): one each
+                self.rest += [(name.format(e=e), floats[e]) for e in range(len(floats))]
+            else:
+                self.rest.append((name, floats))
             self._count(gguf_type, "float32 (exact)", floats.nbytes)
         _release(self.reader, tensor)
 

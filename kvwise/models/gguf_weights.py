@@ -53,6 +53,7 @@ _PER_LAYER = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_sinks.weight": "self_attn.sinks",
     "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
@@ -68,6 +69,10 @@ EXPERT_TENSORS = {
     "ffn_up_exps.weight": "up",
     "ffn_down_exps.weight": "down",
     "ffn_gate_inp_shexp.weight": "shared_scale",
+    "ffn_gate_inp.bias": "router_bias",  # gpt-oss's biases
+    "ffn_gate_exps.bias": "gate_bias",
+    "ffn_up_exps.bias": "up_bias",
+    "ffn_down_exps.bias": "down_bias",
 }
 SHARED_EXPERT_TENSORS = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 # Carried in the arch config (rope_freqs) rather than as a weight.
@@ -97,7 +102,8 @@ def hf_name(gguf_name: str, family: type[ModelFamily] = LlamaFamily) -> str | No
         return None
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
-        within = _PER_LAYER.get(parts[2]) or family.norm_names.get(_NORM_SLOTS.get(parts[2], ""))
+        slot = family.gguf_norm_slots.get(parts[2]) or _NORM_SLOTS.get(parts[2], "")
+        within = _PER_LAYER.get(parts[2]) or family.norm_names.get(slot)
         within = within or _expert_name(parts[2], family)
         if within is not None:
             return f"{family.layer_prefix}{parts[1]}.{within}"

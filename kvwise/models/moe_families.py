@@ -7,6 +7,7 @@ config.json sets the routing (``ModelArchConfig.num_experts`` and the fields aft
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +136,29 @@ class GptOssFamily(ModelFamily):
     hf_model_types = {"gpt_oss": "GptOssForCausalLM"}
     gguf_architectures = {"gpt-oss": "GptOssForCausalLM"}
     expert_names = GPT_OSS_EXPERTS
+    gguf_norm_slots = {"post_attention_norm.weight": "mlp_norm"}  # llama.cpp's name for it
+
+    @classmethod
+    def gguf_flags(cls, get, fields: dict[str, Any]) -> dict[str, Any]:
+        """llama.cpp's metadata: the expert counts and width, the window on every other layer
+        from the first (its swa pattern of 2), YaRN without truncation (gpt-oss's config);
+        the clamped SwiGLU's alpha is llama.cpp's constant, its limit the file's
+        ``swiglu_clamp_exp`` where written (one value a layer, all alike), else 7 as there."""
+        layers, scaling = fields["num_layers"], fields["rope_scaling"]
+        if scaling is not None and scaling.rope_type == "yarn":
+            scaling = dataclasses.replace(scaling, truncate=False)
+        return dict(
+            num_experts=int(get("expert_count")),
+            num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length")),
+            sliding_window=int(get("attention.sliding_window")),
+            layer_types=tuple(
+                "full_attention" if i % 2 else "sliding_attention" for i in range(layers)
+            ),
+            rope_scaling=scaling,
+            swiglu_limit=_one_value(get("swiglu_clamp_exp", 7.0), "swiglu_clamp_exp"),
+            **GPT_OSS_MOE,
+        )
 
     @classmethod
     def hf_flags(cls, architecture: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -214,3 +238,15 @@ def _experts(config: dict[str, Any], count_key: str, norm_topk_prob: bool) -> di
         ),
         norm_topk_prob=norm_topk_prob,
     )
+
+
+def _one_value(value: Any, key: str) -> float:
+    """A GGUF key's value that may be written once a layer: the one value all layers share.
+
+    Raises:
+        ValueError: layers with different values (naming the key).
+    """
+    values = set(value) if isinstance(value, list | tuple) else {value}
+    if len(values) != 1:
+        raise ValueError(f"{key}: one value for every layer is supported, got {sorted(values)}")
+    return float(values.pop())
