@@ -7,7 +7,9 @@
    hidden 2048, 32/8 heads, intermediate 8192, the default model's tokenizer; DIR/llama1b-hf),
    or with --moe qwen3moe a random model of Qwen3-30B-A3B's layer shapes (hidden 2048, 32/4
    heads of 128, 128 experts of 768, 8 a token) with --layers of them (default 4) and the
-   default model's tokenizer (DIR/qwen3moe-LNN-hf, bfloat16: 1.2 GB a layer).
+   default model's tokenizer (DIR/qwen3moe-LNN-hf, bfloat16: 1.2 GB a layer), or with --moe
+   gpt-oss one of gpt-oss-20b's (hidden 2880, 64/8 heads of 64, 32 experts of 2880, 4 a token,
+   sinks, windows of 128 on alternate layers, YaRN; DIR/gpt-oss-LNN-hf, 1.6 GB a layer).
 2. llama.cpp's ``convert_hf_to_gguf.py --outtype f32`` (bf16 for --moe) (from SRC) ->
    NAME-f32.gguf (NAME-bf16.gguf).
 3. ``llama-quantize`` (BIN) -> NAME-{Q4_0,Q4_K_M,Q5_K_M,Q6_K,Q8_0,...}.gguf.
@@ -42,18 +44,35 @@ def _tokenizer():
     return transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
-def moe_dir(out: Path, layers: int) -> Path:
-    """A random Qwen3-MoE of Qwen3-30B-A3B's layer shapes (bfloat16), ``layers`` deep."""
+# gpt-oss-20b's (its config.json), the layer count chosen by --layers
+GPT_OSS = dict(
+    hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True,
+    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                         beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
+    tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def moe_dir(out: Path, kind: str, layers: int) -> Path:
+    """A random MoE of ``kind``'s layer shapes (bfloat16), ``layers`` deep."""
     import torch
     import transformers
 
-    target = out / f"qwen3moe-L{layers}-hf"
+    target = out / f"{kind}-L{layers}-hf"
     if (target / "config.json").is_file():
         return target
     tokenizer = _tokenizer()
-    config = transformers.Qwen3MoeConfig(
+    shape, cls = (
+        (QWEN3_MOE, transformers.Qwen3MoeConfig)
+        if kind == "qwen3moe"
+        else (dict(GPT_OSS, layer_types=["sliding_attention", "full_attention"] * (layers // 2)),
+              transformers.GptOssConfig)
+    )  # fmt: skip
+    config = cls(
         vocab_size=len(tokenizer), num_hidden_layers=layers, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, **QWEN3_MOE,
+        eos_token_id=tokenizer.eos_token_id, **shape,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -96,13 +115,14 @@ def main() -> None:
     p.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree")
     p.add_argument("--quantize", type=Path, required=True, help="the llama-quantize binary")
     p.add_argument("--big", action="store_true", help="the random 1B Llama-shaped model")
-    p.add_argument("--moe", choices=["qwen3moe"], help="a random mixture-of-experts model")
+    p.add_argument("--moe", choices=["qwen3moe", "gpt-oss"], help="a random MoE model")
     p.add_argument("--layers", type=int, default=4, help="--moe: its layers")
     p.add_argument("--types", default=",".join(TYPES))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.moe:
-        source, name, outtype = moe_dir(args.out, args.layers), f"qwen3moe-L{args.layers}", "bf16"
+        source, name = moe_dir(args.out, args.moe, args.layers), f"{args.moe}-L{args.layers}"
+        outtype = "bf16"
     else:
         source, name, outtype = (
             hf_dir(args.out, args.big),

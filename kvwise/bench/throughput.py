@@ -14,7 +14,7 @@ is the median of ``--reps`` repetitions; every repetition measures every column 
   decode phase alone (tokens after the last first token / the time from it to the end);
 - prefill tokens/s at 512 and 2,048 prompt tokens (llama.cpp: ``llama-bench -p N -n 0``);
 - the decode step time against the memory-bandwidth bound: (weight bytes + KV bytes read per
-  step) / measured read bandwidth.
+  step) / measured read bandwidth (a mixture of experts' weights: the experts a token runs).
 """
 
 from __future__ import annotations
@@ -235,6 +235,10 @@ class Bench:
             weight_bytes -= model.embed.nbytes
         elif model.embed_quant is not model.lm_head_quant:  # untied, quantized
             weight_bytes -= model.embed_quant.nbytes
+        for layer in model.layers:  # a mixture of experts: a token reads its top k experts
+            moe = getattr(layer, "moe", None)
+            if moe is not None:
+                weight_bytes -= round(moe.routed_nbytes() * (1 - moe.top_k / moe.num_experts))
         ctx = len(self.decode_prompt) + self.args.decode_tokens // 2  # mean context length
         kv_bytes = ctx * self.engine.runner.spec.bytes_per_token
         return {

@@ -120,6 +120,13 @@ class MoEWeights(nn.Module):
                 (gate_up.expert(e), down.expert(e)) for e in range(self.num_experts)
             ]
 
+    def routed_nbytes(self) -> int:
+        """Bytes of the routed experts' weights (not the router's, the shared expert's, the
+        biases'): a decode step reads ``top_k / num_experts`` of them."""
+        if self.quant is not None:
+            return sum(w.nbytes for pair in self.quant[: self.num_experts] for w in pair)
+        return self.gate_up.nbytes + self.down.nbytes
+
     def nbytes_quantized(self) -> int:
         """Bytes the quantized experts take (0 while they are float parameters)."""
         return sum(w.nbytes for pair in self.quant or () for w in pair)

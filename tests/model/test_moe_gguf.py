@@ -150,6 +150,8 @@ def test_experts_run_at_their_own_types(arch, tmp_path):
     # block-type experts run stacked (one kernel pass a projection), with the bits of running
     # them one by one; Q8_0 downs (layer 1) have no stack and run one by one
     assert moe.stacks is not None and auto.model.layers[1].moe.stacks is None
+    # what a decode step reads of them: top_k / num_experts of the routed experts' bytes
+    assert moe.routed_nbytes() == sum(p.nbytes for st in moe.stacks for _, p, _ in st.parts)
     stacks, moe.stacks = moe.stacks, None
     with torch.inference_mode():
         assert torch.equal(moe(x, glu), together)
