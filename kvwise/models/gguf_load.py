@@ -35,6 +35,7 @@ import torch
 from gguf.quants import dequantize
 
 from kvwise.models import checkpoint
+from kvwise.models.expert_stack import ExpertStack
 from kvwise.models.gguf_blocks import SPECS, BlockWeight, ConcatWeight
 from kvwise.models.gguf_pack import fast_pack
 from kvwise.models.gguf_types import FLOATS as _FLOATS
@@ -310,16 +311,42 @@ class GGUFWeightLoader:
             raw, kind, size = parts[slot]
             return (raw if e is None else raw[e], kind, size)
 
-        pairs = [
-            (self._fused([slab("gate", e), slab("up", e)]), self._fused([slab("down", e)]))
-            for e in range(moe.num_experts)
-        ]
+        stacks = self._stacked(parts, moe.num_experts)
+        if stacks is not None:  # every expert a view of the stacks
+            pairs = [(stacks[0].expert(e), stacks[1].expert(e)) for e in range(moe.num_experts)]
+        else:
+            pairs = [
+                (self._fused([slab("gate", e), slab("up", e)]), self._fused([slab("down", e)]))
+                for e in range(moe.num_experts)
+            ]
         if "shared_gate" in parts:
             gate_up = self._fused([slab("shared_gate", None), slab("shared_up", None)])
             pairs.append((gate_up, self._fused([slab("shared_down", None)])))
-        moe.install_experts(pairs)
+        moe.install_experts(pairs, stacks)
         for part in self.mapped.pop((layer, "experts")):
             _release(self.reader, part)
+
+    def _stacked(self, parts: dict[str, tuple], num: int) -> tuple | None:
+        """The routed experts' gate_up and down as ``ExpertStack``s, each stacked tensor packed
+        in one pass (its ``E * out`` rows as one weight's: the same bytes as packing expert by
+        expert, without the per-expert calls and the stacking copy); None where a part's type
+        has no block kernel (Q4_0, Q8_0: built expert by expert) or the kernels are absent."""
+        stacked = {}
+        for slot in ("gate", "up", "down"):
+            raw, kind, (rows, cols) = parts[slot]
+            if kind not in SPECS or rows % 8:
+                return None
+            packed = fast_pack(raw, kind, (num * rows, cols))
+            if packed is None:
+                return None
+            stacked[slot] = (SPECS[kind], packed.view(num, rows // 8, *packed.shape[1:]), rows)
+            self.bytes[kind, runs_as(kind)] += packed.nbytes
+        gate, up, down = stacked["gate"], stacked["up"], stacked["down"]
+        if gate[0] == up[0]:  # one type: [gate | up] rows of each expert as one weight
+            gate_up = [(gate[0], torch.cat((gate[1], up[1]), dim=1), gate[2] + up[2])]
+        else:  # two types: side by side, as ConcatWeight runs them
+            gate_up = [gate, up]
+        return ExpertStack(gate_up, parts["gate"][2][1]), ExpertStack([down], parts["down"][2][1])
 
     def _build_fused(self, layer: int, target: str, parts: list[tuple]) -> None:
         """One weight of the parts, installed once its layer has all of its own."""

@@ -89,10 +89,16 @@ class MoEWeights(nn.Module):
             pairs.append((self.shared_gate_up, self.shared_down))
         self.install_experts([(quantize(gu.t()), quantize(d.t())) for gu, d in pairs])
 
-    def install_experts(self, pairs: list[tuple[Linear, Linear]]) -> None:
+    def install_experts(
+        self,
+        pairs: list[tuple[Linear, Linear]],
+        stacks: tuple[ExpertStack, ExpertStack] | None = None,
+    ) -> None:
         """Run on ``pairs`` (gate_up, down) of weights with ``mm``: each expert's, then the
         shared expert's where the layer has one (a GGUF's experts at their own types,
-        ``models/gguf_load.py``); the float parameters go, the router stays float.
+        ``models/gguf_load.py``); the float parameters go, the router stays float. ``stacks``:
+        the routed experts' weights already stacked (``pairs`` then holds their views), else
+        stacked here where they can be.
 
         Raises:
             ValueError: a pair missing or of the wrong shape, naming the expert.
@@ -113,7 +119,7 @@ class MoEWeights(nn.Module):
         self.quant = list(pairs)
         self.gate_up = self.down = self.shared_gate_up = self.shared_down = None
         experts = pairs[: self.num_experts]
-        gate_up, down = (stack_experts([pair[i] for pair in experts]) for i in (0, 1))
+        gate_up, down = stacks or (stack_experts([pair[i] for pair in experts]) for i in (0, 1))
         if gate_up is not None and down is not None:  # each expert's weights: views of them
             self.stacks = (gate_up, down)
             self.quant[: self.num_experts] = [
