@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names, config.json layer_types
-ROUTINGS = ("softmax_topk", "topk_softmax")  # ModelArchConfig.routing
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_topk")  # ModelArchConfig.routing
 EXPERT_GLUS = ("", "swiglu_clamped")  # ModelArchConfig.expert_glu
 
 
@@ -157,8 +157,15 @@ class ModelArchConfig:
     shared_expert_intermediate_size: an expert every token runs besides its routed ones (0:
         none); shared_expert_gate: its output scaled by ``sigmoid(x . g)`` (Qwen2-MoE).
     dense_layers: layers of a MoE model whose MLP is dense (Qwen's ``mlp_only_layers``).
-    routing: "softmax_topk" (softmax over every expert, then the top k: Mixtral, Qwen) or
-        "topk_softmax" (the top k router logits, then a softmax over those: gpt-oss).
+    routing: "softmax_topk" (softmax over every expert, then the top k: Mixtral, Qwen,
+        DeepSeek-V2), "topk_softmax" (the top k router logits, then a softmax over those:
+        gpt-oss) or "sigmoid_topk" (sigmoid scores, the top k of them plus a learned
+        correction bias, weighted by the scores without it: DeepSeek-V3).
+    n_group, topk_group: group-limited routing (DeepSeek): the experts in ``n_group`` groups,
+        each token's top k taken within its ``topk_group`` best groups (a group's score: its
+        best expert's score under softmax, its best two's sum under sigmoid); 1, 1: none.
+    routed_scaling_factor: the routed experts' weights times this (DeepSeek).
+    router_correction_bias: "sigmoid_topk"'s per-expert bias on the scores that choose.
     router_bias, expert_bias: the router's logits, and each expert's gate/up and down
         projections, have biases (gpt-oss).
     expert_glu: the experts' gate: "" the family's activation; "swiglu_clamped" gpt-oss's
@@ -200,6 +207,10 @@ class ModelArchConfig:
     shared_expert_gate: bool = False
     dense_layers: tuple[int, ...] = ()
     routing: str = "softmax_topk"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_correction_bias: bool = False
     router_bias: bool = False
     expert_bias: bool = False
     expert_glu: str = ""
@@ -287,6 +298,12 @@ class ModelArchConfig:
             raise ValueError(f"dense_layers: expected layers 0..{self.num_layers - 1}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing: expected one of {ROUTINGS}, got {self.routing!r}")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(
+                f"n_group: {self.n_group!r} does not divide {self.num_experts} experts"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group: expected 1..{self.n_group}, got {self.topk_group!r}")
         if self.expert_glu not in EXPERT_GLUS:
             raise ValueError(f"expert_glu: expected one of {EXPERT_GLUS}, got {self.expert_glu!r}")
         if self.expert_glu and not (self.swiglu_alpha > 0 and self.swiglu_limit > 0):

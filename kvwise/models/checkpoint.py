@@ -74,6 +74,8 @@ def _expert_slots(layer: LayerWeights) -> dict[str, Slot]:
         slots[names.shared_scale] = (moe.shared_gate, True)
     if moe.router_bias is not None:
         slots[names.router_bias] = (moe.router_bias, False)
+    if moe.correction_bias is not None:
+        slots[names.correction_bias] = (moe.correction_bias, False)
     if moe.gate_up_bias is not None:  # floats whatever the experts' format
         for e in range(moe.num_experts):
             slots[names.gate_bias.format(e=e)] = (moe.gate_up_bias[e][:inter], False)

@@ -70,6 +70,7 @@ class ExpertNames:
     shared_scale: str | None = None
     # biases (gpt-oss): the router's, and each expert's gate / up / down projections'
     router_bias: str | None = None
+    correction_bias: str | None = None  # DeepSeek-V3's e_score_correction_bias
     gate_bias: str | None = None
     up_bias: str | None = None
     down_bias: str | None = None

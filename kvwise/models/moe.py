@@ -62,6 +62,12 @@ class MoEWeights(nn.Module):
         self.norm_topk_prob, self.routing = arch.norm_topk_prob, arch.routing
         self.router = param(hidden, num, dtype=dtype)  # [in, experts]
         self.router_bias = param(num, dtype=dtype) if arch.router_bias else None
+        self.n_group, self.topk_group = arch.n_group, arch.topk_group
+        self.routed_scaling_factor = arch.routed_scaling_factor
+        # "sigmoid_topk"'s bias on the scores that choose (DeepSeek-V3's e_score_correction_bias)
+        self.correction_bias = (
+            param(num, dtype=torch.float32) if arch.router_correction_bias else None
+        )
         bias = arch.expert_bias  # float parameters whatever the experts' format
         self.gate_up_bias = param(num, 2 * inter, dtype=dtype) if bias else None  # [gate | up]
         self.down_bias = param(num, hidden, dtype=dtype) if bias else None
@@ -165,11 +171,32 @@ class MoEWeights(nn.Module):
         if self.routing == "topk_softmax":  # the top k logits, then a softmax over them
             top, ids = torch.topk(logits, self.top_k, dim=-1)
             return ids, torch.softmax(top, dim=-1).to(x.dtype)
-        probs = torch.softmax(logits, dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (T, k), best first
+        if self.routing == "sigmoid_topk":
+            scores = torch.sigmoid(logits)
+            choice = scores if self.correction_bias is None else scores + self.correction_bias
+            chosen = self._in_best_groups(choice, best=2, fill=float("-inf"))
+            ids = torch.topk(chosen, self.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            chosen = self._in_best_groups(probs, best=1, fill=0.0)
+            weights, ids = torch.topk(chosen, self.top_k, dim=-1)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+            eps = 1e-20 if self.routing == "sigmoid_topk" else 0.0  # as transformers adds
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+        return ids, (weights * self.routed_scaling_factor).to(x.dtype)
+
+    def _in_best_groups(self, scores: torch.Tensor, best: int, fill: float) -> torch.Tensor:
+        """``scores`` ``(T, E)`` with every expert outside each row's ``topk_group`` best
+        groups set to ``fill`` (a group scored by its ``best`` highest scores' sum), as
+        transformers' DeepSeek routers do (V2: best 1, fill 0; V3: best 2, fill -inf)."""
+        if self.n_group == 1:
+            return scores
+        grouped = scores.view(scores.shape[0], self.n_group, -1)  # (T, groups, E / groups)
+        group_scores = grouped.topk(best, dim=-1).values.sum(dim=-1)  # (T, groups)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, torch.topk(group_scores, self.topk_group, dim=-1).indices, True)
+        return grouped.masked_fill(~keep[..., None], fill).view_as(scores)
 
     def forward(self, x: torch.Tensor, glu: Glu) -> torch.Tensor:
         """``x`` ``(T, hidden)``, normed -> the MLP's output ``(T, hidden)``."""
