@@ -49,6 +49,7 @@ class RopeScaling:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float | None = None
+    mscale_all_dim: float = 0.0  # DeepSeek: YaRN's mscale on the softmax scale too
 
     def __post_init__(self) -> None:
         if self.rope_type not in ("linear", "llama3", "freq_factors", "yarn"):
@@ -125,6 +126,7 @@ class RopeScaling:
             beta_slow=float(params.get("beta_slow") or 1),
             truncate=bool(params.get("truncate", True)),
             attention_factor=float(attention),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
         )
 
 
@@ -173,6 +175,12 @@ class ModelArchConfig:
         ``swiglu_alpha``, ``swiglu_limit`` = alpha, l.
     attention_sinks: each query head has a learned logit that joins every softmax's
         denominator and adds no value (gpt-oss's ``sinks``).
+
+    Multi-head latent attention (DeepSeek; ``models/mla.py``; ``kv_lora_rank`` 0: none): the
+    cache holds one latent of ``kv_lora_rank`` and a shared rotary key of ``qk_rope_head_dim``
+    a token, so ``num_kv_heads`` is 1 and ``head_dim`` their sum (the cache's row);
+    ``q_lora_rank`` (0: none) the queries' low rank, ``qk_nope_head_dim`` / ``v_head_dim`` a
+    head's unrotated query/key and value widths.
     """
 
     architecture: str
@@ -217,6 +225,11 @@ class ModelArchConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     attention_sinks: bool = False
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, str) or not self.architecture:
@@ -251,6 +264,7 @@ class ModelArchConfig:
             raise ValueError("eos_token_ids must be a tuple of ints")
         self._check_layer_types()
         self._check_experts()
+        self._check_latent()
         for name in (
             "sliding_rope_theta",
             "query_pre_attn_scalar",
@@ -308,6 +322,25 @@ class ModelArchConfig:
             raise ValueError(f"expert_glu: expected one of {EXPERT_GLUS}, got {self.expert_glu!r}")
         if self.expert_glu and not (self.swiglu_alpha > 0 and self.swiglu_limit > 0):
             raise ValueError("swiglu_alpha and swiglu_limit must be > 0")
+
+    def _check_latent(self) -> None:
+        if not self.kv_lora_rank:
+            return
+        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not getattr(self, name) > 0:
+                raise ValueError(
+                    f"{name} must be > 0 with kv_lora_rank, got {getattr(self, name)!r}"
+                )
+        if (self.num_kv_heads, self.head_dim) != (1, self.kv_lora_rank + self.qk_rope_head_dim):
+            raise ValueError(
+                "kv_lora_rank: the cache of latent attention is 1 KV head of kv_lora_rank + "
+                f"qk_rope_head_dim = {self.kv_lora_rank + self.qk_rope_head_dim}"
+            )
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotary dimensions of a head (MLA: the shared rotary key's)."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts."""

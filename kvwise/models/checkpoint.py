@@ -16,6 +16,7 @@ import torch
 
 from kvwise.models.decoder import CausalLM
 from kvwise.models.layer_weights import LayerWeights
+from kvwise.models.mla import MLALayer
 
 Slot = tuple[torch.Tensor | None, bool]  # (a view of a parameter, whether to transpose into it)
 
@@ -24,6 +25,11 @@ def layer_slots(layer: LayerWeights) -> dict[str, Slot]:
     """Where each HF tensor of ``layer`` goes, by its name within the layer (e.g.
     ``self_attn.q_proj.weight``). A linear part's view is None once the layer is quantized."""
     family = layer.family
+    if isinstance(layer, MLALayer):  # latent attention: its own weights (models/mla.py)
+        slots = layer.slots()
+        if layer.moe is not None:
+            slots.update(_expert_slots(layer))
+        return slots
     slots: dict[str, Slot] = {
         suffix: (getattr(layer, name), False) for name, suffix in family.norm_names.items()
     }
@@ -151,6 +157,9 @@ def load_weights(
     missing = sorted(set(expected_weight_names(model, quantized)) - loaded)
     if missing:
         raise ValueError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    for layer in model.layers:  # a layer that reorders what it loaded (mla.py's rotary)
+        if hasattr(layer, "after_load"):
+            layer.after_load()
     if tied and not quantized:
         with torch.no_grad():
             model.lm_head.copy_(model.embed.t())

@@ -47,8 +47,9 @@ from kvwise.models.arch import ModelArchConfig
 from kvwise.models.family import ModelFamily
 from kvwise.models.layer_ops import LayerOps, TorchLayerOps, choose_layer_ops
 from kvwise.models.layer_weights import LINEAR_NAMES, LayerWeights
-from kvwise.models.layers import NORMS, rope_table, soft_cap
+from kvwise.models.layers import GLUS, NORMS, rope_table, soft_cap
 from kvwise.models.linear import FloatHead, HeadWeight, RefinedHead, param
+from kvwise.models.mla import MLALayer
 from kvwise.models.quant import QuantWeight
 from kvwise.models.registry import family_for
 
@@ -133,9 +134,12 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.family = family = family or family_for(arch.architecture)
         self.embed = param(arch.vocab_size, arch.hidden_size, dtype=dtype)  # [vocab, hidden]
+        layer = MLALayer if arch.kv_lora_rank else DecoderLayer  # latent attention: mla.py
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, family, dtype, arch.is_moe_layer(i)) for i in range(arch.num_layers)
+            layer(arch, family, dtype, arch.is_moe_layer(i)) for i in range(arch.num_layers)
         )
+        for mla in self.layers if arch.kv_lora_rank else ():
+            mla.glu = GLUS[family.activation]
         self.norm = param(arch.hidden_size, dtype=dtype)
         self.lm_head = param(arch.hidden_size, arch.vocab_size, dtype=dtype)  # [hidden, vocab]
         self._final_norm = NORMS[family.norm]
@@ -159,7 +163,7 @@ class CausalLM(nn.Module):
         """One rotary table per distinct (base, scaling) of the layers' attention kinds."""
         ropes = list(dict.fromkeys((k.rope_theta, k.rope_scaling) for k in self.attention_kinds))
         for i, (theta, scaling) in enumerate(ropes):
-            table = rope_table(arch.max_position_embeddings, arch.head_dim, theta, scaling)
+            table = rope_table(arch.max_position_embeddings, arch.rope_dim, theta, scaling)
             self.register_buffer(f"rope{i or ''}", table.to(self.dtype), persistent=False)
         self._rope_names = [f"rope{i or ''}" for i in range(len(ropes))]  # (P, 2, D) each
         # each layer's table, by index into rope_names
@@ -219,8 +223,9 @@ class CausalLM(nn.Module):
 
     def use_ops(self, ops: str | None = None) -> None:
         """``DecoderLayer.use_ops`` for every layer (raises before changing any)."""
-        chosen = [choose_layer_ops(layer, ops) for layer in self.layers]
-        for layer, layer_ops in zip(self.layers, chosen):
+        layers = [layer for layer in self.layers if not isinstance(layer, MLALayer)]  # own step
+        chosen = [choose_layer_ops(layer, ops) for layer in layers]
+        for layer, layer_ops in zip(layers, chosen):
             layer.ops = layer_ops
 
     def install_quantized(

@@ -203,7 +203,16 @@ def _load_quantized(model: CausalLM, weights, weight_format: str) -> None:
 
 def _quantize_loaded(model: CausalLM, weight_format: str) -> None:
     """Quantize a loaded float model's linear weights (a mixture of experts': each expert's),
-    embedding and LM head."""
+    embedding and LM head.
+
+    Raises:
+        ValueError: a model with latent attention (``models/mla.py``: float weights only).
+    """
+    if model.arch.kv_lora_rank:
+        raise ValueError(
+            f"quantization: {weight_format!r} is not supported for latent attention (MLA) "
+            "models yet; give 'none'"
+        )
     layers = []
     for layer in model.layers:
         names = LINEAR_NAMES

@@ -8,6 +8,7 @@ config.json sets the routing (``ModelArchConfig.num_experts`` and the fields aft
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -203,6 +204,77 @@ class GptOssFamily(ModelFamily):
             for i, part_name in enumerate(names):  # gate at even columns, up at odd
                 part = tensor[e][i::2] if is_bias else tensor[e][:, i::2].t()
                 yield f"{prefix}mlp.experts.{e}.{part_name}", part
+
+
+DEEPSEEK_EXPERTS = ExpertNames(
+    router="mlp.gate.weight",
+    gate="mlp.experts.{e}.gate_proj.weight",
+    up="mlp.experts.{e}.up_proj.weight",
+    down="mlp.experts.{e}.down_proj.weight",
+    shared=(
+        "mlp.shared_experts.gate_proj.weight",
+        "mlp.shared_experts.up_proj.weight",
+        "mlp.shared_experts.down_proj.weight",
+    ),
+    correction_bias="mlp.gate.e_score_correction_bias",
+)
+
+
+class DeepseekFamily(ModelFamily):
+    """DeepSeek-V2 (V2-Lite) and V3: multi-head latent attention (``models/mla.py``; its cache
+    one latent row a token), YaRN with an mscale on the softmax scale too, dense layers first
+    (``first_k_dense_replace``), then experts with shared ones: V2 softmax routing (greedy or
+    group-limited), V3 sigmoid routing with a correction bias, group-limited, renormalised;
+    both scaled by ``routed_scaling_factor``."""
+
+    architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+    hf_model_types = {
+        "deepseek_v2": "DeepseekV2ForCausalLM",
+        "deepseek_v3": "DeepseekV3ForCausalLM",
+    }
+    expert_names = DEEPSEEK_EXPERTS
+
+    @classmethod
+    def hf_flags(cls, architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+        rank, rope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"])
+        v3 = architecture == "DeepseekV3ForCausalLM"
+        grouped = v3 or config.get("topk_method") == "group_limited_greedy"
+        moe_inter = int(config["moe_intermediate_size"])
+        return dict(
+            attention_bias=False,
+            o_proj_bias=False,
+            qk_norm=False,
+            sliding_window=None,
+            num_kv_heads=1,
+            head_dim=rank + rope,
+            kv_lora_rank=rank,
+            q_lora_rank=int(config.get("q_lora_rank") or 0),
+            qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+            qk_rope_head_dim=rope,
+            v_head_dim=int(config["v_head_dim"]),
+            **_experts(config, "n_routed_experts", bool(config.get("norm_topk_prob", False))),
+            shared_expert_intermediate_size=moe_inter * int(config.get("n_shared_experts") or 0),
+            dense_layers=tuple(range(int(config.get("first_k_dense_replace") or 0))),
+            routing="sigmoid_topk" if v3 else "softmax_topk",
+            router_correction_bias=v3,
+            n_group=int(config.get("n_group") or 1) if grouped else 1,
+            topk_group=int(config.get("topk_group") or 1) if grouped else 1,
+            routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+        )
+
+    @classmethod
+    def attention_kinds(cls, arch) -> tuple:
+        """The default's, at the expanded head's scale ``(nope + rope) ** -0.5``, times YaRN's
+        mscale squared where its scaling has one for every dimension (transformers'
+        ``yarn_apply_mscale``)."""
+        scale = (arch.qk_nope_head_dim + arch.qk_rope_head_dim) ** -0.5
+        scaling = arch.rope_scaling
+        if scaling is not None and scaling.rope_type == "yarn" and scaling.mscale_all_dim:
+            mscale = 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
+            scale = scale * mscale * mscale if scaling.factor > 1 else scale
+        return tuple(
+            dataclasses.replace(kind, softmax_scale=scale) for kind in super().attention_kinds(arch)
+        )
 
 
 # gpt-oss's routing and experts (ModelArchConfig's fields), HF and GGUF alike

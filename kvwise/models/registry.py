@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from kvwise.models.family import LlamaFamily, ModelFamily
 from kvwise.models.gemma import Gemma2Family, Gemma3Family
-from kvwise.models.moe_families import GptOssFamily, MixtralFamily, QwenMoeFamily
+from kvwise.models.moe_families import (
+    DeepseekFamily,
+    GptOssFamily,
+    MixtralFamily,
+    QwenMoeFamily,
+)
 
 _FAMILIES: dict[str, type[ModelFamily]] = {}  # HF architecture name -> family
 _HF_MODEL_TYPES: dict[str, str] = {}  # config.json model_type -> architecture
@@ -99,3 +104,4 @@ register_family(Gemma3Family)
 register_family(QwenMoeFamily)
 register_family(MixtralFamily)
 register_family(GptOssFamily)
+register_family(DeepseekFamily)
