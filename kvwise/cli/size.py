@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     memory = parse_bytes(args.memory, "memory") if args.memory else None
     print(report(shape, args.tokens, args.batch, memory))
     if not any(f is not None for f in flags):
+        latent = _latent(args.model, args.dtype, args.tokens, memory)
+        if latent is not None:
+            print("\n" + latent)
         hybrid = hybrid_spec(args.model, shape)
         if hybrid is not None:  # sliding-window layers: what the hybrid KV cache holds
             lengths = tuple(sorted({args.tokens, 2048, 8192, 32768}))
@@ -62,6 +65,23 @@ def run(args: argparse.Namespace) -> int:
                 + hybrid_summary(hybrid, lengths)
             )
     return 0
+
+
+def _latent(model, dtype: str, tokens: int, memory: int | None) -> str | None:
+    """``sizing.latent_summary`` of a config.json naming latent attention (None otherwise,
+    without loading any family: torch)."""
+    import json
+
+    from kvwise.perf.sizing import arch_from_model, latent_summary, model_file
+
+    path = model_file(model)
+    try:
+        if path.suffix == ".gguf" or not json.loads(path.read_text()).get("kv_lora_rank"):
+            return None
+    except (OSError, ValueError):
+        return None
+    arch, _ = arch_from_model(model)
+    return latent_summary(arch, dtype, tokens, memory)
 
 
 def _may_slide(model) -> bool:

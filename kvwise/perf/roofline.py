@@ -60,6 +60,8 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     source: str = ""
+    # one layer's attention projections where they are not Llama's q/k/v/o (latent attention)
+    attention_params: int = 0
 
     def __post_init__(self) -> None:
         for f in (
@@ -85,7 +87,8 @@ class ModelShape:
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         )
-        return 2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size
+        attention = self.attention_params or 2 * h * q + 2 * h * kv
+        return attention + 3 * h * self.intermediate_size
 
     @property
     def linear_params(self) -> int:
@@ -136,7 +139,23 @@ class ModelShape:
             arch.vocab_size,
             arch.tie_word_embeddings,
             source,
+            latent_attention_params(arch),
         )
+
+
+def latent_attention_params(arch) -> int:
+    """One layer's latent-attention projections (``models/mla.py``): the queries (full or
+    through their low rank), the latent and rotary key (kv_a), their expansion (kv_b) and the
+    output; 0 for any other attention (the roofline's Llama-shaped count applies)."""
+    if not arch.kv_lora_rank:
+        return 0
+    h, heads, rank = arch.hidden_size, arch.num_heads, arch.kv_lora_rank
+    qk = arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    q = h * heads * qk if not arch.q_lora_rank else arch.q_lora_rank * (h + heads * qk)
+    kv = h * (rank + arch.qk_rope_head_dim) + rank * heads * (
+        arch.qk_nope_head_dim + arch.v_head_dim
+    )
+    return q + kv + heads * arch.v_head_dim * h
 
 
 def mlp_width(arch) -> int:

@@ -243,3 +243,32 @@ def gguf_weight_report(path: str | Path | None) -> str | None:
         f"| all | {total_file / 1e9:.3f} GB | | {total / 1e9:.3f} GB ({total / total_file:.2f}x) |"
     )
     return "\n".join(lines)
+
+
+def latent_summary(arch, dtype: str, num_tokens: int, memory_bytes: int | None) -> str | None:
+    """For a model with latent attention (DeepSeek's MLA; None for any other): what its cache
+    holds a token (one latent row a layer, as K and V of 1 KV head: the V half the same row)
+    against the same model with each head's K and V expanded, as GQA-style attention would
+    cache them; and how many ``num_tokens``-token sequences ``memory_bytes`` holds each way."""
+    if not arch.kv_lora_rank:
+        return None
+    block = default_block_size(dtype)
+    latent = KVSpec(arch.num_layers, 1, arch.head_dim, block, dtype).bytes_per_token
+    heads = arch.num_heads
+    # expanded: H heads of (nope + rope) keys and v values: as K and V of H heads of their mean
+    width = (arch.qk_nope_head_dim + arch.qk_rope_head_dim + arch.v_head_dim) / 2
+    expanded = KVSpec(arch.num_layers, heads, round(width), block, dtype).bytes_per_token
+    lines = [
+        f"latent attention (MLA): the cache holds one row of kv_lora_rank + qk_rope_head_dim = "
+        f"{arch.head_dim} a token and layer (stored as K and V: the V half the same row): "
+        f"{latent:,.0f} B a token ({dtype}); the heads' K/V expanded ({heads} heads of "
+        f"{arch.qk_nope_head_dim + arch.qk_rope_head_dim} + {arch.v_head_dim}): "
+        f"{expanded:,.0f} B, {expanded / latent:.2f}x the latent's",
+    ]
+    if memory_bytes:
+        lines.append(
+            f"{num_tokens:,}-token sequences in {memory_bytes / 2**30:.1f} GiB: "
+            f"{memory_bytes // (latent * num_tokens):,.0f} latent, "
+            f"{memory_bytes // (expanded * num_tokens):,.0f} expanded"
+        )
+    return "\n".join(lines)
