@@ -52,11 +52,15 @@ def run(args: argparse.Namespace) -> int:
             print('weights as quantization="auto" holds them:')
             print(weights + "\n")
     memory = parse_bytes(args.memory, "memory") if args.memory else None
-    print(report(shape, args.tokens, args.batch, memory))
+    latent = (
+        None
+        if any(f is not None for f in flags)
+        else _latent(args.model, args.dtype, args.tokens, memory)
+    )
+    print(report(shape, args.tokens, args.batch, memory, latent=latent is not None))
+    if latent is not None:
+        print("\n" + latent)
     if not any(f is not None for f in flags):
-        latent = _latent(args.model, args.dtype, args.tokens, memory)
-        if latent is not None:
-            print("\n" + latent)
         hybrid = hybrid_spec(args.model, shape)
         if hybrid is not None:  # sliding-window layers: what the hybrid KV cache holds
             lengths = tuple(sorted({args.tokens, 2048, 8192, 32768}))

@@ -152,8 +152,11 @@ def _gb(num_bytes: float) -> str:
     return f"{num_bytes / 1e9:,.2f} GB ({num_bytes / 2**30:,.2f} GiB)"
 
 
-def report(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None) -> str:
-    """A plain-text report: per token, per request, per batch, what fits, MHA/GQA/MQA."""
+def report(
+    shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None, latent: bool = False
+) -> str:
+    """A plain-text report: per token, per request, per batch, what fits, MHA/GQA/MQA (not
+    for a ``latent`` cache: its one head is a latent row, ``latent_summary`` compares it)."""
     per_token = shape.bytes_per_token
     lines = [
         f"{shape.num_layers} layers, {shape.num_heads} query heads, {shape.num_kv_heads} KV "
@@ -170,6 +173,8 @@ def report(shape: KVShape, num_tokens: int, batch: int, memory_bytes: int | None
             f"in {_gb(memory_bytes)}: {fit:,} tokens = {fit // num_tokens:,} requests of "
             f"{num_tokens:,} tokens"
         )
+    if latent:
+        return "\n".join([*lines, "", format_table(shape, num_tokens, batch, memory_bytes)])
     lines += [
         "",
         "| attention | KV heads | per token | per request | per batch | vs MHA |",
