@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from kvwise import kernels  # noqa: E402
 from kvwise.config import EngineConfig  # noqa: E402
 from kvwise.engine.builder import build_engine  # noqa: E402
 from kvwise.models.default import default_model_path  # noqa: E402
@@ -127,7 +128,8 @@ def test_experts_run_at_their_own_types(arch, tmp_path):
         types |= set(SHARED_TYPES.values())
     assert set(report) >= types and all(r.runs_as.endswith("(exact)") for r in report.values())
     assert auto.weight_format == "gguf"
-    assert all(layer.ops.name == "fused" for layer in auto.model.layers)  # experts inside
+    fused = kernels.available()  # the fused ops and the experts' stacks are the kernels'
+    assert all(layer.ops.name == ("fused" if fused else "torch") for layer in auto.model.layers)
     for i, layer in enumerate(auto.model.layers):
         moe, floats = layer.moe, exact.model.layers[i].moe
         assert len(moe.quant) == EXPERTS + (arch == "qwen2moe")
@@ -140,6 +142,8 @@ def test_experts_run_at_their_own_types(arch, tmp_path):
     got, want = _logits(auto, ids), _logits(exact, ids)
     assert (got - want).norm() / want.norm() < 0.04
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+    if not fused:  # without the kernels, torch's matmuls: not batch-invariant (attention.py)
+        return
     # a row's experts and sums do not depend on its neighbours
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(2))
     moe, glu = auto.model.layers[0].moe, GLUS[auto.model.family.activation]
