@@ -203,16 +203,15 @@ def _load_quantized(model: CausalLM, weights, weight_format: str) -> None:
 
 def _quantize_loaded(model: CausalLM, weight_format: str) -> None:
     """Quantize a loaded float model's linear weights (a mixture of experts': each expert's),
-    embedding and LM head.
-
-    Raises:
-        ValueError: a model with latent attention (``models/mla.py``: float weights only).
-    """
+    embedding and LM head (latent attention's layers: their own projections, ``mla.py``)."""
+    embed = Q8Weight.quantize(model.embed)
+    tied = model.arch.tie_word_embeddings
+    head = embed if tied else Q8Weight.quantize(model.lm_head.t())
     if model.arch.kv_lora_rank:
-        raise ValueError(
-            f"quantization: {weight_format!r} is not supported for latent attention (MLA) "
-            "models yet; give 'none'"
-        )
+        for layer in model.layers:
+            layer.install_quantized(lambda w: _fuse([w], weight_format))
+        model.install_heads(embed, head)
+        return
     layers = []
     for layer in model.layers:
         names = LINEAR_NAMES
@@ -220,9 +219,6 @@ def _quantize_loaded(model: CausalLM, weight_format: str) -> None:
             layer.moe.install_quantized(lambda w: _fuse([w], weight_format))
             names = ("qkv_proj", "o_proj")
         layers.append({name: _fuse([getattr(layer, name).t()], weight_format) for name in names})
-    embed = Q8Weight.quantize(model.embed)
-    tied = model.arch.tie_word_embeddings
-    head = embed if tied else Q8Weight.quantize(model.lm_head.t())
     model.install_quantized(layers, embed, head)
 
 

@@ -20,7 +20,14 @@ The softmax scale is the expanded head's, ``(qk_nope + qk_rope) ** -0.5`` times 
 squared (the family's ``attention_kinds``). DeepSeek's rotary pairs neighbouring dimensions
 (complex numbers); its rotary columns are reordered once after loading (``after_load``: pairs
 to halves, for queries and keys alike, which leaves their dot products unchanged) so that
-kvwise's rotate-half rotary applies. Float weights (``quantization="none"``) only, for now.
+kvwise's rotate-half rotary applies.
+
+Weights: float, or quantized after loading (``install_quantized``: ``quantization`` "int8" /
+"int4" of an HF checkpoint): the query, latent and output projections, the dense MLP and every
+expert (``MoEWeights.install_quantized``); ``kv_b_proj`` stays float (the absorbed query and
+the value expansion read it per head, ``w_uk`` / ``w_uv`` once loaded; 2 M values a DeepSeek-V2
+layer). Every matmul is ``float_mm`` or a quantized weight's: a row's bits do not depend on the
+batch.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from kvwise.models.linear import float_mm, param
 from kvwise.models.moe import MoEWeights
 
 AttnFn = object  # (layer, q, k, v) -> (T, heads * width); decoder.AttentionFn
+# the projections install_quantized quantizes (those the layer has)
+_LINEAR = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class MLALayer(nn.Module):
@@ -59,6 +68,9 @@ class MLALayer(nn.Module):
         self.kv_a_proj = param(hidden, self.rank + self.rope, dtype=dtype)  # [in, c | k_r]
         self.kv_a_norm = param(self.rank, dtype=dtype)
         self.kv_b_proj = param(self.rank, heads * (self.nope + self.v_dim), dtype=dtype)
+        # kv_b_proj per head once loaded (after_load): W_uk^h (nope, rank), W_uv^h (rank, v)
+        self.w_uk: torch.Tensor | None = None
+        self.w_uv: torch.Tensor | None = None
         self.o_proj = param(heads * self.v_dim, hidden, dtype=dtype)
         self.mlp_norm = param(hidden, dtype=dtype)
         inter = arch.intermediate_size
@@ -67,7 +79,7 @@ class MLALayer(nn.Module):
         self.down_proj = None if moe else param(inter, hidden, dtype=dtype)
         self.inter = inter
         self.glu = None  # the family's, set by the decoder
-        self.quant = None  # float weights only (see the module docstring)
+        self.quant: dict | None = None  # _LINEAR name -> quantized weight, once installed
         self.sinks = None
 
     def slots(self) -> dict[str, tuple[torch.Tensor | None, bool]]:
@@ -102,12 +114,44 @@ class MLALayer(nn.Module):
         heads = q.view(q.shape[0], self.heads, self.nope + self.rope)
         heads[..., self.nope :] = heads[..., self.nope :][..., order]
         self.kv_a_proj[:, self.rank :] = self.kv_a_proj[:, self.rank :][:, order]
+        up = self.kv_b_proj.view(self.rank, self.heads, self.nope + self.v_dim)
+        w_uk = up[..., : self.nope].permute(1, 2, 0).contiguous()  # (H, nope, rank)
+        w_uv = up[..., self.nope :].permute(1, 0, 2).contiguous()  # (H, rank, v)
+        self.w_uk = nn.Parameter(w_uk, requires_grad=False)  # weights: counted, moved
+        self.w_uv = nn.Parameter(w_uv, requires_grad=False)
+        self.kv_b_proj = None  # held per head instead
+
+    def install_quantized(self, quantize) -> None:
+        """Quantize the projections ``quantize`` takes (a float ``(out, in)`` weight -> a
+        weight with ``mm``) but ``kv_b_proj``; their float parameters go."""
+        self.quant = {}
+        for name in _LINEAR:
+            weight = getattr(self, name)
+            if weight is not None:
+                self.quant[name] = quantize(weight.t())
+                setattr(self, name, None)
+        if self.moe is not None:
+            self.moe.install_quantized(quantize)
+
+    def _mm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x`` times projection ``name`` (float32 out)."""
+        if self.quant is not None and name in self.quant:
+            return self.quant[name].mm(x).float()
+        return float_mm(x, getattr(self, name))
+
+    @staticmethod
+    def _per_head(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(T, H, a)`` times each head's ``weights[h]`` ``(a, b)`` -> ``(T, H, b)``, a
+        ``float_mm`` a head (a row's bits never depend on the batch)."""
+        return torch.stack(
+            [float_mm(x[:, h].contiguous(), weights[h]) for h in range(len(weights))], dim=1
+        )
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q_proj is not None:
-            return float_mm(x, self.q_proj)
-        low = self.norm(float_mm(x, self.q_a_proj), self.q_a_norm, self.eps)
-        return float_mm(low, self.q_b_proj)
+        if self.q_a_norm is None:
+            return self._mm(x, "q_proj")
+        low = self.norm(self._mm(x, "q_a_proj"), self.q_a_norm, self.eps)
+        return self._mm(low, "q_b_proj")
 
     def forward(self, layer_idx, residual, rope_cos, rope_sin, attn) -> torch.Tensor:
         """Update ``residual`` ``(T, hidden)`` in place with the attention's and the MLP's
@@ -115,22 +159,20 @@ class MLALayer(nn.Module):
         tokens = residual.shape[0]
         x = self.norm(residual, self.input_norm, self.eps)
         q = self._query(x).view(tokens, self.heads, self.nope + self.rope)
-        kv = float_mm(x, self.kv_a_proj)  # (T, rank + rope)
+        kv = self._mm(x, "kv_a_proj")  # (T, rank + rope)
         latent = self.norm(kv[:, : self.rank], self.kv_a_norm, self.eps)  # (T, rank)
         k_rope = apply_rope(kv[:, None, self.rank :], rope_cos, rope_sin)  # (T, 1, rope)
         q_rope = apply_rope(q[..., self.nope :], rope_cos, rope_sin)  # (T, H, rope)
-        up = self.kv_b_proj.view(self.rank, self.heads, self.nope + self.v_dim)
-        q_latent = torch.einsum("thn,chn->thc", q[..., : self.nope], up[..., : self.nope])
+        q_latent = self._per_head(q[..., : self.nope], self.w_uk)  # (T, H, rank)
         query = torch.cat((q_latent, q_rope), dim=-1)  # (T, H, rank + rope)
         row = torch.cat((latent[:, None], k_rope), dim=-1)  # (T, 1, rank + rope)
         out = attn(layer_idx, query, row, row).view(tokens, self.heads, -1)[..., : self.rank]
-        values = torch.einsum("thc,chv->thv", out, up[..., self.nope :])  # (T, H, v)
-        residual.add_(float_mm(values.reshape(tokens, -1).contiguous(), self.o_proj))
+        values = self._per_head(out, self.w_uv)  # (T, H, v)
+        residual.add_(self._mm(values.reshape(tokens, -1).contiguous(), "o_proj"))
         x = self.norm(residual, self.mlp_norm, self.eps)
         if self.moe is not None:
             residual.add_(self.moe(x, self.glu))
         else:
-            residual.add_(
-                float_mm(self.glu(float_mm(x, self.gate_up_proj), self.inter), self.down_proj)
-            )
+            gate = self.glu(self._mm(x, "gate_up_proj"), self.inter)
+            residual.add_(self._mm(gate.contiguous(), "down_proj"))
         return residual

@@ -236,6 +236,11 @@ class Int8Weight:
     """A linear weight as int8 with one scale per output channel (see the module docstring)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        if codes.shape[1] % 16:  # torch's kernel reads 16 at a time: others crash the process
+            raise ValueError(
+                f"quantization: int8 weights need an input width that is a multiple of 16, "
+                f"got a {codes.shape[0]}x{codes.shape[1]} weight"
+            )
         self.codes = codes.to(torch.int8).contiguous()  # (out, in)
         self.scales = scales.to(torch.bfloat16).contiguous()  # (out,)
         self.out_features, self.in_features = self.codes.shape

@@ -105,3 +105,11 @@ def test_mismatched_blocks_are_refused():
         Int4Weight(torch.zeros(8, 40, dtype=torch.int32), torch.ones(8, 1), torch.ones(8, 1))
     with pytest.raises(ValueError, match="multiple of 32"):
         Int4Weight.quantize(torch.zeros(8, 40))
+
+
+def test_int8_weights_of_an_odd_width_are_refused_by_name():
+    """torch's int8 kernel crashes the process on an input width that is not a multiple of 16
+    (with two rows or more): such a weight is refused when it is made, with a clear error."""
+    with pytest.raises(ValueError, match="multiple of 16, got a 64x24 weight"):
+        Int8Weight.quantize(torch.randn(64, 24))
+    assert Int8Weight.quantize(torch.randn(64, 48)).mm(torch.randn(4, 48)).shape == (4, 64)
