@@ -279,8 +279,15 @@ class GGUFWeightLoader:
                 self.rest += [(name.format(e=e), floats[e]) for e in range(len(floats))]
             else:
                 self.rest.append((name, floats))
-            self._count(gguf_type, "float32 (exact)", floats.nbytes)
+            self._count(gguf_type, "float32 (exact)", floats.nbytes * self._copies(name))
         _release(self.reader, tensor)
+
+    def _copies(self, name: str) -> int:
+        """How many times the model holds a float tensor: a q / k norm once a head (the
+        decoder's fused ``qk_norm``), anything else once."""
+        within = name.partition(".layers.")[2].partition(".")[2]
+        q_name, k_name = self.family.qk_norm_names
+        return {q_name: self.arch.num_heads, k_name: self.arch.num_kv_heads}.get(within, 1)
 
     def _float(self, name: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
         """A small tensor (a norm, a bias; a float embedding) dequantized, rows in HF order

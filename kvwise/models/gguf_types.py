@@ -64,13 +64,19 @@ def runs_as(gguf_type: str, head: bool = False) -> str:
     return "Q8_0 (converted)" if bits_per_weight(gguf_type) < _Q8_BITS else "float32 (converted)"
 
 
-def resident_bytes(tensors: Iterable[tuple[str, str, int]], tied: bool) -> Counter:
+def resident_bytes(
+    tensors: Iterable[tuple[str, str, int]], tied: bool, heads: tuple[int, int] | None = None
+) -> Counter:
     """``{(gguf type, runs as): bytes}`` of a file's weights as ``auto`` holds them, from
-    ``(name, gguf type, elements)`` of each tensor (GGUF names); a tied head counts once."""
+    ``(name, gguf type, elements)`` of each tensor (GGUF names); a tied head counts once.
+    ``heads`` (query, KV heads): a q / k norm (one head's weights in the file) held once a
+    head, as the decoder's fused ``qk_norm`` holds it."""
     total: Counter = Counter()
     for name, gguf_type, elements in tensors:
         if name == "output.weight" and tied:
             continue
+        if heads is not None and name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+            elements *= heads[0] if name.endswith("attn_q_norm.weight") else heads[1]
         head = name in ("token_embd.weight", "output.weight")
         how = runs_as(gguf_type, head) if gguf_type not in FLOATS else "float32 (exact)"
         total[gguf_type, how] += round(elements * RESIDENT_BITS[how.split()[0]] / 8)

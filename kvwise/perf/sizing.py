@@ -229,6 +229,7 @@ def gguf_weight_report(path: str | Path | None) -> str | None:
     per tensor type (``models/gguf_types.py``): a Markdown table; None for a non-GGUF model."""
     from kvwise.models.gguf_file import GGUFFile
     from kvwise.models.gguf_types import resident_bytes
+    from kvwise.perf.gguf_meta import read_scalars
 
     p = model_file(path)
     if p.suffix != ".gguf":
@@ -239,7 +240,11 @@ def gguf_weight_report(path: str | Path | None) -> str | None:
     files: dict[str, int] = {}
     for t in reader.tensors:
         files[t.tensor_type.name] = files.get(t.tensor_type.name, 0) + int(t.n_bytes)
-    held = resident_bytes(infos, tied="output.weight" not in names)
+    meta = read_scalars(p) or {}
+    arch = meta.get("general.architecture")
+    counts = (meta.get(f"{arch}.attention.head_count"), meta.get(f"{arch}.attention.head_count_kv"))
+    heads = (int(counts[0]), int(counts[1] or counts[0])) if _is_count(counts[0]) else None
+    held = resident_bytes(infos, tied="output.weight" not in names, heads=heads)
     lines = ["| GGUF type | in the file | runs as | resident |", "|---|---:|---|---:|"]
     for (kind, how), size in sorted(held.items()):
         lines.append(f"| {kind} | {files[kind] / 1e9:.3f} GB | {how} | {size / 1e9:.3f} GB |")

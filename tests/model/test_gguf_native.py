@@ -240,7 +240,7 @@ def test_engine_greedy_identical_cold_cached_and_from_disk(mixed_file, tmp_path)
     assert run(plain).token_ids == cold.token_ids
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2moe"])
 def test_kvwise_size_predicts_the_resident_weights(arch, tmp_path):
     """``kvwise size``'s weight table (torch-free, from the tensor list) is what loading holds."""
     from kvwise.models.gguf_file import GGUFFile
@@ -250,7 +250,7 @@ def test_kvwise_size_predicts_the_resident_weights(arch, tmp_path):
     write_mixed_gguf(path, arch)
     reader = GGUFFile(path)
     infos = [(t.name, t.tensor_type.name, int(t.n_elements)) for t in reader.tensors]
-    predicted = resident_bytes(infos, tied=arch == "qwen2")
+    predicted = resident_bytes(infos, tied=arch == "qwen2", heads=(HEADS, KV_HEADS))
     loaded = load_model(path, progress=False, quantization="auto")
     assert sum(predicted.values()) == loaded.model.weight_bytes()
     held = {(row.gguf_type, row.runs_as): row.resident_bytes for row in loaded.weight_report}
