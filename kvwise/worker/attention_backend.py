@@ -79,21 +79,19 @@ class PagedKernelAttention(AttentionLayers):
         group_metas: list[AttentionMetadata] | None = None,
     ) -> AttnFn:
         """See ``AttentionBackend.bind``."""
-        rows, scale = self.kv_cache.rows_attention, self.scale
+        rows, full = self.kv_cache.rows_attention, self._full
         width = self.num_heads * self.head_dim
         if self.places is None and layer_ready is None:
             if self.layers is None:  # the hot path: one kind, one group, nothing loading
 
                 def attn_rows(layer: int, q, k, v) -> torch.Tensor:
-                    return rows(layer, q, k, v, meta, scale).view(q.shape[0], width)
+                    return rows(layer, q, k, v, meta, full).view(q.shape[0], width)
 
                 return attn_rows
             kinds = self.layers  # each layer its own window and scale
 
             def attn_kinds(layer: int, q, k, v) -> torch.Tensor:
-                kind = kinds[layer]
-                out = rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap, kind.sinks)
-                return out.view(q.shape[0], width)
+                return rows(layer, q, k, v, meta, kinds[layer]).view(q.shape[0], width)
 
             return attn_kinds
         return super().bind(meta, layer_ready, group_metas)  # each layer at its place
@@ -109,8 +107,7 @@ class PagedKernelAttention(AttentionLayers):
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``: the kernel writes the rows first."""
         kind = kind or self.kind(layer)
-        rows = self.kv_cache.rows_attention
-        out = rows(layer, q, k, v, meta, kind.scale, kind.window, kind.softcap, kind.sinks)
+        out = self.kv_cache.rows_attention(layer, q, k, v, meta, kind)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
 

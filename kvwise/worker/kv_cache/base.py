@@ -15,9 +15,9 @@ The contract:
   group, whose slots they are), and ``gather(layer, block_table)`` reads blocks back in the
   compute dtype.
 - ``rows_attention``: where the format has a paged kernel (and ``use_kernels``, float32
-  compute), ``rows_attention(layer, q, k, v, meta, scale, window=0, softcap=0.0) -> (T,
-  num_heads, head_dim)`` writes the step's rows and attends every row over the pool in one go
-  (``window``, ``softcap``: the layer's sliding window and score soft cap, 0: none); else None,
+  compute), ``rows_attention(layer, q, k, v, meta, kind) -> (T, num_heads, head_dim)`` writes
+  the step's rows and attends every row over the pool in one go (``kind``: the layer's
+  ``LayerAttention``: scale, sliding window, score soft cap, sinks); else None,
   and the torch path reads ``decode_kv`` / ``gather`` (and ``open_block_keys`` for sealed keys).
 - ``skips_writes``: the format can leave a row unwritten (``AttentionMetadata.writes``: a
   whole-prompt hit's last row, whose K/V the pool holds); a format that keeps per-step state
@@ -42,22 +42,23 @@ import torch
 
 from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
-from kvwise.worker.attention_metadata import AttentionMetadata, PrefillChunk
+from kvwise.worker.attention_metadata import AttentionMetadata, LayerAttention, PrefillChunk
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# (layer, q, k, v, meta, scale, window=0, softcap=0.0, sinks=None) -> (T, num_heads, head_dim)
+# (layer, q, k, v, meta, kind: LayerAttention) -> (T, num_heads, head_dim)
 RowsAttention = Callable[..., torch.Tensor]
 
 
-def kind_args(window: int, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> dict:
-    """The paged kernels' ``window``, ``softcap`` and ``sinks`` arguments, each passed only
-    where the layer has one (a layer without any calls the kernel as before they existed)."""
-    args: dict = {"window": window} if window else {}
-    if softcap:
-        args["softcap"] = float(softcap)
-    if sinks is not None:
-        args["sinks"] = sinks
+def kind_args(kind: LayerAttention) -> dict:
+    """The paged kernels' ``window``, ``softcap`` and ``sinks`` arguments of a layer's kind,
+    each passed only where the layer has one (a layer without any calls the kernel as before
+    they existed)."""
+    args: dict = {"window": kind.window} if kind.window else {}
+    if kind.softcap:
+        args["softcap"] = float(kind.softcap)
+    if kind.sinks is not None:
+        args["sinks"] = kind.sinks
     return args
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvwise.core.kv_spec import KVSpec
+from kvwise.worker.attention_metadata import AttentionMetadata, LayerAttention
 from kvwise.worker.kv_cache.base import TORCH_DTYPES, PagedKVCache, kind_args, zeroed_pool
 
 
@@ -89,20 +90,9 @@ class FloatKVCache(PagedKVCache):
             k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         return k, v
 
-    def _attend_rows(
-        self,
-        layer: int,
-        q,
-        k,
-        v,
-        meta,
-        scale: float,
-        window: int = 0,
-        softcap: float = 0.0,
-        sinks: torch.Tensor | None = None,
-    ):
-        """Every row through the paged kernel ``(T, num_heads, head_dim)``; ``window`` > 0:
-        each row sees its last ``window`` keys; ``softcap`` > 0: its scores soft-capped; ``sinks``: the layer's attention sinks."""
+    def _attend_rows(self, layer: int, q, k, v, meta: AttentionMetadata, kind: LayerAttention):
+        """Every row through the paged kernel ``(T, num_heads, head_dim)``, as the
+        layer's ``kind`` attends (its scale, window, soft cap and sinks)."""
         slots, k, v = meta.writes(k, v)
         if self._write_in_op and not meta.prefills:  # decodes only: write and attend at once
             new = (k, v, slots)
@@ -115,7 +105,7 @@ class FloatKVCache(PagedKVCache):
             self.v_blocks[layer],
             meta.row_block_table,
             meta.row_ctx_lens,
-            scale,
+            kind.scale,
             *new,
-            **kind_args(window, softcap, sinks),
+            **kind_args(kind),
         )

@@ -23,6 +23,7 @@ import torch
 
 from kvwise.core.kv_spec import KVSpec
 from kvwise.worker import kv_quant
+from kvwise.worker.attention_metadata import AttentionMetadata, LayerAttention
 from kvwise.worker.kv_cache.quantized import QuantizedKVCache
 from kvwise.worker.kv_cache.staging import StagingSlots
 
@@ -204,22 +205,11 @@ class Int4KVCache(QuantizedKVCache):
 
     # ---- the kernel path ---------------------------------------------------------------
 
-    def _attend_rows(
-        self,
-        layer: int,
-        q,
-        k,
-        v,
-        meta,
-        scale: float,
-        window: int = 0,
-        softcap: float = 0.0,
-        sinks: torch.Tensor | None = None,
-    ):
+    def _attend_rows(self, layer: int, q, k, v, meta: AttentionMetadata, kind: LayerAttention):
         """Every row through the int4 kernel ``(T, num_heads, head_dim)``: the decodes read
         their own block's keys from the staging slots, the prefill rows from blocks of
-        full-precision keys built from their chunk's rows; ``window``, ``softcap``, ``sinks``:
-        the layer's (0, None: none)."""
+        full-precision keys built from their chunk's rows; ``kind``: the layer's scale, window,
+        soft cap and sinks."""
         self.write(layer, meta.slot_mapping, k, v, group=meta.group)
         plan, kc, vc = self._plans[meta.group], self.k_blocks[layer], self.v_blocks[layer]
 
@@ -233,12 +223,12 @@ class Int4KVCache(QuantizedKVCache):
                 meta.row_block_table[rows],
                 meta.row_ctx_lens[rows],
                 open_slots,
-                scale,
+                kind.scale,
                 self.block_size,
                 self.spec.group_size,
-                window,
-                softcap,
-                sinks,
+                kind.window,
+                kind.softcap,
+                kind.sinks,
             )
 
         if not meta.prefills:

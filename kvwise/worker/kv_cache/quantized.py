@@ -11,6 +11,7 @@ import torch
 
 from kvwise.core.kv_spec import KVSpec
 from kvwise.worker import kv_quant
+from kvwise.worker.attention_metadata import AttentionMetadata, LayerAttention
 from kvwise.worker.kv_cache.base import PagedKVCache, kind_args, zeroed_pool
 
 
@@ -114,20 +115,9 @@ class Int8KVCache(QuantizedKVCache):
             self.codes[layer][kv][blocks, offsets] = codes
             self.scales[layer][kv][blocks, offsets] = scales
 
-    def _attend_rows(
-        self,
-        layer: int,
-        q,
-        k,
-        v,
-        meta,
-        scale: float,
-        window: int = 0,
-        softcap: float = 0.0,
-        sinks: torch.Tensor | None = None,
-    ):
-        """Every row through the paged int8 kernel ``(T, num_heads, head_dim)``; ``window`` > 0:
-        each row sees its last ``window`` keys; ``softcap`` > 0: its scores soft-capped; ``sinks``: the layer's attention sinks."""
+    def _attend_rows(self, layer: int, q, k, v, meta: AttentionMetadata, kind: LayerAttention):
+        """Every row through the paged int8 kernel ``(T, num_heads, head_dim)``, as the
+        layer's ``kind`` attends (its scale, window, soft cap and sinks)."""
         slots, k, v = meta.writes(k, v)
         if meta.prefills:
             self.write(layer, slots, k, v)
@@ -140,8 +130,8 @@ class Int8KVCache(QuantizedKVCache):
             self.v_blocks[layer],
             meta.row_block_table,
             meta.row_ctx_lens,
-            scale,
+            kind.scale,
             self.block_size,
             *new,
-            **kind_args(window, softcap, sinks),
+            **kind_args(kind),
         )
