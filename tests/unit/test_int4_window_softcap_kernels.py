@@ -21,6 +21,7 @@ import torch
 from kvwise import kernels
 from kvwise.core.kv_spec import KVSpec
 from kvwise.worker.kv_cache import make_kv_cache
+from tests.attention_util import torch_path_against_kernel
 from tests.unit.test_kernels import _scattered_tables
 
 if not kernels.available():
@@ -156,43 +157,9 @@ def test_the_torch_path_attends_as_the_int4_kernel_does():
     prefill chunks (from position 0 longer than the window; continuing a cached prefix from
     mid-block) through the backend's torch path and its int4 kernel: a capped windowed layer,
     a windowed one, a capped full one, a plain one."""
-    from kvwise.core.outputs import ScheduledRequest, SchedulerOutput
-    from kvwise.types import SamplingParams
     from kvwise.worker.attention import LayerAttention
-    from kvwise.worker.attention_backend import make_attention
-    from kvwise.worker.input_batch import build_input_batch
 
     layers = [LayerAttention(40, 0.1, 2.0), LayerAttention(70, DIM**-0.5),
               LayerAttention(0, DIM**-0.5, 5.0), LayerAttention(0, DIM**-0.5)]  # fmt: skip
-    spec = KVSpec(len(layers), KV_HEADS, DIM, BLOCK, "int4")
     shapes = [(300, 1), (20, 1), (41, 1), (0, 120), (200, 50)]  # (cached tokens, new tokens)
-    gen = torch.Generator().manual_seed(11)
-    caches = [make_kv_cache(spec, 64, torch.float32, use) for use in (True, False)]
-    tables, first, earlier, scheduled = [], 0, [], []
-    for i, (cached, n) in enumerate(shapes):
-        count = -(-(cached + n) // BLOCK)
-        tables.append(list(range(first, first + count)))
-        earlier += [b * BLOCK + o for b in tables[-1] for o in range(BLOCK)][:cached]
-        scheduled.append(ScheduledRequest(f"r{i}", [0] * n, cached, tables[-1], True,
-                                          SamplingParams(), 0))  # fmt: skip
-        first += count
-    earlier = torch.tensor(earlier)  # the cached prefixes, written by an earlier step
-    old_k = torch.randn(len(earlier), KV_HEADS, DIM, generator=gen)
-    old_v = torch.randn(len(earlier), KV_HEADS, DIM, generator=gen)
-    meta = build_input_batch(SchedulerOutput(scheduled=scheduled), BLOCK).attn_meta
-    rows = meta.slot_mapping.numel()
-    q = torch.randn(rows, HEADS, DIM, generator=gen) * 3
-    k = torch.randn(rows, KV_HEADS, DIM, generator=gen)
-    v = torch.randn(rows, KV_HEADS, DIM, generator=gen)
-    kernel = make_attention(caches[0], HEADS, DIM, layers=layers)
-    torch_path = make_attention(caches[1], HEADS, DIM, paged_kernel=False, layers=layers)
-    assert kernel.paged_kernel and not torch_path.paged_kernel
-    for cache in caches:
-        cache.begin_step([], earlier)
-        for layer in range(len(layers)):
-            cache.write(layer, earlier, old_k, old_v)
-        cache.begin_step([], meta.slot_mapping)
-    for layer in range(len(layers)):
-        got = torch_path.bind(meta)(layer, q, k, v)
-        want = kernel.bind(meta)(layer, q, k, v)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+    torch_path_against_kernel(layers, "int4", shapes, HEADS, KV_HEADS, DIM, BLOCK)
