@@ -73,7 +73,8 @@ def calibrate(args: argparse.Namespace, path: Path) -> dict:
 
     from kvwise.bench.common import measure_read_bandwidth
     from kvwise.models.loader import load_model
-    from kvwise.perf.roofline import Hardware, ModelShape, Roofline, save_machine
+    from kvwise.perf.model_shape import ModelShape
+    from kvwise.perf.roofline import Hardware, Roofline, save_machine
     from kvwise.perf.roofline_fit import fit_steps, step_check
 
     if args.reps < 1:

@@ -11,20 +11,16 @@ import math
 from pathlib import Path
 
 from kvwise.core.kv_spec import kv_formats
+from kvwise.perf.model_shape import GB, MODELS, WEIGHT_DTYPE_BYTES, ModelShape, model_shape
 from kvwise.perf.roofline import (
-    GB,
     HARDWARE,
-    MODELS,
     THIS_MACHINE,
     TIERS,
-    WEIGHT_DTYPE_BYTES,
     Hardware,
-    ModelShape,
     Roofline,
     Tier,
     default_machine_file,
     hardware_preset,
-    model_shape,
     tiers_for,
 )
 

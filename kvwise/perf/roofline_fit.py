@@ -8,15 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvwise.perf.roofline import (
-    Hardware,
-    ModelShape,
-    Roofline,
-    Tier,
-    load_machine,
-    model_shape,
-    save_machine,
-)
+from kvwise.perf.model_shape import ModelShape, model_shape
+from kvwise.perf.roofline import Hardware, Roofline, Tier, load_machine, save_machine
 
 
 def least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:

@@ -6,7 +6,7 @@ bfloat16; the roofline counts the latent projections, not Llama-shaped q/k/v/o."
 from __future__ import annotations
 
 from kvwise.models.arch_load import arch_from_hf_config
-from kvwise.perf.roofline import ModelShape, latent_attention_params
+from kvwise.perf.model_shape import ModelShape, latent_attention_params
 from kvwise.perf.sizing import latent_summary
 
 V2_LITE = dict(

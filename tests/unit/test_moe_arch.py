@@ -4,7 +4,7 @@ counts of them (pure Python: no weights)."""
 import pytest
 
 from kvwise.models.arch_load import arch_from_hf_config
-from kvwise.perf.roofline import ModelShape, mlp_width
+from kvwise.perf.model_shape import ModelShape, mlp_width
 
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"],

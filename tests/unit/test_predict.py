@@ -9,15 +9,14 @@ import json
 import pytest
 
 from kvwise.cli import main
+from kvwise.perf.model_shape import MODELS, model_shape
 from kvwise.perf.roofline import (
     HARDWARE,
-    MODELS,
     Hardware,
     Roofline,
     Tier,
     hardware_preset,
     load_machine,
-    model_shape,
     parse_tier,
     save_machine,
 )
