@@ -47,7 +47,7 @@ from kvwise.models.arch import ModelArchConfig
 from kvwise.models.family import ModelFamily
 from kvwise.models.layer_ops import LayerOps, TorchLayerOps, choose_layer_ops
 from kvwise.models.layer_weights import LINEAR_NAMES, LayerWeights
-from kvwise.models.layers import GLUS, NORMS, rope_table, soft_cap
+from kvwise.models.layers import NORMS, rope_table, soft_cap
 from kvwise.models.linear import FloatHead, HeadWeight, RefinedHead, param
 from kvwise.models.mla import MLALayer
 from kvwise.models.quant import QuantWeight
@@ -138,8 +138,6 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             layer(arch, family, dtype, arch.is_moe_layer(i)) for i in range(arch.num_layers)
         )
-        for mla in self.layers if arch.kv_lora_rank else ():
-            mla.glu = GLUS[family.activation]
         self.norm = param(arch.hidden_size, dtype=dtype)
         self.lm_head = param(arch.hidden_size, arch.vocab_size, dtype=dtype)  # [hidden, vocab]
         self._final_norm = NORMS[family.norm]

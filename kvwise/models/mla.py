@@ -37,11 +37,10 @@ from torch import nn
 
 from kvwise.models.arch import ModelArchConfig
 from kvwise.models.family import ModelFamily
-from kvwise.models.layers import NORMS, apply_rope
+from kvwise.models.layers import GLUS, NORMS, apply_rope
 from kvwise.models.linear import float_mm, param
 from kvwise.models.moe import MoEWeights
 
-AttnFn = object  # (layer, q, k, v) -> (T, heads * width); decoder.AttentionFn
 # the projections install_quantized quantizes (those the layer has)
 _LINEAR = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -78,7 +77,7 @@ class MLALayer(nn.Module):
         self.gate_up_proj = None if moe else param(hidden, 2 * inter, dtype=dtype)
         self.down_proj = None if moe else param(inter, hidden, dtype=dtype)
         self.inter = inter
-        self.glu = None  # the family's, set by the decoder
+        self.glu = GLUS[family.activation]
         self.quant: dict | None = None  # _LINEAR name -> quantized weight, once installed
         self.sinks = None
 

@@ -145,14 +145,12 @@ class MoEWeights(nn.Module):
 
     def _expert(self, x: torch.Tensor, e: int, glu: Glu, inter: int) -> torch.Tensor:
         """Expert ``e``'s MLP over rows ``x`` (``e == num_experts``: the shared one)."""
-        routed = e < self.num_experts
+        routed = e if e < self.num_experts else None  # the shared expert has no biases
         if self.quant is not None:
             gate_up, down = self.quant[e]
-            h = self._bias(gate_up.mm(x).to(x.dtype), self.gate_up_bias, e if routed else None)
-            return self._bias(
-                down.mm(glu(h, inter)).to(x.dtype), self.down_bias, e if routed else None
-            )
-        if not routed:
+            h = self._bias(gate_up.mm(x).to(x.dtype), self.gate_up_bias, routed)
+            return self._bias(down.mm(glu(h, inter)).to(x.dtype), self.down_bias, routed)
+        if routed is None:
             return float_mm(glu(float_mm(x, self.shared_gate_up), inter), self.shared_down)
         h = self._bias(float_mm(x, self.gate_up[e]), self.gate_up_bias, e)
         return self._bias(float_mm(glu(h, inter), self.down[e]), self.down_bias, e)
